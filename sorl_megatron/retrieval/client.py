@@ -1,0 +1,53 @@
+"""Async client for Search-R1's ``POST /retrieve`` (the embedded server or Search-R1's own)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from ..rollout.http import BadResponseError, RetryPolicy, request
+from .corpus import Passage
+
+
+def _passage(item: Any, url: str) -> Passage:
+    # With return_scores the item is {"document": {...}, "score": s}; without, the document.
+    doc, score = (item["document"], item.get("score")) if isinstance(item, dict) and "document" in item else (item, None)
+    if not isinstance(doc, dict) or "contents" not in doc:
+        raise BadResponseError(f"{url}/retrieve returned an item without 'contents': {str(item)[:200]}")
+    return Passage(id=str(doc.get("id", "")), contents=str(doc["contents"]), score=None if score is None else float(score))
+
+
+class RetrievalClient:
+    """``await client.retrieve(queries, topk)`` -> one best-first passage list per query."""
+
+    def __init__(self, url: str, policy: RetryPolicy | None = None, topk: int = 3):
+        self.url = url.rstrip("/")
+        self.policy = policy or RetryPolicy(timeout_s=60.0, retry_on_timeout=True)
+        self.topk = topk
+        self._session: aiohttp.ClientSession | None = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def retrieve(self, queries: Sequence[str], topk: int | None = None) -> list[list[Passage]]:
+        payload = {"queries": list(queries), "topk": topk or self.topk, "return_scores": True}
+        data = await request(self._sess(), "POST", f"{self.url}/retrieve", payload, self.policy)
+        result = data.get("result") if isinstance(data, dict) else None
+        if not isinstance(result, list) or len(result) != len(queries):
+            raise BadResponseError(f"{self.url}/retrieve: expected 'result' with {len(queries)} lists, got {str(data)[:200]}")
+        return [[_passage(item, self.url) for item in row] for row in result]
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "RetrievalClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

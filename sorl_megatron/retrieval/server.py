@@ -1,0 +1,145 @@
+"""Search-R1-compatible retrieval server: ``POST /retrieve`` over a BM25 index.
+
+    python -m sorl_megatron.retrieval.server --corpus corpus.jsonl --port 8000
+
+Request ``{"queries": [str], "topk": int, "return_scores": bool}``; answer
+``{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}`` (documents alone
+without ``return_scores``). Bad requests answer HTTP 400 ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from ..rollout.background import BackgroundServer
+from .bm25 import BM25Index
+
+log = logging.getLogger("sorl_megatron.retrieval.server")
+
+
+@dataclass(frozen=True)
+class RetrievalServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    default_topk: int = 3
+    max_topk: int = 100
+    max_queries: int = 1024
+    max_query_chars: int = 4096
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _validate(body: Any, cfg: RetrievalServerConfig) -> tuple[list[str], int, bool]:
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object with a 'queries' list")
+    queries = body.get("queries")
+    if isinstance(queries, str):
+        queries = [queries]
+    if not isinstance(queries, list) or not queries:
+        raise BadRequest("'queries' must be a non-empty list of strings")
+    if len(queries) > cfg.max_queries:
+        raise BadRequest(f"too many queries: {len(queries)} > --max-queries {cfg.max_queries}")
+    for i, q in enumerate(queries):
+        if not isinstance(q, str):
+            raise BadRequest(f"queries[{i}] is {type(q).__name__}, expected a string")
+        if not q.strip():
+            raise BadRequest(f"queries[{i}] is empty")
+        if len(q) > cfg.max_query_chars:
+            raise BadRequest(f"queries[{i}] has {len(q)} characters > --max-query-chars {cfg.max_query_chars}")
+    topk = body.get("topk", cfg.default_topk)
+    if topk is None:
+        topk = cfg.default_topk
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= cfg.max_topk:
+        raise BadRequest(f"'topk' must be an integer in [1, {cfg.max_topk}], got {topk!r}")
+    return_scores = body.get("return_scores", False)
+    if not isinstance(return_scores, bool):
+        raise BadRequest(f"'return_scores' must be a boolean, got {return_scores!r}")
+    return queries, topk, return_scores
+
+
+def build_app(index: BM25Index, cfg: RetrievalServerConfig) -> web.Application:
+    lock = asyncio.Lock()
+
+    async def retrieve(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"error": "body is not valid JSON"}, status=400)
+        try:
+            queries, topk, return_scores = _validate(body, cfg)
+        except BadRequest as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        async with lock:  # bm25s is not documented as thread-safe
+            hits = await asyncio.get_running_loop().run_in_executor(None, index.search, queries, topk)
+        result = [
+            [
+                {"document": {"id": p.id, "contents": p.contents}, "score": p.score}
+                if return_scores
+                else {"id": p.id, "contents": p.contents}
+                for p in row
+            ]
+            for row in hits
+        ]
+        return web.json_response({"result": result})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "num_passages": len(index)})
+
+    app = web.Application(client_max_size=64 * 1024**2)
+    app.router.add_post("/retrieve", retrieve)
+    app.router.add_get("/health", health)
+    return app
+
+
+def start_retrieval_server(index: BM25Index, cfg: RetrievalServerConfig | None = None) -> BackgroundServer:
+    """Serve ``index`` in a background thread (port 0 picks a free port)."""
+    cfg = cfg or RetrievalServerConfig(port=0)
+    return BackgroundServer(build_app(index, cfg), cfg.host, cfg.port).start()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m sorl_megatron.retrieval.server",
+        description="Search-R1-compatible BM25 retrieval server (POST /retrieve, GET /health).",
+    )
+    p.add_argument("--corpus", required=True, help='JSONL corpus, one {"id", "contents"} per line; contents = title line, then text')
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--topk", type=int, default=3, help="passages per query when a request gives no topk (default 3)")
+    p.add_argument("--max-topk", type=int, default=100, help="largest topk a request may ask for (default 100)")
+    p.add_argument("--max-queries", type=int, default=1024, help="most queries in one request (default 1024)")
+    p.add_argument("--max-query-chars", type=int, default=4096, help="longest query in characters (default 4096)")
+    p.add_argument("--bm25-k1", type=float, default=1.5, help="BM25 k1 (default 1.5)")
+    p.add_argument("--bm25-b", type=float, default=0.75, help="BM25 b (default 0.75)")
+    p.add_argument("--log-level", default="info", help="python logging level (default info)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    t0 = time.perf_counter()
+    index = BM25Index.from_jsonl(args.corpus, k1=args.bm25_k1, b=args.bm25_b)
+    log.info("indexed %d passages from %s in %.1f s", len(index), args.corpus, time.perf_counter() - t0)
+    cfg = RetrievalServerConfig(
+        host=args.host,
+        port=args.port,
+        default_topk=args.topk,
+        max_topk=args.max_topk,
+        max_queries=args.max_queries,
+        max_query_chars=args.max_query_chars,
+    )
+    web.run_app(build_app(index, cfg), host=cfg.host, port=cfg.port, print=lambda s: log.info("%s", s))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Rollouts: SGLang-protocol client, embedded CPU server and the search agent loop."""

@@ -1,0 +1,84 @@
+"""An aiohttp application served from a daemon thread: embedded servers for tests and demos."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from aiohttp import web
+
+
+class BackgroundServer:
+    """Runs an aiohttp app on its own event loop in a daemon thread (tests, demos)."""
+
+    def __init__(self, app: web.Application, host: str, port: int):
+        self.host, self.port = host, port
+        self._app = app
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"http-{port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        runner = web.AppRunner(self._app, access_log=None)
+        try:
+            self._loop.run_until_complete(runner.setup())
+            site = web.TCPSite(runner, self.host, self.port)
+            self._loop.run_until_complete(site.start())
+            if self.port == 0:
+                self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        except BaseException as exc:  # surfaced to start()
+            self._error = exc
+            self._ready.set()
+            return
+        self._runner = runner
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+
+    def start(self, timeout_s: float = 30.0) -> "BackgroundServer":
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"server on {self.host}:{self.port} did not start within {timeout_s} s")
+        if self._error is not None:
+            raise RuntimeError(f"server on {self.host}:{self.port} failed to start: {self._error}") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for launching servers as subprocesses)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout_s: float = 120.0, proc=None) -> None:
+    """Poll ``url/health`` until it answers 200; fail early if ``proc`` (a Popen) exits."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server process for {url} exited with code {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:g} s")

@@ -1,0 +1,150 @@
+import asyncio
+import json
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+
+from sorl_megatron.retrieval import BM25Index, Passage, RetrievalClient, format_passages, read_corpus
+from sorl_megatron.retrieval.server import RetrievalServerConfig, start_retrieval_server
+from sorl_megatron.rollout.http import RequestRejectedError, RetryPolicy
+
+CORPUS = [
+    {"id": "0", "contents": '"Paris"\nParis is the capital and largest city of France.'},
+    {"id": "1", "contents": '"Berlin"\nBerlin is the capital of Germany.'},
+    {"id": "2", "contents": '"Lyon"\nLyon is a city in France known for cuisine.'},
+    {"id": "3", "contents": '"Cat"\nThe cat is a small domesticated carnivorous mammal.'},
+]
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(corpus_file):
+    srv = start_retrieval_server(BM25Index.from_jsonl(corpus_file), RetrievalServerConfig(port=0, max_query_chars=64))
+    yield srv
+    srv.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_read_corpus_and_format(corpus_file, tmp_path):
+    passages = list(read_corpus(corpus_file))
+    assert [p.id for p in passages] == ["0", "1", "2", "3"]
+    assert passages[0].title == '"Paris"' and passages[0].text.startswith("Paris is")
+    text = format_passages(passages[:2])
+    assert text == (
+        'Doc 1(Title: "Paris") Paris is the capital and largest city of France.\n'
+        'Doc 2(Title: "Berlin") Berlin is the capital of Germany.\n'
+    )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "contents": "ok"}\n{not json}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        list(read_corpus(bad))
+
+
+def test_index_ranks_and_scores(corpus_file):
+    index = BM25Index.from_jsonl(corpus_file)
+    hits = index.search(["capital of Germany", "france city"], topk=2)
+    assert hits[0][0].id == "1" and hits[0][0].score > hits[0][1].score
+    assert {h.id for h in hits[1]} == {"0", "2"}
+    assert index.search(["zzzz"], topk=10)[0][0].score == 0.0
+    assert len(index.search(["zzzz"], topk=10)[0]) == len(CORPUS)  # topk clamps to corpus size
+
+
+def test_client_topk_and_scores(server):
+    async def go():
+        async with RetrievalClient(server.url) as client:
+            return await client.retrieve(["capital of Germany", "domesticated mammal"], topk=3)
+
+    res = run(go())
+    assert [len(r) for r in res] == [3, 3]
+    assert res[0][0].id == "1" and res[1][0].id == "3"
+    scores = [p.score for p in res[0]]
+    assert scores == sorted(scores, reverse=True) and scores[0] > 0
+
+
+def test_raw_api_shape_without_scores(server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{server.url}/retrieve", json={"queries": ["Lyon"], "topk": 1}) as r:
+                return r.status, await r.json()
+
+    status, body = run(go())
+    assert status == 200
+    assert body["result"] == [[{"id": "2", "contents": CORPUS[2]["contents"]}]]
+
+
+@pytest.mark.parametrize(
+    "payload,msg",
+    [
+        ({"queries": ["  "], "topk": 1}, "queries[0] is empty"),
+        ({"queries": ["x" * 65], "topk": 1}, "65 characters"),
+        ({"queries": [], "topk": 1}, "non-empty list"),
+        ({"queries": ["ok"], "topk": 0}, "topk"),
+        ({"queries": [3], "topk": 1}, "expected a string"),
+    ],
+)
+def test_bad_requests_get_400(server, payload, msg):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{server.url}/retrieve", json=payload) as r:
+                return r.status, await r.json()
+
+    status, body = run(go())
+    assert status == 400 and msg in body["error"]
+
+
+def test_client_surfaces_400_and_malformed_json(server):
+    async def go():
+        async with RetrievalClient(server.url, RetryPolicy(timeout_s=5, retries=0)) as c:
+            with pytest.raises(RequestRejectedError, match="empty") as ei:
+                await c.retrieve([""])
+            assert ei.value.status == 400
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"{server.url}/retrieve", data=b"{not json") as r:
+                    assert r.status == 400 and "JSON" in (await r.json())["error"]
+            # server still alive after bad requests
+            assert (await c.retrieve(["Paris"], topk=1))[0][0].id == "0"
+
+    run(go())
+
+
+def test_cli_help_documents_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "sorl_megatron.retrieval.server", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0
+    for flag in ("--corpus", "--host", "--port", "--topk", "--max-topk", "--max-queries", "--max-query-chars"):
+        assert flag in out.stdout
+
+
+def test_cli_server_subprocess(corpus_file):
+    from sorl_megatron.rollout.background import free_port, wait_healthy
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sorl_megatron.retrieval.server", "--corpus", str(corpus_file), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout_s=60, proc=proc)
+
+        async def go():
+            async with RetrievalClient(url) as c:
+                return await c.retrieve(["capital of France"], topk=2)
+
+        assert run(go())[0][0].id == "0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
