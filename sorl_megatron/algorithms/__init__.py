@@ -1,0 +1,25 @@
+"""Pure tensor math of the RL objectives: turns, ratios, policy losses, clip bias, advantages.
+
+No distributed or Megatron imports here: the engine (``sorl_megatron.megatron``) calls these
+functions per micro-batch and owns all cross-rank reduction. Equation numbers refer to the
+papers in ``shared/papers`` (SORL/ST-PPO, SAPO, MiniRL, PVPO); see ``docs/algorithms.md``.
+"""
+
+from .advantages import (
+    broadcast_to_tokens,
+    compute_gae,
+    compute_grpo_advantages,
+    compute_pvpo_advantages,
+    static_values_from_rollouts,
+    whiten_advantages,
+)
+from .aggregation import LOSS_AGG_MODES, aggregation_denominator, masked_mean, masked_sum, token_weights
+from .clip_bias import ClipBiasTerms, clip_bias_norm, normalization_factor, param_grad_clip_bias_norm
+from .config import ClipBiasConfig, ISCorrectionConfig, PolicyLossConfig, SAPOConfig
+from .is_correction import ISCorrection, is_correction_weights
+from .kl import kl_penalty
+from .policy_loss import POLICY_LOSSES, PolicyLossSpec, clip_bias_surrogate, compute_policy_loss, register_policy_loss
+from .ratios import level_log_ratio, masked_log_ratio
+from .turns import TurnSegments, broadcast_segments, row_segments, segment_mean_broadcast, segment_sum, segment_turns
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,109 @@
+"""Clipping bias and clipping-triggered normalization (SORL Lemma 4.2, eq. 7/8/12/14/15).
+
+PPO's gradient splits into the unclipped importance-weighted policy gradient minus a
+*clipping bias* ``C``: the contribution of tokens whose gradient the clip removed
+(``t in B^c``, SORL eq. 7 for token PPO, eq. 8 for turn PPO, eq. 14 for GRPO)::
+
+    C = E[ sum_t g_t * 1[t in B^c] * w_t * A_t * grad log pi(y_t) ]
+
+with ``g_t`` the aggregation weight (``1/|y|`` in the paper) and ``w_t`` the ratio the loss
+uses (token, turn or sequence level). SO-PPO / SO-GRPO / S-PPO scale the gradient by
+``1 / max(||C||, delta)`` (eq. 12/15). The paper leaves the space of ``||C||`` open, so three
+modes are offered, all built from the surrogate ``S = sum_t g_t 1[t in B^c] w_t(theta) A_t``
+(indicator, advantage and weights detached):
+
+- ``logprob``: ``||dS / d log pi||_2``, the norm of the per-token clip-bias vector ``c_t``;
+  closed form below, no extra backward pass.
+- ``scalar``: ``|S|``, eq. 7/8 read literally as a scalar.
+- ``param_grad``: ``||dS / d theta||_2``, the parameter-space norm (what Fig. 4 plots next to
+  the gradient norm); needs a second backward of ``S``.
+
+Both ``S`` and ``sum_t c_t^2`` are sums over tokens, so an engine that splits a mini-batch
+across micro-batches and ranks adds them up (with mini-batch aggregation denominators) and
+takes the norm once: the factor belongs to the whole mini-batch (eq. 12: the same sampled
+trajectories as the gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from .turns import TurnSegments, broadcast_segments, segment_sum
+
+
+@dataclass(frozen=True)
+class ClipBiasTerms:
+    """Clip-bias statistics of one call.
+
+    Attributes:
+        surrogate: ``S`` with gradient through the ratio; ``d S / d theta`` is ``C``.
+        scalar: ``S`` detached (additive over micro-batches).
+        sq_sum: ``sum_t c_t^2`` with ``c_t = dS / d log pi_t`` (additive over micro-batches).
+        token_vector: ``c`` as ``[B, T]`` (detached).
+    """
+
+    surrogate: torch.Tensor
+    scalar: torch.Tensor
+    sq_sum: torch.Tensor
+    token_vector: torch.Tensor
+
+
+def clip_bias_terms(
+    ratio: torch.Tensor,
+    raw_level_log_ratio: torch.Tensor,
+    clamp: float,
+    clipped: torch.Tensor,
+    advantages: torch.Tensor,
+    is_weights: torch.Tensor,
+    agg_weights: torch.Tensor,
+    segments: TurnSegments | None,
+    loss_mask: torch.Tensor,
+) -> ClipBiasTerms:
+    """Surrogate ``S`` and the closed-form per-token clip-bias vector ``c``.
+
+    ``ratio`` is the loss ratio broadcast to tokens (with gradient), ``raw_level_log_ratio``
+    its unclamped log (to know where the clamp cut the gradient), ``clipped`` the indicator
+    ``1[t in B^c]`` and ``segments`` the turn/row segments of a turn/sequence-level ratio
+    (``None`` at token level).
+    """
+    coef = (clipped.to(ratio.dtype) * advantages * is_weights * agg_weights).detach()
+    surrogate = (coef * ratio).sum()
+    with torch.no_grad():
+        live = (raw_level_log_ratio.abs() <= clamp).to(ratio.dtype)  # clamp passes gradient here
+        if segments is None:
+            vector = coef * ratio * live
+        else:
+            # d w_k / d log pi_t = w_k / |y^k| for every t in unit k (SORL eq. 23), so every token
+            # of the unit carries (w_k / |y^k|) * sum_{j in k} coef_j.
+            unit_coef = broadcast_segments(segment_sum(coef, segments), segments)
+            length = broadcast_segments(segments.segment_length.to(ratio.dtype), segments, fill=1.0)
+            vector = unit_coef * ratio * live / length
+        vector = torch.where(loss_mask.bool(), vector, torch.zeros_like(vector))
+    return ClipBiasTerms(surrogate=surrogate, scalar=surrogate.detach(), sq_sum=(vector * vector).sum(), token_vector=vector)
+
+
+def clip_bias_norm(scalar: torch.Tensor, sq_sum: torch.Tensor, mode: str) -> torch.Tensor:
+    """``||C||`` from (possibly accumulated) statistics, for the ``logprob`` or ``scalar`` mode."""
+    if mode == "logprob":
+        return sq_sum.clamp(min=0).sqrt()
+    if mode == "scalar":
+        return scalar.abs()
+    raise ValueError(f"clip_bias.mode {mode!r} is not computable from statistics; param_grad needs a backward")
+
+
+def param_grad_clip_bias_norm(surrogate: torch.Tensor, params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``||dS / d theta||_2`` over ``params`` (the ``param_grad`` mode at world size 1)."""
+    params = [p for p in params if p.requires_grad]
+    if not surrogate.requires_grad:
+        return torch.zeros((), dtype=torch.float32)
+    grads = torch.autograd.grad(surrogate, params, retain_graph=True, allow_unused=True)
+    total = sum((g.float() ** 2).sum() for g in grads if g is not None)
+    return torch.as_tensor(total, dtype=torch.float32).sqrt()
+
+
+def normalization_factor(norm: torch.Tensor, delta: float) -> torch.Tensor:
+    """Clipping-triggered normalization factor ``1 / max(||C||, delta)`` (SORL eq. 12)."""
+    return 1.0 / torch.clamp(norm.detach().float(), min=delta)

@@ -1,0 +1,212 @@
+"""Typed configuration of the policy losses.
+
+Every field is validated on construction; errors name the offending field (``loss.eps_low``),
+so a bad recipe fails before any process starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
+
+from .aggregation import LOSS_AGG_MODES
+
+ClipBiasMode = Literal["logprob", "scalar", "param_grad"]
+ClipBiasApply = Literal["grad", "lr"]
+ClipBiasIndicator = Literal["loss_ratio", "token_ratio"]
+KLEstimator = Literal["k1", "k2", "k3"]
+ISMode = Literal["off", "tis", "mis"]
+ISLevel = Literal["token", "turn", "sequence"]
+SAPOAdvCondition = Literal["positive", "nonnegative"]
+
+
+def _choice(prefix: str, name: str, value: Any, options: tuple) -> None:
+    if value not in options:
+        raise ValueError(f"{prefix}.{name}: {value!r} is not one of {list(options)}")
+
+
+def _positive(prefix: str, name: str, value: Any, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{prefix}.{name} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass
+class ClipBiasConfig:
+    """Clipping-triggered normalization (SORL eq. 9/12/15).
+
+    Attributes:
+        mode: the space in which ``||C||`` is measured: ``logprob`` (norm of the per-token
+            clip-bias vector, i.e. the gradient of the clip-bias surrogate with respect to the
+            token log-probs), ``scalar`` (|C| of eq. 8 read as a scalar), or ``param_grad``
+            (norm of the parameter gradient of the clip-bias surrogate; needs a second
+            backward, done by the engine or via ``params`` in ``compute_policy_loss``).
+        delta: lower bound of the normaliser, ``factor = 1 / max(||C||, delta)`` (paper: 1).
+        apply_to: ``grad`` scales the gradient; ``lr`` scales that step's learning rate
+            instead (engine option; with Adam a global gradient scale largely cancels).
+        indicator: which ratio decides the clipping indicators ``1[t in B^c]``:
+            ``loss_ratio`` (the ratio the loss clips, eq. 5/8 as written) or ``token_ratio``
+            (token-level indicators even for turn-level losses, the ST-PPO summary's reading).
+    """
+
+    mode: ClipBiasMode = "logprob"
+    delta: float = 1.0
+    apply_to: ClipBiasApply = "grad"
+    indicator: ClipBiasIndicator = "loss_ratio"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, prefix: str = "clip_bias") -> None:
+        _choice(prefix, "mode", self.mode, get_args(ClipBiasMode))
+        _positive(prefix, "delta", self.delta)
+        _choice(prefix, "apply_to", self.apply_to, get_args(ClipBiasApply))
+        _choice(prefix, "indicator", self.indicator, get_args(ClipBiasIndicator))
+
+
+@dataclass
+class SAPOConfig:
+    """SAPO conditional KL (SAPO eq. 9-11): ``gamma * (-log r_t)`` where ``r_t < tau`` and
+    the advantage condition holds (``positive``: A > 0 as in eq. 11; ``nonnegative``: A >= 0
+    as in the paper's code listing)."""
+
+    gamma: float = 0.1
+    tau: float = 1.0
+    adv_condition: SAPOAdvCondition = "positive"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, prefix: str = "sapo") -> None:
+        _positive(prefix, "gamma", self.gamma, allow_zero=True)
+        _positive(prefix, "tau", self.tau)
+        _choice(prefix, "adv_condition", self.adv_condition, get_args(SAPOAdvCondition))
+
+
+@dataclass
+class ISCorrectionConfig:
+    """Train/inference importance-sampling correction (MiniRL).
+
+    Tokens are weighted by the detached ``pi_old / mu`` (``mu`` = rollout engine) at token,
+    turn or sequence level; ``tis`` truncates the weight at ``cap``, ``mis`` zeroes tokens
+    whose weight lies outside ``[low, high]``. Turn/sequence weights are products of token
+    ratios, or geometric means when ``geometric``.
+    """
+
+    mode: ISMode = "off"
+    level: ISLevel = "token"
+    geometric: bool = False
+    cap: float = 2.0
+    low: float = 0.5
+    high: float = 2.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, prefix: str = "is_correction") -> None:
+        _choice(prefix, "mode", self.mode, get_args(ISMode))
+        _choice(prefix, "level", self.level, get_args(ISLevel))
+        _positive(prefix, "cap", self.cap)
+        _positive(prefix, "low", self.low, allow_zero=True)
+        _positive(prefix, "high", self.high)
+        if self.low >= self.high:
+            raise ValueError(f"{prefix}.low ({self.low}) must be < {prefix}.high ({self.high})")
+
+
+@dataclass
+class PolicyLossConfig:
+    """Configuration of :func:`sorl_megatron.algorithms.compute_policy_loss`.
+
+    Attributes:
+        name: registered loss name (see ``POLICY_LOSSES``).
+        eps_low / eps_high: clip range ``[1 - eps_low, 1 + eps_high]``; ``eps_high`` defaults
+            to ``eps_low`` (symmetric clipping).
+        dual_clip: dual-clip constant ``c > 1`` bounding the loss of negative-advantage tokens
+            at ``-c * A``; ``None`` disables it.
+        loss_agg: aggregation mode (``aggregation.py``); ``norm_length`` is the constant of
+            ``seq-mean-token-sum-norm``.
+        log_ratio_clamp: log-ratios are clamped to ``[-c, c]`` before ``exp``.
+        kl_coef / kl_estimator: KL-to-reference loss ``kl_coef * agg(k)``, k in k1/k2/k3.
+        entropy_coef: entropy bonus ``- entropy_coef * agg(H)``.
+    """
+
+    name: str = "ppo"
+    eps_low: float = 0.2
+    eps_high: float | None = None
+    dual_clip: float | None = None
+    loss_agg: str = "token-mean"
+    norm_length: int | None = None
+    log_ratio_clamp: float = 20.0
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    entropy_coef: float = 0.0
+    clip_bias: ClipBiasConfig = field(default_factory=ClipBiasConfig)
+    sapo: SAPOConfig = field(default_factory=SAPOConfig)
+    is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
+
+    def __post_init__(self) -> None:
+        if self.eps_high is None:
+            self.eps_high = self.eps_low
+        self.validate()
+
+    @property
+    def clip_low(self) -> float:
+        return 1.0 - self.eps_low
+
+    @property
+    def clip_high(self) -> float:
+        return 1.0 + float(self.eps_high)
+
+    def validate(self, prefix: str = "loss") -> None:
+        from .policy_loss import POLICY_LOSSES  # late import: the registry imports this module
+
+        if self.name not in POLICY_LOSSES:
+            raise ValueError(f"{prefix}.name: unknown policy loss {self.name!r}; registered: {sorted(POLICY_LOSSES)}")
+        _positive(prefix, "eps_low", self.eps_low)
+        if self.eps_low >= 1.0:
+            raise ValueError(f"{prefix}.eps_low must be < 1 (the lower clip bound 1 - eps_low must stay > 0), got {self.eps_low}")
+        _positive(prefix, "eps_high", self.eps_high)
+        if self.dual_clip is not None:
+            _positive(prefix, "dual_clip", self.dual_clip)
+            if self.dual_clip <= 1.0:
+                raise ValueError(f"{prefix}.dual_clip must be > 1 (or null to disable), got {self.dual_clip}")
+        _choice(prefix, "loss_agg", self.loss_agg, LOSS_AGG_MODES)
+        if self.norm_length is not None and (not isinstance(self.norm_length, int) or self.norm_length <= 0):
+            raise ValueError(f"{prefix}.norm_length must be a positive integer or null, got {self.norm_length!r}")
+        _positive(prefix, "log_ratio_clamp", self.log_ratio_clamp)
+        _positive(prefix, "kl_coef", self.kl_coef, allow_zero=True)
+        _choice(prefix, "kl_estimator", self.kl_estimator, get_args(KLEstimator))
+        _positive(prefix, "entropy_coef", self.entropy_coef, allow_zero=True)
+        for sub in ("clip_bias", "sapo", "is_correction"):
+            getattr(self, sub).validate(f"{prefix}.{sub}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], prefix: str = "loss") -> "PolicyLossConfig":
+        """Build from a plain mapping (e.g. a recipe section); unknown keys are errors."""
+        nested = {"clip_bias": ClipBiasConfig, "sapo": SAPOConfig, "is_correction": ISCorrectionConfig}
+        kwargs = dict(_known_keys(cls, values, prefix))
+        for key, sub_cls in nested.items():
+            if key in kwargs and isinstance(kwargs[key], dict):
+                try:
+                    kwargs[key] = sub_cls(**_known_keys(sub_cls, kwargs[key], f"{prefix}.{key}"))
+                except ValueError as err:  # sub-configs name their own fields; add the parent
+                    msg = str(err)
+                    raise ValueError(msg if msg.startswith(f"{prefix}.") or "unknown config" in msg else f"{prefix}.{msg}") from None
+        return cls(**kwargs)
+
+
+def _known_keys(cls, values: dict[str, Any], prefix: str) -> dict[str, Any]:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        import difflib
+
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hints.append(f"{prefix}.{key}" + (f" (did you mean {prefix}.{close[0]}?)" if close else ""))
+        raise ValueError(f"unknown config key(s): {', '.join(hints)}")
+    return dict(values)
