@@ -1,0 +1,98 @@
+"""Tiny random HuggingFace causal LMs built from a config (tests and the CPU demo).
+
+Nothing is downloaded: the architecture comes from a transformers config class, weights are
+random with a fixed seed, and the result is saved as safetensors next to the tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+Arch = Literal["qwen3_moe", "qwen2", "qwen3", "mixtral"]
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    arch: Arch = "qwen3_moe"
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    num_experts: int = 4
+    top_k: int = 2
+    max_position_embeddings: int = 4096
+    # Routers get a larger init than the rest so that top-k choices are not near ties
+    # (a near tie would flip under any reordering of float sums).
+    router_init_std: float = 0.5
+    seed: int = 0
+
+
+def hf_config(cfg: TinyModelConfig, eos_token_id: int | None = None, pad_token_id: int | None = None) -> PretrainedConfig:
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=False,
+    )
+    if cfg.arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.intermediate_size,
+            moe_intermediate_size=cfg.intermediate_size // 2,
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.top_k,
+            norm_topk_prob=True,
+        )
+    if cfg.arch == "mixtral":
+        return MixtralConfig(
+            **common,
+            head_dim=cfg.head_dim,
+            intermediate_size=cfg.intermediate_size,
+            num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.top_k,
+        )
+    if cfg.arch == "qwen3":
+        return Qwen3Config(**common, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size)
+    if cfg.arch == "qwen2":
+        return Qwen2Config(**common, intermediate_size=cfg.intermediate_size)
+    raise ValueError(f"tiny_model.arch: {cfg.arch!r} is not one of qwen3_moe, qwen2, qwen3, mixtral")
+
+
+def build_tiny_model(cfg: TinyModelConfig, eos_token_id: int | None = None, pad_token_id: int | None = None):
+    """A float32 random model in eval mode."""
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(hf_config(cfg, eos_token_id, pad_token_id), dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if type(module).__name__.endswith("TopKRouter"):
+                module.weight.normal_(0.0, cfg.router_init_std)
+    return model.eval()
+
+
+def save_tiny_model(cfg: TinyModelConfig, out_dir: str | Path, tokenizer=None) -> Path:
+    """Build and save a tiny model (and tokenizer, whose size sets the vocabulary)."""
+    out = Path(out_dir)
+    if tokenizer is not None:
+        cfg = TinyModelConfig(**{**cfg.__dict__, "vocab_size": len(tokenizer)})
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    pad = tokenizer.pad_token_id if tokenizer is not None else None
+    model = build_tiny_model(cfg, eos, pad)
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out

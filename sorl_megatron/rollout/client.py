@@ -1,0 +1,290 @@
+"""Async client for SGLang's native HTTP API (real SGLang servers or the embedded one).
+
+Generation requests are spread over several servers (round robin or least-loaded) under
+one concurrency bound; a server that refuses connections is skipped for a cool-down while
+the others carry on, and when every server is down the error lists them all. Control calls
+(weight updates, cache flush) go to every server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+import torch
+
+from .http import RequestRejectedError, RetryPolicy, ServerError, ServerUnavailableError, request
+from .protocol import GenerateOutput, ProtocolError, SamplingParams, parse_generate_output
+from .weights import serialize_named_tensors
+
+
+@dataclass(frozen=True)
+class RolloutClientConfig:
+    """Where and how to send rollout requests.
+
+    Attributes:
+        urls: base URLs of the servers (``http://host:port``).
+        max_concurrency: most ``/generate`` calls in flight over all servers.
+        routing: ``least_loaded`` (fewest in-flight calls, ties round robin) or ``round_robin``.
+        generate_retry: policy of ``/generate`` calls (generous timeout, no retry on timeout).
+        control_retry: policy of weight/cache/health calls.
+        down_cooldown_s: how long a server that refused connections is skipped.
+        routing_shape: ``(num_moe_layers, top_k)`` to decode ``routed_experts``; None asks
+            ``/model_info`` (the embedded server reports it) or the model's HF config.
+    """
+
+    urls: tuple[str, ...]
+    max_concurrency: int = 64
+    routing: Literal["least_loaded", "round_robin"] = "least_loaded"
+    generate_retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(timeout_s=600.0, retries=2))
+    control_retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(timeout_s=600.0, retries=2))
+    down_cooldown_s: float = 10.0
+    routing_shape: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.urls, str):
+            object.__setattr__(self, "urls", (self.urls,))
+        if not self.urls:
+            raise ValueError("rollout.urls: at least one server URL is required")
+        object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in self.urls))
+        if self.max_concurrency < 1:
+            raise ValueError(f"rollout.max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.routing not in ("least_loaded", "round_robin"):
+            raise ValueError(f"rollout.routing: {self.routing!r} is not one of least_loaded, round_robin")
+
+
+class RolloutClient:
+    """``async with RolloutClient(cfg) as c: out = await c.generate(ids, SamplingParams(...))``."""
+
+    def __init__(self, cfg: RolloutClientConfig | Sequence[str] | str):
+        if not isinstance(cfg, RolloutClientConfig):
+            cfg = RolloutClientConfig(urls=(cfg,) if isinstance(cfg, str) else tuple(cfg))
+        self.cfg = cfg
+        self._session: aiohttp.ClientSession | None = None
+        self._sem: asyncio.Semaphore | None = None
+        self._inflight = {u: 0 for u in cfg.urls}
+        self._down_until = {u: 0.0 for u in cfg.urls}
+        self._rr = itertools.cycle(range(len(cfg.urls)))
+        self._routing_shape = cfg.routing_shape
+        self._version_counter = 0
+
+    # ----- plumbing -----
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # One pool for all servers; the semaphore, not the connector, bounds concurrency.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "RolloutClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _pick(self, exclude: set[str]) -> str | None:
+        now = time.monotonic()
+        up = [u for u in self.cfg.urls if u not in exclude and self._down_until[u] <= now]
+        if not up:
+            up = [u for u in self.cfg.urls if u not in exclude]  # all cooling down: try anyway
+        if not up:
+            return None
+        start = next(self._rr)
+        ordered = sorted(up, key=lambda u: (self.cfg.urls.index(u) - start) % len(self.cfg.urls))
+        if self.cfg.routing == "round_robin":
+            return ordered[0]
+        return min(ordered, key=lambda u: self._inflight[u])
+
+    @property
+    def inflight(self) -> dict[str, int]:
+        return dict(self._inflight)
+
+    # ----- generation -----
+
+    async def routing_shape(self) -> tuple[int, int]:
+        """``(num_moe_layers, top_k)`` of the served model (asked once, then cached)."""
+        if self._routing_shape is None:
+            info = await self.model_info()
+            layers = info.get("num_moe_layers") or info.get("num_hidden_layers")
+            top_k = info.get("num_experts_per_tok")
+            if not layers or not top_k:
+                raise ProtocolError(
+                    f"{self.cfg.urls[0]}/model_info does not report num_moe_layers/num_experts_per_tok; "
+                    "set RolloutClientConfig.routing_shape from the model's config.json"
+                )
+            self._routing_shape = (int(layers), int(top_k))
+        return self._routing_shape
+
+    def build_request(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        rid: str | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": sampling.to_json(),
+            "return_logprob": return_logprob,
+        }
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = routed_experts_start_len
+        if rid is not None:
+            body["rid"] = rid
+        return body
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        rid: str | None = None,
+    ) -> list[GenerateOutput]:
+        """Sample ``sampling.n`` completions of one prompt; always a list of n outputs.
+
+        Tokens in, tokens out: the prompt is sent as ids and the answer's ``output_ids`` are
+        what the policy sampled (``no_stop_trim`` is forced so ids and log-probs line up).
+        """
+        if not sampling.no_stop_trim:
+            sampling = SamplingParams(**{**sampling.__dict__, "no_stop_trim": True})
+        shape = await self.routing_shape() if return_routed_experts else None
+        body = self.build_request(input_ids, sampling, return_logprob, return_routed_experts, routed_experts_start_len, rid)
+        data, url = await self._post_generate(body)
+        objs = data if isinstance(data, list) else [data]
+        if len(objs) != sampling.n:
+            raise ProtocolError(f"{url}/generate returned {len(objs)} outputs for n={sampling.n}")
+        outs = [parse_generate_output(o, shape, routed_experts_start_len, server=url) for o in objs]
+        for o in outs:
+            if return_logprob and o.output_logprobs is None:
+                raise ProtocolError(f"{url}/generate answered without output_token_logprobs")
+            if return_routed_experts and o.routed_experts is None:
+                raise ProtocolError(f"{url}/generate answered without routed_experts (start the server with --enable-return-routed-experts)")
+        return outs
+
+    async def _post_generate(self, body: dict[str, Any]) -> tuple[Any, str]:
+        self._sess()
+        assert self._sem is not None
+        tried: set[str] = set()
+        errors: list[str] = []
+        async with self._sem:
+            while True:
+                url = self._pick(tried)
+                if url is None:
+                    raise ServerUnavailableError("no rollout server reachable: " + "; ".join(errors))
+                tried.add(url)
+                self._inflight[url] += 1
+                try:
+                    return await request(self._sess(), "POST", f"{url}/generate", body, self.cfg.generate_retry), url
+                except ServerUnavailableError as exc:
+                    self._down_until[url] = time.monotonic() + self.cfg.down_cooldown_s
+                    errors.append(str(exc))
+                finally:
+                    self._inflight[url] -= 1
+
+    # ----- control: every server -----
+
+    async def _all(self, method: str, path: str, body: Any = None, expect_json: bool = True) -> dict[str, Any]:
+        async def one(url: str):
+            return await request(self._sess(), method, f"{url}{path}", body, self.cfg.control_retry, expect_json)
+
+        results = await asyncio.gather(*(one(u) for u in self.cfg.urls), return_exceptions=True)
+        errors = [f"{u}: {r}" for u, r in zip(self.cfg.urls, results) if isinstance(r, BaseException)]
+        if errors:
+            raise ServerError(f"{path} failed on {len(errors)}/{len(self.cfg.urls)} server(s): " + "; ".join(errors))
+        for u, r in zip(self.cfg.urls, results):
+            if isinstance(r, dict) and r.get("success") is False:
+                raise RequestRejectedError(f"{u}{path}: {r.get('message')}", 400)
+        return dict(zip(self.cfg.urls, results))
+
+    def _next_version(self, weight_version: str | None) -> str:
+        if weight_version is not None:
+            return weight_version
+        self._version_counter += 1
+        return str(self._version_counter)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> str:
+        """Every server reloads the HF checkpoint at ``model_path``; returns the new version."""
+        version = self._next_version(weight_version)
+        await self._all(
+            "POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": version, "flush_cache": flush_cache}
+        )
+        return version
+
+    async def update_weights_from_tensor(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        weight_version: str | None = None,
+        bucket_bytes: int = 256 * 1024**2,
+        load_format: str = "safetensors",
+        tp_size: int = 1,
+    ) -> str:
+        """Send HF-named tensors in buckets between ``/begin_weight_update`` and ``/end_weight_update``.
+
+        ``load_format`` is a safe format the embedded server reads (``safetensors`` or
+        ``torch``). Real SGLang decodes these payloads with its own (CUDA IPC) serializer, so
+        against SGLang use ``update_weights_from_disk`` or the distributed NCCL path.
+        """
+        version = self._next_version(weight_version)
+        await self._all("POST", "/begin_weight_update", {"selector": "all"})
+        try:
+            bucket: list[tuple[str, torch.Tensor]] = []
+            size = 0
+
+            async def flush(last: bool) -> None:
+                payload = serialize_named_tensors(bucket, load_format)
+                body = {
+                    "serialized_named_tensors": [payload] * tp_size,
+                    "load_format": load_format,
+                    "flush_cache": last,
+                    "weight_version": version if last else None,
+                }
+                await self._all("POST", "/update_weights_from_tensor", body)
+
+            for name, t in named_tensors:
+                nbytes = t.numel() * t.element_size()
+                if bucket and size + nbytes > bucket_bytes:
+                    await flush(last=False)
+                    bucket, size = [], 0
+                bucket.append((name, t))
+                size += nbytes
+            if bucket:
+                await flush(last=True)
+        finally:
+            await self._all("POST", "/end_weight_update", {})
+        return version
+
+    async def flush_cache(self) -> None:
+        await self._all("POST", "/flush_cache", None, expect_json=False)
+
+    async def health(self) -> dict[str, bool]:
+        """``{url: healthy}`` without raising (a short timeout, no retries)."""
+        policy = RetryPolicy(timeout_s=5.0, connect_timeout_s=2.0, retries=0)
+
+        async def one(url: str) -> bool:
+            try:
+                await request(self._sess(), "GET", f"{url}/health", None, policy, expect_json=False)
+                return True
+            except ServerError:
+                return False
+
+        return dict(zip(self.cfg.urls, await asyncio.gather(*(one(u) for u in self.cfg.urls))))
+
+    async def model_info(self, url: str | None = None) -> dict[str, Any]:
+        url = url or self.cfg.urls[0]
+        return await request(self._sess(), "GET", f"{url}/model_info", None, self.cfg.control_retry)

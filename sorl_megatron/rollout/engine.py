@@ -1,0 +1,493 @@
+"""CPU generation engine behind the embedded SGLang-compatible server.
+
+One scheduler thread owns the model. It takes every waiting request (up to
+``max_running_requests`` sequences) into a *wave*: the prompts are left-padded and
+prefilled together, then decoded together with a KV cache; finished sequences leave the
+batch (their cache rows are dropped) so the rest decode at the live batch size. Control
+operations (weight updates) run on the same thread between waves, so a wave always sees
+one set of weights and reports that ``weight_version``.
+
+Log-probs are ``log_softmax(logits / temperature)`` of the sampled token (temperature 0
+means greedy and is scored at temperature 1), i.e. the quantity a trainer recomputes at
+the same temperature; top-p/top-k truncation changes what is sampled, not the reported
+log-prob.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoConfig, AutoTokenizer, DynamicCache
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from .precision import Precision, apply_precision
+from .protocol import SamplingParams, encode_routed_experts
+from .weights import check_compatible, read_checkpoint
+
+log = logging.getLogger("sorl_megatron.rollout.engine")
+transformers.utils.logging.disable_progress_bar()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    tokenizer_path: str | None = None
+    precision: Precision = "fp32"
+    fp8_block_size: int = 128
+    max_running_requests: int = 32
+    context_length: int | None = None
+    enable_return_routed_experts: bool = False
+    skip_tokenizer_init: bool = False
+    random_seed: int = 0
+    weight_version: str = "default"
+
+
+@dataclass
+class GenRequest:
+    """One prompt of a ``/generate`` call (``params.n`` samples of it)."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    future: cf.Future = field(default_factory=cf.Future)
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Seq:
+    """One sequence being decoded."""
+
+    req: GenRequest
+    sample: int
+    generator: torch.Generator | None
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[list[Any]]] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    routing: list[np.ndarray] = field(default_factory=list)  # chunks [tokens, layers, k]
+    input_logprobs: list[list[Any]] = field(default_factory=list)
+
+
+class _RouterTap:
+    """Forward hooks on the model's own MoE routers, recording top-k expert ids per layer."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        self.active = False
+        self._records: list[torch.Tensor | None] = [None] * len(self.routers)
+        for i, m in enumerate(self.routers):
+            m.register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def fn(_mod, _inp, out):
+            if self.active:
+                self._records[i] = out[2].to(torch.int32)  # (logits, scores, indices)
+
+        return fn
+
+    @property
+    def top_k(self) -> int:
+        return int(getattr(self.routers[0], "top_k", 0)) if self.routers else 0
+
+    def take(self, batch: int, seq: int) -> torch.Tensor:
+        """``[batch, seq, layers, top_k]`` routing of the last forward."""
+        recs = [r.reshape(batch, seq, -1) for r in self._records]  # type: ignore[union-attr]
+        self._records = [None] * len(self.routers)
+        return torch.stack(recs, dim=2)
+
+
+def _eos_ids(config, tokenizer, gen_config) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(config, "eos_token_id", None), getattr(gen_config, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(i) for i in src)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+class Engine:
+    """Owns model, tokenizer and scheduler thread. ``submit`` and ``call`` return futures."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.model_path = cfg.model_path
+        self.weight_version = cfg.weight_version
+        self.hf_config = AutoConfig.from_pretrained(cfg.model_path)
+        self.tokenizer = None if cfg.skip_tokenizer_init else AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
+        try:
+            gen_cfg = transformers.GenerationConfig.from_pretrained(cfg.model_path)
+        except OSError:
+            gen_cfg = None
+        self.eos_ids = _eos_ids(self.hf_config, self.tokenizer, gen_cfg)
+        self.pad_id = int(getattr(self.hf_config, "pad_token_id", None) or 0)
+        self.context_length = cfg.context_length or int(getattr(self.hf_config, "max_position_embeddings", 4096))
+        self.state = read_checkpoint(cfg.model_path)
+        self._build_model()
+        self._generator = torch.Generator().manual_seed(cfg.random_seed)
+        self._queue: queue.Queue = queue.Queue()
+        self._aborted: set[str] = set()
+        self._in_update = False
+        self._dirty = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        self.num_waves = 0
+
+    # ----- model -----
+
+    def _build_model(self) -> None:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(self.hf_config)]
+        model = cls.from_pretrained(None, config=self.hf_config, state_dict=self.state, dtype=torch.float32)
+        model = apply_precision(model.eval(), self.cfg.precision, self.cfg.fp8_block_size)
+        self.model = model
+        self.tap = _RouterTap(model)
+        self._dirty = False
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.tap.routers)
+
+    @property
+    def routing_shape(self) -> tuple[int, int] | None:
+        return (len(self.tap.routers), self.tap.top_k) if self.is_moe else None
+
+    # ----- public API (any thread) -----
+
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def submit(self, req: GenRequest) -> cf.Future:
+        self._queue.put(req)
+        return req.future
+
+    def call(self, fn: Callable[[], Any]) -> cf.Future:
+        """Run ``fn`` on the scheduler thread between waves."""
+        fut: cf.Future = cf.Future()
+        self._queue.put((fn, fut))
+        return fut
+
+    def abort(self, rid: str) -> None:
+        self._aborted.add(rid)
+
+    # ----- weight updates (scheduler thread only, via call) -----
+
+    def update_from_disk(self, model_path: str, weight_version: str | None) -> str:
+        new = read_checkpoint(model_path)
+        check_compatible(self.state, new, full=True)
+        self.state = new
+        self._build_model()
+        self.model_path = model_path
+        if weight_version is not None:
+            self.weight_version = weight_version
+        return f"loaded {len(new)} tensors from {model_path}"
+
+    def begin_update(self) -> str:
+        self._in_update = True
+        return "weight update begun"
+
+    def update_from_tensors(self, named: dict[str, torch.Tensor], weight_version: str | None) -> str:
+        check_compatible(self.state, named, full=False)
+        for k, v in named.items():
+            self.state[k] = v.detach().to(torch.float32).clone()
+        self._dirty = True
+        if not self._in_update:  # older protocol without begin/end: apply at once
+            self._build_model()
+        if weight_version is not None:
+            self.weight_version = weight_version
+        return f"updated {len(named)} tensors"
+
+    def end_update(self) -> str:
+        self._in_update = False
+        if self._dirty:
+            self._build_model()
+        return "weight update ended"
+
+    # ----- scheduler -----
+
+    def _loop(self) -> None:
+        pending: list[GenRequest] = []
+        while not self._stop.is_set():
+            if not pending:
+                item = self._queue.get()
+                if item is None:
+                    break
+                pending.append(item)
+            while True:  # drain everything already waiting
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._stop.set()
+                    break
+                pending.append(item)
+            batch: list[GenRequest] = []
+            rows = 0
+            while pending:
+                head = pending[0]
+                if isinstance(head, tuple):  # control op: only between waves
+                    if batch:
+                        break
+                    pending.pop(0)
+                    self._run_control(*head)
+                    continue
+                if batch and rows + head.params.n > self.cfg.max_running_requests:
+                    break
+                batch.append(pending.pop(0))
+                rows += head.params.n
+            if batch:
+                self._run_wave(batch)
+
+    def _run_control(self, fn: Callable[[], Any], fut: cf.Future) -> None:
+        try:
+            fut.set_result(fn())
+        except Exception as exc:  # reported to the caller, never kills the thread
+            log.warning("control operation failed: %s", exc)
+            fut.set_exception(exc)
+
+    def _run_wave(self, batch: list[GenRequest]) -> None:
+        self.num_waves += 1
+        try:
+            with torch.inference_mode():
+                seqs = self._generate(batch)
+            version = self.weight_version
+            by_req: dict[int, list[_Seq]] = {}
+            for s in seqs:
+                by_req.setdefault(id(s.req), []).append(s)
+            for req in batch:
+                self._aborted.discard(req.rid)
+                if not req.future.cancelled():
+                    req.future.set_result([self._result(s, version) for s in by_req[id(req)]])
+        except Exception as exc:
+            log.exception("generation wave failed")
+            for req in batch:
+                if not req.future.done():
+                    req.future.set_exception(exc)
+
+    def _seqs(self, batch: list[GenRequest]) -> list[_Seq]:
+        seqs = []
+        for req in batch:
+            for j in range(req.params.n):
+                seed = req.params.sampling_seed
+                gen = None if seed is None else torch.Generator().manual_seed(seed + j)
+                seqs.append(_Seq(req=req, sample=j, generator=gen))
+        return seqs
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool):
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        return out.logits.float()
+
+    def _generate(self, batch: list[GenRequest]) -> list[_Seq]:
+        seqs = self._seqs(batch)
+        lens = torch.tensor([len(s.req.input_ids) for s in seqs])
+        width = int(lens.max())
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        for i, s in enumerate(seqs):  # left padding: every row's last token is at -1
+            ids[i, width - lens[i] :] = torch.tensor(s.req.input_ids)
+        mask = (torch.arange(width)[None, :] >= (width - lens)[:, None]).long()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        want_routing = self.is_moe and any(s.req.return_routed_experts for s in seqs)
+        want_input_lp = any(s.req.return_logprob and s.req.logprob_start_len >= 0 for s in seqs)
+        self.tap.active = want_routing
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, pos, cache, all_logits=want_input_lp)
+        if want_routing:
+            routing = self.tap.take(len(seqs), width).numpy()
+            for i, s in enumerate(seqs):
+                if s.req.return_routed_experts:
+                    s.routing.append(routing[i, width - int(lens[i]) :])
+        if want_input_lp:
+            self._input_logprobs(seqs, logits, lens, width)
+        last = logits[:, -1]
+        temps = torch.tensor([s.req.params.temperature for s in seqs])
+        budgets = [min(s.req.params.max_new_tokens, self.context_length - len(s.req.input_ids)) for s in seqs]
+        live = list(range(len(seqs)))  # indices into seqs of rows still in the batch
+        for s, b in zip(seqs, budgets):
+            if b <= 0:
+                s.finish = {"type": "length", "length": 0}
+        if any(b <= 0 for b in budgets):
+            keep = [k for k, i in enumerate(live) if seqs[i].finish is None]
+            live, last, mask, pos, temps = self._select(cache, keep, live, last, mask, pos, temps)
+        while live:
+            tokens, lps = self._sample(last, [seqs[i] for i in live], temps)
+            step_tokens = tokens.tolist()
+            for k, i in enumerate(live):
+                self._append(seqs[i], step_tokens[k], float(lps[k]), last[k], temps[k], budgets[i])
+            keep = [k for k, i in enumerate(live) if seqs[i].finish is None]
+            if len(keep) < len(live):
+                live, last, mask, pos, temps = self._select(cache, keep, live, last, mask, pos, temps)
+                tokens = tokens[keep]
+            if not live:
+                break
+            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype)], dim=1)
+            pos = pos[:, -1:] + 1
+            logits = self._forward(tokens[:, None], mask, pos, cache, all_logits=False)
+            last = logits[:, -1]
+            if want_routing:
+                routing = self.tap.take(len(live), 1).numpy()
+                for k, i in enumerate(live):
+                    if seqs[i].req.return_routed_experts:
+                        seqs[i].routing.append(routing[k])
+        self.tap.active = False
+        return seqs
+
+    @staticmethod
+    def _select(cache, keep, live, last, mask, pos, temps):
+        idx = torch.tensor(keep, dtype=torch.long)
+        if keep:
+            cache.batch_select_indices(idx)
+        return [live[k] for k in keep], last[idx], mask[idx], pos[idx], temps[idx]
+
+    def _input_logprobs(self, seqs: list[_Seq], logits: torch.Tensor, lens: torch.Tensor, width: int) -> None:
+        for i, s in enumerate(seqs):
+            start = s.req.logprob_start_len
+            if not (s.req.return_logprob and start >= 0):
+                continue
+            t = s.req.params.temperature or 1.0
+            off = width - int(lens[i])
+            toks = torch.tensor(s.req.input_ids)
+            lp = torch.log_softmax(logits[i, off : width - 1] / t, dim=-1).gather(-1, toks[1:, None])[:, 0].tolist()
+            values: list[float | None] = [None] + lp
+            s.input_logprobs = [[values[j], int(toks[j]), None] for j in range(start, len(toks))]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq], temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per row; returns tokens and their log-probs (see module doc)."""
+        greedy = temps == 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+        # min_new_tokens: stop tokens are not allowed yet.
+        for k, s in enumerate(seqs):
+            if len(s.out) < s.req.params.min_new_tokens:
+                ban = list(s.req.params.stop_token_ids) + ([] if s.req.params.ignore_eos else list(self.eos_ids))
+                scaled[k, ban] = float("-inf")
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        filtered = self._truncate(scaled, seqs)
+        probs = torch.softmax(filtered, dim=-1)
+        tokens = torch.empty(len(seqs), dtype=torch.long)
+        seeded = [k for k, s in enumerate(seqs) if s.generator is not None]
+        free = [k for k, s in enumerate(seqs) if s.generator is None]
+        if free:
+            tokens[free] = torch.multinomial(probs[free], 1, generator=self._generator)[:, 0]
+        for k in seeded:
+            tokens[k] = torch.multinomial(probs[k], 1, generator=seqs[k].generator)[0]
+        tokens = torch.where(greedy, scaled.argmax(-1), tokens)
+        return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+    @staticmethod
+    def _truncate(scaled: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
+        top_k = torch.tensor([s.req.params.top_k for s in seqs])
+        top_p = torch.tensor([s.req.params.top_p for s in seqs])
+        min_p = torch.tensor([s.req.params.min_p for s in seqs])
+        vocab = scaled.shape[-1]
+        if bool((top_k >= vocab).all() and (top_p >= 1).all() and (min_p <= 0).all()):
+            return scaled
+        values, order = scaled.sort(dim=-1, descending=True)
+        probs = torch.softmax(values, dim=-1)
+        before = probs.cumsum(-1) - probs  # mass strictly above each rank
+        ranks = torch.arange(vocab)[None, :]
+        drop = (ranks >= top_k[:, None]) | (before > top_p[:, None]) | (probs < min_p[:, None] * probs[:, :1])
+        drop[:, 0] = False  # the best token always survives
+        values = values.masked_fill(drop, float("-inf"))
+        return torch.full_like(scaled, float("-inf")).scatter(-1, order, values)
+
+    def _append(self, s: _Seq, tok: int, lp: float, logits: torch.Tensor, temp: torch.Tensor, budget: int) -> None:
+        p = s.req.params
+        s.out.append(tok)
+        s.logprobs.append(lp)
+        if s.req.return_logprob and s.req.top_logprobs_num > 0:
+            t = float(temp) or 1.0
+            top = torch.log_softmax(logits / t, dim=-1).topk(s.req.top_logprobs_num)
+            s.top.append([[v, i, None] for v, i in zip(top.values.tolist(), top.indices.tolist())])
+        if s.req.rid in self._aborted:
+            s.finish = {"type": "abort", "message": "aborted by /abort_request", "status_code": 499, "err_type": "Abort"}
+        elif tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            if len(s.out) > p.min_new_tokens or tok in p.stop_token_ids:
+                s.finish = {"type": "stop", "matched": tok}
+        elif p.stop and self.tokenizer is not None:
+            width = max(len(x) for x in p.stop) + 1
+            tail = self.tokenizer.decode(s.out[-width:], skip_special_tokens=False)
+            hit = next((x for x in p.stop if x in tail), None)
+            if hit is not None:
+                s.finish = {"type": "stop", "matched": hit}
+        if s.finish is None and len(s.out) >= budget:
+            s.finish = {"type": "length", "length": len(s.out)}
+
+    def _result(self, s: _Seq, version: str) -> dict[str, Any]:
+        req, p = s.req, s.req.params
+        out, lps, top = list(s.out), list(s.logprobs), list(s.top)
+        fr = s.finish or {"type": "length", "length": len(out)}
+        matched = fr.get("matched")
+        if not p.no_stop_trim and isinstance(matched, int) and out and out[-1] == matched:
+            out, lps, top = out[:-1], lps[:-1], top[:-1]
+        meta: dict[str, Any] = {
+            "id": req.rid if p.n == 1 else f"{req.rid}-{s.sample}",
+            "finish_reason": fr,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(s.out),
+            "cached_tokens": 0,
+            "weight_version": version,
+            "e2e_latency": time.perf_counter() - req.arrival,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out)]
+            meta["input_token_logprobs"] = s.input_logprobs
+            if req.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = top
+        if req.return_routed_experts and s.routing:
+            full = np.concatenate(s.routing, axis=0)
+            n_fed = len(req.input_ids) + len(s.out) - 1
+            meta["routed_experts"] = encode_routed_experts(full[req.routed_experts_start_len : n_fed])
+        result: dict[str, Any] = {"output_ids": out, "meta_info": meta}
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(out, skip_special_tokens=p.skip_special_tokens)
+            if isinstance(matched, str) and not p.no_stop_trim and matched in text:
+                text = text[: text.rfind(matched)]
+            result["text"] = text
+        return result
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.cfg.tokenizer_path or self.cfg.model_path,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+            "precision": self.cfg.precision,
+            "architectures": list(getattr(self.hf_config, "architectures", None) or []),
+            "num_hidden_layers": int(self.hf_config.num_hidden_layers),
+            "num_moe_layers": len(self.tap.routers),
+            "num_experts_per_tok": self.tap.top_k if self.is_moe else None,
+            "context_length": self.context_length,
+            "eos_token_ids": sorted(self.eos_ids),
+            "vocab_size": int(self.hf_config.vocab_size),
+        }
+

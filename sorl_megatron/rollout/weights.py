@@ -1,0 +1,98 @@
+"""Checkpoint loading and safe (de)serialization of named tensors for weight updates.
+
+The server keeps the weights in HuggingFace *checkpoint* names (``...experts.3.up_proj.weight``),
+the names a trainer sends; transformers' own loader maps them onto the in-memory modules
+(which may fuse experts). Payloads are safetensors bytes, or ``torch.save`` bytes read with
+``torch.load(weights_only=True)`` (torch's restricted unpickler): never plain pickle.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import load_file, save
+
+LOAD_FORMATS = ("safetensors", "torch")
+
+
+class WeightError(ValueError):
+    """A checkpoint or weight payload that cannot be applied (names the key or file)."""
+
+
+def read_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the ``*.safetensors`` files in ``model_dir``, as float32."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise WeightError(f"model path {d} is not a directory")
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"no *.safetensors file in {d} (only safetensors checkpoints are served)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        for k, v in load_file(f).items():
+            if k in state:
+                raise WeightError(f"tensor {k} appears twice ({f.name} and an earlier shard)")
+            state[k] = v.float() if v.is_floating_point() else v
+    return state
+
+
+def check_compatible(current: dict[str, torch.Tensor], update: dict[str, torch.Tensor], full: bool) -> None:
+    """Every updated name must exist with the same shape; a full update must cover all names."""
+    unknown = sorted(set(update) - set(current))
+    if unknown:
+        raise WeightError(f"unknown weight name(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; expected HF checkpoint names like {next(iter(current))!r}")
+    for k, v in update.items():
+        if tuple(v.shape) != tuple(current[k].shape):
+            raise WeightError(f"weight {k}: shape {tuple(v.shape)} does not match the served {tuple(current[k].shape)}")
+        if not v.is_floating_point():
+            raise WeightError(f"weight {k}: dtype {v.dtype} is not floating point")
+        if not torch.isfinite(v).all():
+            raise WeightError(f"weight {k} contains NaN or Inf")
+    if full:
+        missing = sorted(set(current) - set(update))
+        if missing:
+            raise WeightError(f"checkpoint lacks weight(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]], load_format: str = "safetensors") -> str:
+    """``[(name, tensor)]`` -> one base64 string in ``load_format``."""
+    tensors = {n: t.detach().to("cpu").contiguous() for n, t in named}
+    if load_format == "safetensors":
+        return base64.b64encode(save(tensors)).decode("ascii")
+    if load_format == "torch":
+        buf = io.BytesIO()
+        torch.save(list(tensors.items()), buf)
+        return base64.b64encode(buf.getvalue()).decode("ascii")
+    raise WeightError(f"load_format {load_format!r} is not one of {list(LOAD_FORMATS)}")
+
+
+def deserialize_named_tensors(payload: str, load_format: str | None) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`serialize_named_tensors`; rejects anything but the safe formats."""
+    fmt = load_format or "safetensors"
+    if fmt not in LOAD_FORMATS:
+        raise WeightError(
+            f"load_format {fmt!r} is not accepted by this server (safe formats: {list(LOAD_FORMATS)}); "
+            "SGLang's pickled IPC payloads only work for a colocated CUDA server"
+        )
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (ValueError, TypeError) as exc:
+        raise WeightError(f"serialized_named_tensors is not valid base64: {exc}") from None
+    try:
+        if fmt == "safetensors":
+            return dict(st_load(raw))
+        obj = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    except Exception as exc:  # any decoding failure is the client's payload
+        raise WeightError(f"cannot decode {fmt} payload: {type(exc).__name__}: {exc}") from None
+    items: Iterator = iter(obj.items()) if isinstance(obj, dict) else iter(obj)
+    out = {}
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
+            raise WeightError("torch payload must be a list of (name, tensor) pairs or a dict")
+        out[item[0]] = item[1]
+    return out
