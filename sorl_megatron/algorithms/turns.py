@@ -138,7 +138,15 @@ def segment_mean_broadcast(values: torch.Tensor, segments: TurnSegments) -> torc
     """Mean of ``values`` over each token's turn, broadcast back to the turn's tokens.
 
     This is the turn-ratio hot path (SORL eq. 4: ``log w_k = mean_{t in k} log r_t``).
-    Gradients flow to every token of the turn with weight ``1 / |y^k|``.
+    Gradients flow to every token of the turn with weight ``1 / |y^k|``. Routed through
+    ``dispatch``: the Triton kernel on CUDA, :func:`segment_mean_broadcast_torch` otherwise.
     """
+    from .dispatch import segment_mean_broadcast as dispatched  # late: dispatch calls back here
+
+    return dispatched(values, segments)
+
+
+def segment_mean_broadcast_torch(values: torch.Tensor, segments: TurnSegments) -> torch.Tensor:
+    """The pure-torch :func:`segment_mean_broadcast` (vectorized, one ``index_add`` + gather)."""
     means = segment_sum(values, segments) / segments.segment_length.to(values.dtype)
     return broadcast_segments(means, segments)
