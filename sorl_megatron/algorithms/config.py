@@ -7,7 +7,7 @@ so a bad recipe fails before any process starts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from .aggregation import LOSS_AGG_MODES
@@ -186,27 +186,6 @@ class PolicyLossConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any], prefix: str = "loss") -> "PolicyLossConfig":
         """Build from a plain mapping (e.g. a recipe section); unknown keys are errors."""
-        nested = {"clip_bias": ClipBiasConfig, "sapo": SAPOConfig, "is_correction": ISCorrectionConfig}
-        kwargs = dict(_known_keys(cls, values, prefix))
-        for key, sub_cls in nested.items():
-            if key in kwargs and isinstance(kwargs[key], dict):
-                try:
-                    kwargs[key] = sub_cls(**_known_keys(sub_cls, kwargs[key], f"{prefix}.{key}"))
-                except ValueError as err:  # sub-configs name their own fields; add the parent
-                    msg = str(err)
-                    raise ValueError(msg if msg.startswith(f"{prefix}.") or "unknown config" in msg else f"{prefix}.{msg}") from None
-        return cls(**kwargs)
+        from ..typed_config import build_dataclass
 
-
-def _known_keys(cls, values: dict[str, Any], prefix: str) -> dict[str, Any]:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        import difflib
-
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hints.append(f"{prefix}.{key}" + (f" (did you mean {prefix}.{close[0]}?)" if close else ""))
-        raise ValueError(f"unknown config key(s): {', '.join(hints)}")
-    return dict(values)
+        return build_dataclass(cls, values, prefix)

@@ -1,0 +1,335 @@
+"""The typed schema of a training recipe, and the recipe loader.
+
+A recipe is NeMo-style OmegaConf YAML: an optional ``defaults:`` list of other recipes
+(paths relative to the file, ``.yaml`` optional) merged in order, then the file itself, then
+dotted command-line overrides (``algorithm.loss.name=so_grpo``). The merged tree is checked
+against the dataclasses below before any process starts: unknown keys (with a
+did-you-mean), wrong types and impossible layouts or batch sizes are errors naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+from ..algorithms.config import PolicyLossConfig
+from ..typed_config import ConfigError, build_dataclass, to_dict
+
+
+@dataclass
+class ModelConfig:
+    """HF checkpoint of the policy (and the critic's initialization)."""
+
+    path: str = ""
+    critic_path: Optional[str] = None  # default: same as `path`
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+
+
+@dataclass
+class ParallelismConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    sequence_parallel: Optional[bool] = None  # None: on whenever tp > 1
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class AdvantageConfig:
+    """gae (with a critic), grpo (group normalization) or pvpo (static V, PVPO eq. 10)."""
+
+    estimator: Literal["gae", "grpo", "pvpo"] = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    normalize_std: bool = True  # grpo only
+    whiten: bool = False
+
+
+@dataclass
+class PVPOConfig:
+    """PVPO group sampling: M reference rollouts per prompt before training."""
+
+    num_ref_rollouts: int = 5  # M
+    refresh_every: int = 0  # refresh static V every K steps (0 = never)
+    drop_solved: bool = True  # drop prompts with reference accuracy 1
+    inject_ground_truth: bool = False  # replace one rollout of accuracy-0 prompts by a GT trajectory
+
+
+@dataclass
+class AlgorithmConfig:
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    routing_replay: Literal["off", "r2", "r3"] = "off"
+    value_clip: Optional[float] = 0.2  # clipped value loss range; null = unclipped
+    pvpo: PVPOConfig = field(default_factory=PVPOConfig)
+
+
+@dataclass
+class RolloutConfig:
+    """Multi-turn generation. No URLs = start the embedded CPU server."""
+
+    urls: list[str] = field(default_factory=list)
+    precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # embedded server only
+    group_size: int = 4  # n rollouts per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_turns: int = 3
+    max_turn_tokens: int = 64
+    max_total_tokens: int = 512
+    max_obs_tokens: int = 128
+    concurrency: int = 16
+    timeout_s: float = 120.0
+    weight_sync: Literal["tensor", "disk"] = "tensor"
+
+
+@dataclass
+class RetrievalConfig:
+    """No URL = start the embedded BM25 server over `corpus`."""
+
+    url: Optional[str] = None
+    corpus: str = ""
+    topk: int = 3
+
+
+@dataclass
+class DataConfig:
+    train: str = ""
+    val: str = ""
+    max_prompt_tokens: int = 256
+    shuffle: bool = True
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-6
+    critic_lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    min_lr: float = 0.0
+
+
+@dataclass
+class ScheduleConfig:
+    """Batch geometry. ``batch_size`` prompts x ``group_size`` trajectories are split into
+    mini-batches of ``mini_batch_size`` trajectories (one optimizer step each), each over
+    ``ppo_epochs`` epochs: batch/mini-batch > 1 or epochs > 1 is off-policy (SORL A.5)."""
+
+    total_steps: int = 10
+    batch_size: int = 8
+    mini_batch_size: int = 16
+    micro_batch_size: int = 4
+    ppo_epochs: int = 1
+    critic_epochs: int = 1
+    val_every: int = 5
+    seed: int = 1234
+
+
+@dataclass
+class SFTConfig:
+    """Cold-start supervised stage on gold trajectories, before RL."""
+
+    enabled: bool = False
+    steps: int = 0
+    lr: float = 1e-4
+    batch_size: int = 8
+    data: str = ""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "runs/checkpoints"
+    save_every: int = 0  # 0 = only at the end
+    resume: str = "auto"  # auto | none | a checkpoint directory
+    keep_last: int = 2
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs"
+    run_name: str = "run"
+    tensorboard: bool = True
+    progress: Literal["rich", "tqdm", "plain", "none"] = "tqdm"
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        _check_values(self)
+
+
+CONFIG_GROUPS: dict[str, str] = {
+    "model": "HF checkpoint of the policy / critic and dtype",
+    "parallelism": "tp, pp, vpp, ep, etp, sequence_parallel, distributed optimizer",
+    "algorithm": "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, routing_replay, value_clip, pvpo",
+    "rollout": "SGLang URLs (or embedded), precision, group size, sampling, turns and lengths",
+    "retrieval": "retrieval URL (or embedded BM25 corpus), top-k",
+    "data": "train / val files (Search-R1 parquet or JSONL), prompt length",
+    "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule",
+    "schedule": "steps, batch / mini-batch / micro-batch sizes, ppo_epochs, validation period, seed",
+    "sft": "cold-start supervised stage",
+    "checkpoint": "directory, period, resume=auto|none|DIR",
+    "logging": "run directory and name, TensorBoard, progress bar",
+}
+
+
+def _positive_int(name: str, value: int, minimum: int = 1) -> None:
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_values(cfg: TrainConfig) -> None:
+    for key in ("tp", "pp", "vpp", "ep"):
+        _positive_int(f"parallelism.{key}", getattr(cfg.parallelism, key))
+    s = cfg.schedule
+    for key in ("total_steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "critic_epochs"):
+        _positive_int(f"schedule.{key}", getattr(s, key))
+    _positive_int("rollout.group_size", cfg.rollout.group_size)
+    _positive_int("rollout.max_turns", cfg.rollout.max_turns)
+    _positive_int("retrieval.topk", cfg.retrieval.topk)
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
+    for key in ("lr", "critic_lr"):
+        if getattr(cfg.optimizer, key) <= 0:
+            raise ConfigError(f"optimizer.{key} must be > 0, got {getattr(cfg.optimizer, key)}")
+    trajectories = s.batch_size * cfg.rollout.group_size
+    if trajectories % s.mini_batch_size:
+        raise ConfigError(
+            f"schedule.mini_batch_size={s.mini_batch_size} must divide schedule.batch_size x rollout.group_size = {trajectories}"
+        )
+    if s.mini_batch_size % s.micro_batch_size:
+        raise ConfigError(f"schedule.micro_batch_size={s.micro_batch_size} must divide schedule.mini_batch_size={s.mini_batch_size}")
+    a = cfg.algorithm
+    if a.advantage.estimator == "grpo" and cfg.rollout.group_size < 2:
+        raise ConfigError("algorithm.advantage.estimator=grpo needs rollout.group_size >= 2")
+    if a.advantage.estimator == "pvpo":
+        _positive_int("algorithm.pvpo.num_ref_rollouts", a.pvpo.num_ref_rollouts)
+    if a.value_clip is not None and a.value_clip <= 0:
+        raise ConfigError(f"algorithm.value_clip must be > 0 or null, got {a.value_clip}")
+
+
+def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
+    """Checks that need the world size and the model's HF config (heads, experts, layers)."""
+    p = cfg.parallelism
+    mp = p.tp * p.pp
+    if world_size % mp:
+        raise ConfigError(
+            f"parallelism: tp x pp = {p.tp} x {p.pp} = {mp} does not divide the world size {world_size}"
+        )
+    _check_model_layout(cfg)
+    dp = world_size // mp
+    s = cfg.schedule
+    if s.mini_batch_size % (s.micro_batch_size * dp):
+        raise ConfigError(
+            f"schedule.mini_batch_size={s.mini_batch_size} must be a multiple of schedule.micro_batch_size x data-parallel size "
+            f"= {s.micro_batch_size} x {dp}"
+        )
+
+
+def _check_model_layout(cfg: TrainConfig) -> None:
+    p = cfg.parallelism
+    hf_config = _read_hf_config(cfg.model.path)
+    if hf_config is None:
+        return
+    heads = int(hf_config.get("num_attention_heads", 1))
+    kv = int(hf_config.get("num_key_value_heads", heads) or heads)
+    layers = int(hf_config.get("num_hidden_layers", 1))
+    experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    if heads % p.tp or kv % p.tp:
+        raise ConfigError(f"parallelism.tp={p.tp} does not divide the model's {heads} attention / {kv} KV heads")
+    if layers % (p.pp * p.vpp):
+        raise ConfigError(f"parallelism.pp x vpp = {p.pp * p.vpp} does not divide the model's {layers} layers")
+    if p.ep > 1 and (experts == 0 or experts % p.ep):
+        raise ConfigError(f"parallelism.ep={p.ep} does not divide the model's {experts} experts")
+    if cfg.algorithm.routing_replay != "off" and experts == 0:
+        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay} needs an MoE model; {cfg.model.path} is dense")
+
+
+def _read_hf_config(path: str) -> Optional[dict]:
+    file = Path(path) / "config.json" if path else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"model.path: {file} is not valid JSON ({err})") from None
+
+
+def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Load a YAML recipe with its ``defaults`` chain, apply dotted overrides, validate."""
+    from omegaconf import OmegaConf
+
+    tree = _load_with_defaults(Path(path), seen=())
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. algorithm.loss.name=so_grpo)")
+    if overrides:
+        try:
+            dotlist = OmegaConf.from_dotlist(list(overrides))
+        except Exception as err:  # omegaconf's grammar errors
+            raise ConfigError(f"bad override in {list(overrides)}: {err}") from None
+        tree = OmegaConf.merge(tree, dotlist)
+    try:
+        plain = OmegaConf.to_container(tree, resolve=True)
+    except Exception as err:  # unresolvable interpolation
+        raise ConfigError(f"{path}: {err}") from None
+    plain.pop("defaults", None)
+    return build_dataclass(TrainConfig, plain)
+
+
+def _load_with_defaults(path: Path, seen: tuple[Path, ...]):
+    from omegaconf import OmegaConf
+
+    if path.suffix not in (".yaml", ".yml"):
+        candidate = path.with_suffix(".yaml")
+        path = candidate if candidate.is_file() else path
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"recipe defaults form a cycle: {' -> '.join(str(p) for p in seen + (path,))}")
+    if not path.is_file():
+        where = f" (listed in the defaults of {seen[-1]})" if seen else ""
+        raise ConfigError(f"recipe {path} not found{where}")
+    try:
+        node = OmegaConf.load(path)
+    except Exception as err:
+        raise ConfigError(f"{path}: not valid YAML ({err})") from None
+    defaults = node.pop("defaults", []) if "defaults" in node else []
+    if not isinstance(OmegaConf.to_container(node) if node is not None else {}, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping")
+    merged = OmegaConf.create({})
+    for item in defaults or []:
+        if not isinstance(item, str):
+            raise ConfigError(f"{path}: defaults entries must be recipe paths (strings), got {item!r}")
+        merged = OmegaConf.merge(merged, _load_with_defaults(path.parent / item, seen + (path,)))
+    return OmegaConf.merge(merged, node)
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    """The resolved config as YAML (written next to each run for reproducibility)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
