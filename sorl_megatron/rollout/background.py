@@ -25,7 +25,7 @@ class BackgroundServer:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        runner = web.AppRunner(self._app, access_log=None)
+        runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=1.0)
         try:
             self._loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, self.host, self.port)

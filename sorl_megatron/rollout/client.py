@@ -206,6 +206,9 @@ class RolloutClient:
         results = await asyncio.gather(*(one(u) for u in self.cfg.urls), return_exceptions=True)
         errors = [f"{u}: {r}" for u, r in zip(self.cfg.urls, results) if isinstance(r, BaseException)]
         if errors:
+            rejected = [r for r in results if isinstance(r, RequestRejectedError)]
+            if rejected:
+                raise RequestRejectedError(f"{path} rejected by {len(rejected)}/{len(self.cfg.urls)} server(s): " + "; ".join(errors), rejected[0].status)
             raise ServerError(f"{path} failed on {len(errors)}/{len(self.cfg.urls)} server(s): " + "; ".join(errors))
         for u, r in zip(self.cfg.urls, results):
             if isinstance(r, dict) and r.get("success") is False:

@@ -20,7 +20,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +31,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .precision import Precision, apply_precision
-from .protocol import SamplingParams, encode_routed_experts
+from .protocol import GenRequest, SamplingParams, encode_routed_experts
 from .weights import check_compatible, read_checkpoint
 
 log = logging.getLogger("sorl_megatron.rollout.engine")
@@ -51,22 +50,6 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     random_seed: int = 0
     weight_version: str = "default"
-
-
-@dataclass
-class GenRequest:
-    """One prompt of a ``/generate`` call (``params.n`` samples of it)."""
-
-    input_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_routed_experts: bool = False
-    routed_experts_start_len: int = 0
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    future: cf.Future = field(default_factory=cf.Future)
-    arrival: float = field(default_factory=time.perf_counter)
 
 
 @dataclass

@@ -12,8 +12,9 @@ from typing import Literal
 
 import torch
 
+from .protocol import PRECISIONS
+
 Precision = Literal["fp32", "bf16", "fp8"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp8")
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 

@@ -9,12 +9,16 @@ with HTTP 400.
 from __future__ import annotations
 
 import base64
+import concurrent.futures as cf
+import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 TOP_K_OFF = 1 << 30  # SGLang's "no top-k" value
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp8")
 
 
 class ProtocolError(ValueError):
@@ -100,6 +104,22 @@ class SamplingParams:
         if p.top_k == -1:
             p.top_k = TOP_K_OFF
         return p
+
+
+@dataclass
+class GenRequest:
+    """One prompt of a ``/generate`` call (``params.n`` samples of it)."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    future: cf.Future = field(default_factory=cf.Future)
+    arrival: float = field(default_factory=time.perf_counter)
 
 
 @dataclass

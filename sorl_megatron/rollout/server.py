@@ -15,16 +15,15 @@ import argparse
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from aiohttp import web
 
 from .background import BackgroundServer
-from .engine import Engine, EngineConfig, GenRequest
-from .precision import PRECISIONS
-from .protocol import ProtocolError, SamplingParams, _is_int
-from .weights import WeightError, deserialize_named_tensors
+from .protocol import PRECISIONS, GenRequest, ProtocolError, SamplingParams, _is_int
+
+if TYPE_CHECKING:  # torch/transformers load lazily so that --help answers at once
+    from .engine import Engine, EngineConfig
 
 log = logging.getLogger("sorl_megatron.rollout.server")
 
@@ -129,6 +128,8 @@ async def _json(request: web.Request) -> Any:
 
 
 def build_app(engine: Engine) -> web.Application:
+    from .weights import WeightError, deserialize_named_tensors
+
     async def run_control(fn) -> Any:
         return await asyncio.wrap_future(engine.call(fn))
 
@@ -279,6 +280,8 @@ class RolloutServer:
 
 def start_rollout_server(cfg: EngineConfig, host: str = "127.0.0.1", port: int = 0) -> RolloutServer:
     """Start an embedded server in this process (port 0 picks a free port)."""
+    from .engine import Engine
+
     engine = Engine(cfg).start()
     return RolloutServer(engine, BackgroundServer(build_app(engine), host, port).start())
 
@@ -325,6 +328,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+
+    from .engine import Engine, EngineConfig
+
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     cfg = EngineConfig(
