@@ -1,0 +1,55 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sorl_megatron.trainer.metrics_log import MetricsLogger, read_metrics
+from sorl_megatron.trainer.plots import plot_runs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fake_run(path, scale):
+    log = MetricsLogger(path, total_steps=4, tensorboard=True, progress="none")
+    for step in range(1, 5):
+        log.log(step, {"rollout/reward": scale * step, "actor/clip_frac": torch.tensor(0.01 * step),
+                       "actor/clip_bias/norm": float("nan"), "note": "text is skipped"})
+    log.close()
+
+
+def test_logger_writes_jsonl_and_tensorboard(tmp_path):
+    _fake_run(tmp_path / "a", 0.1)
+    rows = read_metrics(tmp_path / "a")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[1]["rollout/reward"] == pytest.approx(0.2) and rows[1]["actor/clip_frac"] == pytest.approx(0.02)
+    assert rows[0]["actor/clip_bias/norm"] is None and "note" not in rows[0]
+    assert any((tmp_path / "a" / "tensorboard").iterdir())
+    # resuming from step 2 drops the rows logged after the checkpoint
+    log = MetricsLogger(tmp_path / "a", total_steps=4, tensorboard=False, progress="none", start_step=2)
+    log.log(3, {"rollout/reward": 9.0})
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "a")] == [1, 2, 3]
+
+
+def test_plots_overlay_runs(tmp_path):
+    _fake_run(tmp_path / "a", 0.1)
+    _fake_run(tmp_path / "b", 0.2)
+    written = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "plots")
+    names = {p.name for p in written}
+    assert {"rollout_reward.png", "actor_clip_frac.png", "summary.png"} <= names
+    assert "actor_clip_bias_norm.png" not in names  # only nulls were logged
+    assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+def test_plot_cli_errors_clearly(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "missing"), "--out", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "no metrics file" in proc.stderr
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "bad"), "--out", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "metrics.jsonl:2" in proc.stderr

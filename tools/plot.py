@@ -1,0 +1,35 @@
+"""Plot training curves of one or several runs.
+
+    python tools/plot.py RUN_DIR [RUN_DIR ...] --out plots/ [--labels a,b]
+
+Each RUN_DIR holds the metrics.jsonl a training run writes (logging.dir / logging.run_name).
+Writes one PNG per logged metric (reward, validation EM, clipping ratio, KL, gradient norm,
+clip-bias norm, train/inference mismatch, ...) and summary.png with all of them, runs overlaid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sorl_megatron.trainer.plots import plot_runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
+    parser.add_argument("--out", required=True, help="output directory for the PNGs")
+    parser.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
+    args = parser.parse_args(argv)
+    try:
+        paths = plot_runs(args.runs, args.out, labels=args.labels.split(",") if args.labels else None)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
