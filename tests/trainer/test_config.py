@@ -7,10 +7,11 @@ from sorl_megatron.algorithms import POLICY_LOSSES
 from sorl_megatron.trainer.config import ConfigError, TrainConfig, dump_config, load_recipe, validate_layout_for_launch
 from sorl_megatron.typed_config import build_dataclass
 
-RECIPES = sorted(Path(__file__).resolve().parents[2].joinpath("recipes").glob("*.yaml"))
+RECIPES = sorted(Path(__file__).resolve().parents[2].joinpath("recipes").rglob("*.yaml"))
+BASE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_search_base.yaml"
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_shipped_recipe_validates(recipe):
     cfg = load_recipe(recipe)
     assert cfg.algorithm.loss.name in POLICY_LOSSES
@@ -45,7 +46,7 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
 )
 def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_recipe(RECIPES[0], overrides)
+        load_recipe(BASE, overrides)
 
 
 def test_missing_and_cyclic_recipes(tmp_path):
