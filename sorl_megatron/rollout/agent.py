@@ -1,0 +1,269 @@
+"""The multi-turn search agent loop (Search-R1 protocol), tokens in and tokens out.
+
+Each turn sends the whole token history to the rollout server and appends the sampled ids
+exactly as returned (never re-tokenized). A turn stops at ``</search>``, ``</answer>``, EOS or
+its token budget. ``<search> q </search>`` calls the retriever and appends
+``<information>...</information>`` observation tokens; a turn with neither a search nor an
+answer gets Search-R1's correction message as its observation. Observations carry loss mask
+0. The episode ends at an answer, EOS, the turn limit or the length limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..retrieval.corpus import Passage, format_passages
+from .protocol import GenerateOutput, SamplingParams
+from .trajectory import Trajectory
+
+log = logging.getLogger("sorl_megatron.rollout.agent")
+
+# Search-R1's fixed correction observation (models trained with Search-R1 expect this text).
+INVALID_ACTION_MESSAGE = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between "
+    "<search> and </search>. If I want to give the final answer, I should put the answer "
+    "between <answer> and </answer>. Let me try again.\n"
+)
+_ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+
+class Policy(Protocol):
+    """What the loop needs from a rollout backend (``RolloutClient`` is one)."""
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        rid: str | None = None,
+    ) -> list[GenerateOutput]: ...
+
+
+class Retriever(Protocol):
+    async def retrieve(self, queries: Sequence[str], topk: int | None = None) -> list[list[Passage]]: ...
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Limits and sampling of the agent loop (SORL: 3 turns; SAPO/PVPO: 4-5).
+
+    Attributes:
+        max_turns: policy turns per episode; the last turn's search is not executed.
+        max_turn_tokens: sampled tokens per turn.
+        max_total_tokens: prompt + responses + observations.
+        max_obs_tokens: observation tokens per search (passages are cut, tags kept).
+        topk: passages per search.
+        return_routed_experts: ask the server for routing (MoE, R3 replay).
+    """
+
+    max_turns: int = 4
+    max_turn_tokens: int = 500
+    max_total_tokens: int = 4096
+    max_obs_tokens: int = 500
+    topk: int = 3
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ("</search>", "</answer>")
+    return_routed_experts: bool = False
+    max_concurrency: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "topk", "max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"agent.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def parse_action(text: str) -> tuple[str | None, str]:
+    """``("search", query)``, ``("answer", answer)`` or ``(None, "")`` for an invalid turn."""
+    m = _ACTION_RE.search(text)
+    if m is None:
+        return None, ""
+    kind, content = m.group(1), m.group(2).strip()
+    if kind == "search" and not content:
+        return None, ""
+    return kind, content
+
+
+class _Builder:
+    """Accumulates one episode's aligned arrays."""
+
+    def __init__(self, prompt: Sequence[int], routed: bool):
+        self.ids: list[np.ndarray] = [np.asarray(prompt, dtype=np.int64)]
+        self.mask: list[np.ndarray] = [np.zeros(len(prompt), np.int8)]
+        self.turn: list[np.ndarray] = [np.full(len(prompt), -1, np.int32)]
+        self.lps: list[np.ndarray] = [np.zeros(len(prompt), np.float32)]
+        self.routing: list[np.ndarray] | None = [] if routed else None
+        self.length = len(prompt)
+        self.routed_len = 0  # positions whose routing we hold
+
+    def tokens(self) -> list[int]:
+        return np.concatenate(self.ids).tolist()
+
+    def add_policy(self, out: GenerateOutput, turn: int) -> None:
+        n = len(out.output_ids)
+        self.ids.append(np.asarray(out.output_ids, dtype=np.int64))
+        self.mask.append(np.ones(n, np.int8))
+        self.turn.append(np.full(n, turn, np.int32))
+        self.lps.append(np.asarray(out.output_logprobs, dtype=np.float32))
+        self.length += n
+        if self.routing is not None and out.routed_experts is not None:
+            self.routing.append(out.routed_experts)
+            self.routed_len += out.routed_experts.shape[0]
+
+    def add_observation(self, ids: Sequence[int]) -> None:
+        self.ids.append(np.asarray(ids, dtype=np.int64))
+        self.mask.append(np.zeros(len(ids), np.int8))
+        self.turn.append(np.full(len(ids), -1, np.int32))
+        self.lps.append(np.zeros(len(ids), np.float32))
+        self.length += len(ids)
+
+    def routed_experts(self) -> np.ndarray | None:
+        if self.routing is None or not self.routing:
+            return None
+        got = np.concatenate(self.routing)
+        out = np.full((self.length, *got.shape[1:]), -1, np.int32)
+        out[: got.shape[0]] = got
+        return out
+
+
+class SearchAgent:
+    """Runs episodes against a rollout backend and a retriever."""
+
+    def __init__(self, policy: Policy, retriever: Retriever, tokenizer: Tokenizer, cfg: AgentConfig | None = None):
+        self.policy, self.retriever, self.tokenizer = policy, retriever, tokenizer
+        self.cfg = cfg or AgentConfig()
+        open_tag = tokenizer.encode("\n\n<information>", add_special_tokens=False)
+        close_tag = tokenizer.encode("</information>\n\n", add_special_tokens=False)
+        self._obs_tags = (open_tag, close_tag)
+        self._invalid_ids = tokenizer.encode(INVALID_ACTION_MESSAGE, add_special_tokens=False)
+
+    def observation_ids(self, passages: Sequence[Passage]) -> list[int]:
+        """``<information>`` block of the passages, cut to ``max_obs_tokens`` (tags kept)."""
+        open_tag, close_tag = self._obs_tags
+        body = self.tokenizer.encode(format_passages(passages).strip(), add_special_tokens=False)
+        room = max(self.cfg.max_obs_tokens - len(open_tag) - len(close_tag), 0)
+        return open_tag + body[:room] + close_tag
+
+    def _sampling(self, budget: int, seed: int | None) -> SamplingParams:
+        c = self.cfg
+        return SamplingParams(
+            max_new_tokens=budget,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            top_k=c.top_k if c.top_k > 0 else 1 << 30,
+            stop=list(c.stop),
+            no_stop_trim=True,
+            sampling_seed=seed,
+        )
+
+    async def run(self, prompt_ids: Sequence[int], seed: int | None = None, meta: dict[str, Any] | None = None) -> Trajectory:
+        """One episode from a tokenized prompt."""
+        c = self.cfg
+        b = _Builder(prompt_ids, c.return_routed_experts)
+        finish, answer, searches, turns, versions = "max_turns", None, 0, 0, []
+        for turn in range(c.max_turns):
+            room = c.max_total_tokens - b.length
+            if room <= 0:
+                finish = "max_length"
+                break
+            outs = await self.policy.generate(
+                b.tokens(),
+                self._sampling(min(c.max_turn_tokens, room), None if seed is None else seed * 1000 + turn),
+                return_logprob=True,
+                return_routed_experts=c.return_routed_experts,
+                routed_experts_start_len=b.routed_len,
+            )
+            out = outs[0]
+            b.add_policy(out, turn)
+            turns += 1
+            versions.append(out.weight_version)
+            kind, content = parse_action(self.tokenizer.decode(out.output_ids, skip_special_tokens=False))
+            if kind == "answer":
+                finish, answer = "answer", content
+                break
+            if kind is None and out.finish_type == "stop" and isinstance(out.matched, int):
+                finish = "eos"  # the policy ended the episode without answering
+                break
+            if turn == c.max_turns - 1:
+                finish = "max_turns"
+                break
+            if kind is None and b.length >= c.max_total_tokens:
+                finish = "max_length"
+                break
+            if kind == "search":
+                passages = (await self.retriever.retrieve([content], c.topk))[0]
+                obs = self.observation_ids(passages)
+                searches += 1
+            else:
+                obs = self._invalid_ids
+            if b.length + len(obs) >= c.max_total_tokens:  # no room to act on the observation
+                finish = "max_length"
+                break
+            b.add_observation(obs)
+        ids = np.concatenate(b.ids)
+        return Trajectory(
+            token_ids=ids,
+            loss_mask=np.concatenate(b.mask),
+            turn_ids=np.concatenate(b.turn),
+            rollout_logprobs=np.concatenate(b.lps),
+            prompt_len=len(prompt_ids),
+            finish_reason=finish,
+            num_turns=turns,
+            num_searches=searches,
+            routed_experts=b.routed_experts(),
+            answer=answer,
+            response_text=self.tokenizer.decode(ids[len(prompt_ids) :].tolist(), skip_special_tokens=False),
+            weight_versions=versions,
+            meta=dict(meta or {}),
+        )
+
+    async def run_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int = 1,
+        seed: int | None = None,
+        metas: Sequence[dict[str, Any]] | None = None,
+        progress: bool = False,
+    ) -> list[Trajectory]:
+        """``n`` episodes per prompt, all in flight at once (bounded by ``max_concurrency``).
+
+        Results are prompt-major: the n samples of prompt 0, then of prompt 1, ...; each
+        trajectory's ``meta`` gets ``prompt_index`` and ``sample_index``.
+        """
+        sem = asyncio.Semaphore(self.cfg.max_concurrency)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts) * n, desc="rollouts", unit="traj")
+
+        async def one(i: int, j: int) -> Trajectory:
+            meta = {**(metas[i] if metas else {}), "prompt_index": i, "sample_index": j}
+            s = None if seed is None else seed + i * n + j
+            async with sem:
+                traj = await self.run(prompts[i], seed=s, meta=meta)
+            if bar is not None:
+                bar.update(1)
+            return traj
+
+        try:
+            return list(await asyncio.gather(*(one(i, j) for i in range(len(prompts)) for j in range(n))))
+        finally:
+            if bar is not None:
+                bar.close()
