@@ -1,1 +1,7 @@
-"""Data: Search-R1 / verl parquet, a synthetic knowledge base, an offline tokenizer and tiny models."""
+"""Data: verl / Search-R1 parquet rows (``qa``), a synthetic knowledge base with gold plans
+(``synthetic``, ``gold``), an offline BPE tokenizer (``tokenizer``) and tiny random HF models
+(``tiny_model``); nothing is downloaded."""
+
+from .qa import SEARCH_INSTRUCTION, QARow, encode_prompt, make_row, read_parquet, write_parquet
+
+__all__ = ["SEARCH_INSTRUCTION", "QARow", "encode_prompt", "make_row", "read_parquet", "write_parquet"]

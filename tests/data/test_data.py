@@ -1,0 +1,117 @@
+import asyncio
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from sorl_megatron.data import encode_prompt, make_row, read_parquet, write_parquet
+from sorl_megatron.data.gold import gold_trajectory
+from sorl_megatron.data.synthetic import corpus, main, make_kb, questions
+from sorl_megatron.data.tokenizer import ACTION_TAGS, train_tokenizer
+from sorl_megatron.retrieval import BM25Index, read_corpus
+from sorl_megatron.rewards import RewardRegistry
+from sorl_megatron.rollout.agent import AgentConfig, SearchAgent
+
+
+def test_parquet_roundtrip(tmp_path):
+    rows = [make_row("Who?", ["A", "a1"], "nq", "train", 0), make_row("Where?", ["B"], "hotpotqa", "train", 1)]
+    path = write_parquet(rows, tmp_path / "x.parquet")
+    back = read_parquet(path)
+    assert [r.targets for r in back] == [["A", "a1"], ["B"]]
+    assert back[1].data_source == "hotpotqa" and back[0].prompt[0]["role"] == "user"
+    assert "Question: Where?" in back[1].prompt[0]["content"] and back[1].extra_info["index"] == 1
+    schema = pq.read_schema(path)
+    assert {"data_source", "prompt", "ability", "reward_model", "extra_info"} <= set(schema.names)
+
+
+def test_reads_search_r1_file_as_is(tmp_path):
+    table = pa.Table.from_pylist(
+        [
+            {
+                "id": "train_0",
+                "question": "who sings x",
+                "golden_answers": ["Y"],
+                "data_source": "nq",
+                "prompt": [{"role": "user", "content": "Answer ... Question: who sings x?\n"}],
+                "ability": "fact-reasoning",
+                "reward_model": {"style": "rule", "ground_truth": {"target": ["Y", "Y band"]}},
+                "extra_info": {"split": "train", "index": 0},
+            }
+        ]
+    )
+    pq.write_table(table, tmp_path / "train.parquet")
+    (row,) = read_parquet(tmp_path / "train.parquet")
+    assert row.targets == ["Y", "Y band"] and row.data_source == "nq"
+
+
+def test_bad_files_name_row_and_column(tmp_path):
+    pq.write_table(pa.Table.from_pylist([{"data_source": "nq", "prompt": [{"role": "user", "content": "q"}]}]), tmp_path / "a.parquet")
+    with pytest.raises(ValueError, match=r"a.parquet: missing column\(s\) \['reward_model'\]"):
+        read_parquet(tmp_path / "a.parquet")
+    bad = [
+        {"data_source": "nq", "prompt": [{"role": "user", "content": "q"}], "reward_model": {"style": "rule", "ground_truth": {"target": ["x"]}}},
+        {"data_source": "nq", "prompt": [{"role": "user", "content": "q"}], "reward_model": {"style": "rule", "ground_truth": {"target": []}}},
+    ]
+    pq.write_table(pa.Table.from_pylist(bad), tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match="b.parquet row 1"):
+        read_parquet(tmp_path / "b.parquet")
+
+
+def test_tokenizer_special_tokens_and_template():
+    tok = train_tokenizer(["hello world <search> x </search>"] * 10, vocab_size=300)
+    for tag in ACTION_TAGS:
+        assert len(tok.encode(tag, add_special_tokens=False)) == 1
+    text = "héllo <answer> 42 </answer> 🙂"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text  # byte-level: lossless
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    row = make_row("Q?", ["A"], "nq", "train", 0)
+    ids = encode_prompt(tok, row)
+    assert tok.decode(ids).endswith("<|im_end|>\n<|im_start|>assistant\n") and isinstance(ids[0], int)
+
+
+def test_synthetic_kb_is_consistent_and_retrievable():
+    kb = make_kb(num_people=30, seed=3)
+    rows = list(corpus(kb))
+    assert len(rows) == 30 + len(kb.cities) + len(kb.companies)
+    assert all(r["contents"].startswith('"') and "\n" in r["contents"] for r in rows)
+    qs = questions(kb, seed=3)
+    assert len(qs) == 4 * 30 and {s for _, s, _ in qs} == {"synthetic_single", "synthetic_multi"}
+    from sorl_megatron.retrieval.corpus import Passage
+
+    index = BM25Index([Passage(r["id"], r["contents"]) for r in rows])
+    for q, source, plan in qs[:20]:
+        hops = 1 if source == "synthetic_single" else 2
+        assert len(plan.searches) == hops
+        # the last hop's top passage states the answer
+        top = index.search([plan.searches[-1]], topk=1)[0][0]
+        assert plan.answer in top.contents, (q, plan, top)
+
+
+def test_cli_writes_everything_and_gold_trajectories_score_1(tmp_path):
+    main(["--out", str(tmp_path), "--num-people", "20", "--seed", "1", "--make-model", "--vocab-size", "600"])
+    splits = {s: read_parquet(tmp_path / f"{s}.parquet") for s in ("train", "validation", "test")}
+    assert sum(len(v) for v in splits.values()) == 80 and len(splits["test"]) >= 8
+    gold = [json.loads(line) for line in (tmp_path / "gold.jsonl").read_text().splitlines()]
+    assert len(gold) == 80 and gold[0]["turns"][-1].startswith("<think>")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert (tmp_path / "model" / "config.json").exists()
+    index = BM25Index(list(read_corpus(tmp_path / "corpus.jsonl")))
+
+    class LocalRetriever:
+        async def retrieve(self, queries, topk=None):
+            return index.search(queries, topk or 3)
+
+    from sorl_megatron.data.synthetic import GoldPlan
+
+    registry = RewardRegistry()
+    for g in gold[:12]:
+        row = make_row(g["question"], [g["answer"]], g["data_source"], "train", 0)
+        plan = GoldPlan(g["searches"], g["answer"], g["thoughts"])
+        factory = lambda policy: SearchAgent(policy, LocalRetriever(), tok, AgentConfig(max_turns=4))
+        traj = asyncio.run(gold_trajectory(factory, tok, encode_prompt(tok, row), plan))
+        assert traj.finish_reason == "answer" and traj.num_searches == len(plan.searches)
+        assert traj.num_turns == len(plan.searches) + 1 and traj.meta["gold"]
+        assert registry.score(row.data_source, traj.response_text, {"target": row.targets}) == 1.0
+        assert f"<information>Doc 1(Title:" in traj.response_text and (traj.rollout_logprobs == 0).all()
