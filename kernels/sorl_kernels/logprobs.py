@@ -51,7 +51,7 @@ def _partials_kernel(
         e = tl.where(valid, tl.exp(shift), 0.0)
         scale = tl.exp(m - m_new)
         moved = tl.where(s > 0, m - m_new, 0.0) * s  # s = 0, m = -inf before the first block
-        u = scale * (u + moved) + tl.sum(e * shift, axis=0)
+        u = scale * (u + moved) + tl.sum(tl.where(e > 0, e * shift, 0.0), axis=0)  # -inf logits: 0, not NaN
         s = scale * s + tl.sum(e, axis=0)
         m = m_new
         picked += tl.sum(tl.where(valid & (cols == target), z, 0.0), axis=0)

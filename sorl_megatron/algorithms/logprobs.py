@@ -63,36 +63,47 @@ def _acc_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
+def _chunk(logits: torch.Tensor, start: int, chunk_size: int, temperature: float) -> torch.Tensor:
+    """``z`` of one chunk as a fresh accumulator-dtype tensor (safe to modify in place)."""
+    z = logits[:, start : start + chunk_size].to(_acc_dtype(logits), copy=True)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _pick(z: torch.Tensor, local_target: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose target column lies in this chunk, and that column (chunk coordinates)."""
+    col = local_target - start
+    rows = ((col >= 0) & (col < z.shape[1])).nonzero().flatten()
+    return rows, col[rows]
+
+
 def vocab_partials_torch(
     logits: torch.Tensor, targets: torch.Tensor, vocab_start: int = 0, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK
 ) -> VocabPartials:
-    """Partials of a ``[N, V_local]`` shard, one ``[N, chunk]`` fp32 temporary at a time.
+    """Partials of a ``[N, V_local]`` shard with ``[N, chunk]`` temporaries only.
 
     Online update when the running max moves from ``m`` to ``m'`` (scale ``a = exp(m - m')``):
     ``s' = a s + sum exp(z - m')`` and ``u' = a (u + (m - m') s) + sum exp(z - m') (z - m')``.
+    In-place ops keep the live temporaries to two float chunks and one bool chunk.
     """
     n, width = logits.shape
-    acc = _acc_dtype(logits)
-    m = torch.full((n,), float("-inf"), dtype=acc, device=logits.device)
-    s = torch.zeros_like(m)
-    u = torch.zeros_like(m)
-    target = torch.zeros_like(m)
+    m = torch.full((n,), float("-inf"), dtype=_acc_dtype(logits), device=logits.device)
+    s, u, target = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
     local_target = targets.long() - vocab_start
     for start in range(0, width, chunk_size):
-        z = logits[:, start : start + chunk_size].to(acc) / temperature
+        z = _chunk(logits, start, chunk_size, temperature)
+        rows, cols = _pick(z, local_target, start)
+        target[rows] += z[rows, cols]
         m_new = torch.maximum(m, z.amax(dim=1))
-        shift = z - m_new[:, None]
+        shift = z.sub_(m_new[:, None])
         e = torch.exp(shift)
+        # e * shift -> 0 where e == 0 (a -inf logit would give 0 * -inf = NaN).
+        chunk_s, chunk_u = e.sum(dim=1), shift.masked_fill_(e == 0, 0.0).mul_(e).sum(dim=1)
         scale = torch.exp(m - m_new)
         # (m - m') s is 0 before the first chunk (s = 0, m = -inf would give NaN).
         moved = torch.where(s > 0, m - m_new, torch.zeros_like(s)) * s
-        u = scale * (u + moved) + torch.where(e > 0, e * shift, torch.zeros_like(e)).sum(dim=1)
-        s = scale * s + e.sum(dim=1)
+        u = scale * (u + moved) + chunk_u
+        s = scale * s + chunk_s
         m = m_new
-        col = local_target - start
-        inside = (col >= 0) & (col < z.shape[1])
-        picked = z.gather(1, col.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
-        target = target + torch.where(inside, picked, torch.zeros_like(picked))
     return VocabPartials(m, s, u, target)
 
 
@@ -123,22 +134,25 @@ def logprob_entropy_grad_torch(
     grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor, vocab_start: int = 0, temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK,
 ) -> torch.Tensor:
-    """``dL/dlogits`` of a shard from eq. 3-4, recomputing ``p`` chunk by chunk (output in
-    the logits dtype, the only full-vocab tensor)."""
+    """``dL/dlogits`` of a shard from eq. 3-4, recomputing ``p`` chunk by chunk. The output
+    (logits dtype) is the only full-vocab tensor; temporaries are two float chunks and a bool one."""
     grad = torch.empty_like(logits)
-    local_target = (targets.long() - vocab_start)[:, None]
     acc = _acc_dtype(logits)
-    g_lp, g_h = grad_logprobs.to(acc)[:, None], grad_entropy.to(acc)[:, None]
+    local_target = targets.long() - vocab_start
+    g_lp, g_h = grad_logprobs.to(acc), grad_entropy.to(acc)[:, None]
     lse, entropy = lse.to(acc)[:, None], entropy.to(acc)[:, None]
     for start in range(0, logits.shape[1], chunk_size):
-        z = logits[:, start : start + chunk_size].to(acc) / temperature
-        logp = z - lse
+        z = _chunk(logits, start, chunk_size, temperature)
+        logp = z.sub_(lse)
         p = torch.exp(logp)
-        cols = torch.arange(start, start + z.shape[1], device=z.device)[None, :]
-        onehot = (cols == local_target).to(z.dtype)
-        ent_term = torch.where(p > 0, p * (logp + entropy), torch.zeros_like(p))  # p log p -> 0 at p = 0
-        g = g_lp * (onehot - p) - g_h * ent_term
-        grad[:, start : start + z.shape[1]] = (g / temperature).to(grad.dtype)
+        # p (log p + H), with p log p -> 0 where p == 0.
+        ent_term = logp.add_(entropy).masked_fill_(p == 0, 0.0).mul_(p)
+        g = p.mul_(-g_lp[:, None]).addcmul_(ent_term, g_h, value=-1.0)  # -g_lp p - g_H p (log p + H)
+        rows, cols = _pick(g, local_target, start)
+        g[rows, cols] += g_lp[rows]  # the one-hot of eq. 3
+        if temperature != 1.0:
+            g.div_(temperature)
+        grad[:, start : start + g.shape[1]] = g
     return grad
 
 

@@ -91,6 +91,24 @@ def test_one_sided_backward_and_strided_rows():
         torch.testing.assert_close(ge, gr, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter evaluates both tl.where branches
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_minus_inf_logits_are_excluded(backend):
+    """Banned tokens (-inf logits) behave as if absent, with zero gradient and no NaN."""
+    logits, targets = _logits(shape=(4, 150))
+    targets = targets % 130
+    banned = logits.clone()
+    banned[:, 130:] = float("-inf")
+    g_lp, g_ent = torch.randn(4), torch.randn(4)
+    kernels = TritonLogProbKernels if backend == "triton" else None
+    lp, ent, grad = _run(token_logprobs_entropy, banned, targets, g_lp, g_ent, chunk_size=64, kernels=kernels)
+    ref = _run(log_softmax_logprobs_entropy, logits[:, :130], targets, g_lp, g_ent)
+    torch.testing.assert_close(lp, ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad[:, :130], ref[2], atol=1e-6, rtol=1e-5)
+    assert torch.equal(grad[:, 130:], torch.zeros(4, 20))
+
+
 class _ThreadGroup:
     """An all-reduce over threads standing in for tensor-parallel ranks."""
 
