@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .precision import Precision, apply_precision
-from .protocol import GenRequest, SamplingParams, encode_routed_experts
+from .protocol import GenRequest, encode_routed_experts
 from .weights import check_compatible, read_checkpoint
 
 log = logging.getLogger("sorl_megatron.rollout.engine")

@@ -6,7 +6,7 @@ import sys
 import aiohttp
 import pytest
 
-from sorl_megatron.retrieval import BM25Index, Passage, RetrievalClient, format_passages, read_corpus
+from sorl_megatron.retrieval import BM25Index, RetrievalClient, format_passages, read_corpus
 from sorl_megatron.retrieval.server import RetrievalServerConfig, start_retrieval_server
 from sorl_megatron.rollout.http import RequestRejectedError, RetryPolicy
 
