@@ -115,3 +115,16 @@ def test_cli_writes_everything_and_gold_trajectories_score_1(tmp_path):
         assert traj.num_turns == len(plan.searches) + 1 and traj.meta["gold"]
         assert registry.score(row.data_source, traj.response_text, {"target": row.targets}) == 1.0
         assert f"<information>Doc 1(Title:" in traj.response_text and (traj.rollout_logprobs == 0).all()
+
+
+def test_tools_wrapper_writes_the_data_set(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "tools" / "make_synthetic_data.py"
+    proc = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--num-people", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("corpus.jsonl", "gold.jsonl", "train.parquet", "validation.parquet", "test.parquet"):
+        assert (tmp_path / name).stat().st_size > 0, name
