@@ -12,7 +12,8 @@ issue); ``SORL_KERNELS=triton`` forces Triton, which on CPU tensors only works u
 Entry points (the algorithm core and the Megatron engine call these, never the kernels):
 
 - :func:`segment_mean_broadcast`: turn / sequence log-ratio means (``turns.py``);
-- :func:`token_logprobs_entropy`: log-probs and entropy from (TP-sharded) logits.
+- :func:`token_logprobs_entropy`: log-probs and entropy from (TP-sharded) logits;
+- :func:`clipped_surrogate`: the fused clipped surrogate + clip indicators (``policy_loss.py``).
 """
 
 from __future__ import annotations
@@ -113,3 +114,17 @@ def token_logprobs_entropy(
         logits, targets, temperature=temperature, vocab_start=vocab_start, all_reduce=all_reduce,
         chunk_size=chunk_size, kernels=kernels,
     )
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    clip_low: float, clip_high: float, dual_clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(per_token, clip_high, clip_low, dual)`` of :func:`.policy_loss.clipped_surrogate_torch`."""
+    if use_triton(ratio):
+        from sorl_kernels.surrogate import clipped_surrogate as kernel
+
+        return kernel(ratio, advantages, mask, clip_low, clip_high, dual_clip)
+    from .policy_loss import clipped_surrogate_torch
+
+    return clipped_surrogate_torch(ratio, advantages, mask, clip_low, clip_high, dual_clip)

@@ -23,6 +23,7 @@ from typing import Iterable
 
 import torch
 
+from . import dispatch
 from .aggregation import aggregate, masked_max, masked_mean, masked_min, token_weights
 from .clip_bias import ClipBiasTerms, clip_bias_norm, clip_bias_terms, normalization_factor, param_grad_clip_bias_norm
 from .config import PolicyLossConfig
@@ -196,18 +197,11 @@ def _policy_terms(
     level_lr_raw = level_log_ratio(token_lr_raw, spec.ratio_level, level_segments, clamp=None)
     ratio = torch.exp(level_lr_raw.clamp(-clamp, clamp))
 
-    # Clipped surrogate and the indicators of B^c (tokens whose gradient the clip removed).
-    pg_unclipped = -advantages * ratio
-    pg_clipped = -advantages * ratio.clamp(config.clip_low, config.clip_high)
-    per_token = torch.maximum(pg_unclipped, pg_clipped)
-    clip_high = (advantages > 0) & (ratio > config.clip_high) & mask
-    clip_low = (advantages < 0) & (ratio < config.clip_low) & mask
-    clipped = clip_high | clip_low
-    dual = torch.zeros_like(mask)
-    if config.dual_clip is not None:
-        dual = (advantages < 0) & (ratio > config.dual_clip) & mask
-        per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * config.dual_clip), per_token)
-        clipped = clipped | dual
+    # Clipped surrogate and the indicators of B^c; dispatched (fused Triton kernel on CUDA).
+    per_token, clip_high, clip_low, dual = dispatch.clipped_surrogate(
+        ratio, advantages, mask, config.clip_low, config.clip_high, config.dual_clip
+    )
+    clipped = clip_high | clip_low | dual
 
     is_corr = is_correction_weights(
         old_logprobs, rollout_logprobs if rollout_logprobs is not None else old_logprobs, mask, config.is_correction, turns, clamp
@@ -266,6 +260,25 @@ def _policy_terms(
             metrics[f"{prefix}/max"] = masked_max(ratio, mask)
         metrics.update(is_corr.metrics)
     return _PolicyTerms(spec=spec, loss=loss, bias=bias, metrics=metrics)
+
+
+def clipped_surrogate_torch(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    clip_low: float, clip_high: float, dual_clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate (module docstring; SORL eq. 1/3) and the indicators of
+    ``B^c``, the tokens whose gradient the clip removed: ``(per_token, clip_high, clip_low,
+    dual)``. The reference of ``sorl_kernels.surrogate``."""
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * ratio.clamp(clip_low, clip_high)
+    per_token = torch.maximum(pg_unclipped, pg_clipped)
+    high = (advantages > 0) & (ratio > clip_high) & mask
+    low = (advantages < 0) & (ratio < clip_low) & mask
+    dual = torch.zeros_like(mask)
+    if dual_clip is not None:
+        dual = (advantages < 0) & (ratio > dual_clip) & mask
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * dual_clip), per_token)
+    return per_token, high, low, dual
 
 
 def _check_inputs(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy, turn_ids) -> torch.Tensor:

@@ -26,11 +26,7 @@ def _import_interpreted() -> None:
             if name in sys.modules:  # imported earlier without the interpreter: decorate again
                 importlib.reload(sys.modules[name])
             else:
-                try:
-                    importlib.import_module(name)
-                except ModuleNotFoundError as err:
-                    if err.name != name:
-                        raise
+                importlib.import_module(name)
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
