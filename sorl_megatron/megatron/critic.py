@@ -32,6 +32,7 @@ class CriticConfig:
     value_clip: Optional[float] = 0.2
     loss_agg: str = "token-mean"
     moe_aux_loss_coeff: float = 0.0
+    head_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.value_clip is not None and not self.value_clip > 0:
@@ -79,6 +80,19 @@ class ValueEngine(EngineBase):
         self.cfg = config or CriticConfig()
         super().__init__(hf, layout, self.cfg.optim, self.cfg.batching, trainable=True,
                          moe_aux_loss_coeff=self.cfg.moe_aux_loss_coeff, model_options=model_options)
+
+    def _init_extra_params(self) -> None:
+        """The value head is not in the HF checkpoint: N(0, 1/hidden) from a fixed seed, the same
+        on every rank and at every layout (the head is replicated, never sharded)."""
+        from .model import ScalarValueHead
+
+        g = torch.Generator().manual_seed(self.cfg.head_seed)
+        for chunk in self.model.unwrapped():
+            head = getattr(chunk, "output_layer", None)
+            if isinstance(head, ScalarValueHead):
+                w = torch.randn(head.weight.shape, generator=g) / head.weight.shape[1] ** 0.5
+                with torch.no_grad():
+                    head.weight.copy_(w.to(head.weight))
 
     def _validate(self, batch: RLBatch, need=()) -> RLBatch:
         return validate_batch(batch.replace(routed_experts=None), need=need, vocab_size=self.model.hf_config.vocab_size)

@@ -253,6 +253,7 @@ class EngineBase:
         self._chunk_index = {id(c): i for i, c in enumerate(self.model.chunks)}
         self.optimizer = None
         self.scheduler = None
+        self._init_extra_params()
         if trainable:
             self._build_optimizer()
         from .routing_replay import RoutingReplay
@@ -260,6 +261,9 @@ class EngineBase:
         self.replay = RoutingReplay(self.model.unwrapped(), self.layout.use_sequence_parallel) if self.is_moe else None
 
     # -- construction -------------------------------------------------------------------
+
+    def _init_extra_params(self) -> None:
+        """Initialize parameters the HF checkpoint does not have (before the optimizer copies them)."""
 
     def _build_optimizer(self) -> None:
         import megatron.core.optimizer as mopt

@@ -96,6 +96,7 @@ def op_actor(case: dict, models: str, work: str) -> dict:
     """Log-probs, then three optimizer steps (logprob / param_grad / scalar+lr clip-bias modes)."""
     layout = ParallelLayout.from_string(case["layout"])
     cfg = actor_config(kl_coef=0.05, entropy_coef=0.01, is_correction={"mode": "tis"})
+    cfg.optim.use_distributed_optimizer = bool(case.get("dist_opt", False))
     actor = PolicyEngine(os.path.join(models, case["model"]), layout, cfg)
     batch, out = training_batch(actor)
     res: dict = {"logprobs": out.logprobs, "entropy": out.entropy}
@@ -121,7 +122,7 @@ def op_losses(case: dict, models: str, work: str) -> dict:
     from sorl_megatron.algorithms import POLICY_LOSSES
 
     layout = ParallelLayout.from_string(case["layout"])
-    actor = PolicyEngine(os.path.join(models, case["model"]), layout, actor_config())
+    actor = PolicyEngine(os.path.join(models, case["model"]), layout, actor_config(lr=1e-4))
     batch, _ = training_batch(actor, seed=3)
     res = {}
     for name in sorted(POLICY_LOSSES):
@@ -142,7 +143,7 @@ def op_replay(case: dict, models: str, work: str) -> dict:
     recorded = rec.routed_experts
     batch = batch.replace(routed_experts=recorded)
     m_first = actor.update(batch)
-    m_more = [actor.update(batch) for _ in range(3)]
+    m_more = [actor.update(batch) for _ in range(2)]
     live = actor.compute_logprobs(batch.replace(routed_experts=None), record_routing=True)
     used = actor.compute_logprobs(batch, record_routing=True, replay=True)
     att = batch.attention_mask.bool()[:, :, None, None].expand_as(recorded)
@@ -257,7 +258,37 @@ def op_bad_input(case: dict, models: str, work: str) -> dict:
     return errors
 
 
-OPS = {"actor": op_actor, "losses": op_losses, "replay": op_replay, "critic": op_critic, "resume": op_resume,
+def op_compat(case: dict, models: str, work: str) -> dict:
+    """The optimizer_on_cpu patch is needed: without it each megatron optimizer entry point fails."""
+    import megatron.core.optimizer as mopt
+    from megatron.core.optimizer import clip_grads
+
+    from sorl_megatron.megatron.cpu_compat import without_patch
+
+    layout = ParallelLayout.from_string(case["layout"])
+    actor = PolicyEngine(os.path.join(models, case["model"]), layout, actor_config())
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the test asserts on the type and message
+            out[name] = f"{type(e).__name__}: {e}"
+
+    params = [p for c in actor.model.chunks for p in c.parameters()]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    oc = lambda dist: mopt.OptimizerConfig(optimizer="adam", lr=1e-3, params_dtype=torch.float32, use_distributed_optimizer=dist)  # noqa: E731
+    with without_patch("optimizer_on_cpu"):
+        attempt("fp32_optimizer_unpatched", lambda: mopt.get_megatron_optimizer(oc(False), actor.model.chunks))
+        attempt("clip_unpatched", lambda: clip_grads.clip_grad_by_total_norm_fp32(params, 1.0, 10.0))
+    attempt("fp32_optimizer_patched", lambda: mopt.get_megatron_optimizer(oc(False), actor.model.chunks))
+    attempt("clip_patched", lambda: clip_grads.clip_grad_by_total_norm_fp32(params, 1.0, 10.0))
+    return out
+
+
+OPS = {"compat": op_compat, "actor": op_actor, "losses": op_losses, "replay": op_replay, "critic": op_critic, "resume": op_resume,
        "bad_input": op_bad_input}
 
 
