@@ -1,0 +1,78 @@
+"""The rollout phase of an RL step: prompts -> multi-turn trajectories -> rewards.
+
+Trajectories are prompt-major (the ``n`` samples of prompt 0, then prompt 1, ...), and
+``group_ids`` holds each trajectory's prompt id (its dataset index), which GRPO and PVPO
+advantages group by.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..data.qa import QARow, encode_prompt
+from ..rewards.registry import RewardRegistry
+from ..rollout.agent import SearchAgent
+from ..rollout.trajectory import Trajectory
+
+
+@dataclass
+class RolloutResult:
+    trajectories: list[Trajectory]
+    rows: list[QARow]  # the prompt row of each trajectory
+    group_ids: torch.Tensor  # [N] long: dataset index of each trajectory's prompt
+    rewards: torch.Tensor  # [N] float32
+    metrics: dict[str, float]
+
+
+async def collect_rollouts(
+    agent: SearchAgent,
+    tokenizer: Any,
+    rows: Sequence[QARow],
+    prompt_ids: Sequence[int],
+    n: int,
+    rewards: RewardRegistry,
+    seed: int | None = None,
+    progress: bool = False,
+) -> RolloutResult:
+    """``n`` episodes per row, scored by the row's ``data_source`` reward."""
+    if len(rows) != len(prompt_ids):
+        raise ValueError(f"{len(rows)} rows but {len(prompt_ids)} prompt ids")
+    prompts = [encode_prompt(tokenizer, row) for row in rows]
+    trajs = await agent.run_many(prompts, n=n, seed=seed, progress=progress)
+    traj_rows = [rows[i] for i in range(len(rows)) for _ in range(n)]
+    scores = score_trajectories(trajs, traj_rows, rewards)
+    groups = torch.tensor([int(prompt_ids[i]) for i in range(len(rows)) for _ in range(n)], dtype=torch.long)
+    return RolloutResult(trajs, traj_rows, groups, scores, rollout_metrics(trajs, scores))
+
+
+def score_trajectories(trajs: Sequence[Trajectory], rows: Sequence[QARow], rewards: RewardRegistry) -> torch.Tensor:
+    """Reward of each trajectory's final response against its row's targets."""
+    out = []
+    for i, (traj, row) in enumerate(zip(trajs, rows)):
+        try:
+            out.append(rewards.score(row.data_source, traj.response_text, {"target": row.targets}))
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"reward of trajectory {i} (data_source={row.data_source!r}): {err}") from None
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def rollout_metrics(trajs: Sequence[Trajectory], scores: torch.Tensor, prefix: str = "rollout") -> dict[str, float]:
+    """Reward, searches, turns, lengths and finish reasons of a set of trajectories."""
+    if not trajs:
+        return {}
+    n = len(trajs)
+    metrics = {
+        f"{prefix}/reward": float(scores.mean()),
+        f"{prefix}/searches": sum(t.num_searches for t in trajs) / n,
+        f"{prefix}/turns": sum(t.num_turns for t in trajs) / n,
+        f"{prefix}/response_length": sum(t.response_len for t in trajs) / n,
+        f"{prefix}/policy_tokens": sum(t.num_policy_tokens for t in trajs) / n,
+        f"{prefix}/sequence_length": sum(len(t) for t in trajs) / n,
+    }
+    for reason, count in Counter(t.finish_reason for t in trajs).items():
+        metrics[f"{prefix}/finish_{reason}"] = count / n
+    return metrics

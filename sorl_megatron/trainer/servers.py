@@ -1,0 +1,121 @@
+"""Embedded rollout and retrieval servers for a training run.
+
+With no ``rollout.urls`` the trainer starts ``python -m sorl_megatron.rollout.server`` on a
+free 127.0.0.1 port; with no ``retrieval.url`` it starts the BM25 retrieval server over
+``retrieval.corpus``. Both are child processes stopped on exit: normal return, exceptions,
+Ctrl-C (``KeyboardInterrupt``) and SIGTERM all go through :meth:`EmbeddedServers.stop`, and an
+``atexit`` hook catches anything else. Server output goes to ``<run_dir>/servers/*.log``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..rollout.background import free_port, wait_healthy
+
+
+@dataclass
+class ServerSpec:
+    """How to start one embedded server."""
+
+    name: str
+    module: str
+    args: list[str]
+    health_timeout_s: float = 300.0
+
+
+@dataclass
+class EmbeddedServers:
+    """Starts the servers a run needs and guarantees they stop."""
+
+    run_dir: Path
+    host: str = "127.0.0.1"
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    urls: dict[str, str] = field(default_factory=dict)
+    _logs: list = field(default_factory=list)
+
+    def start(self, spec: ServerSpec) -> str:
+        """Launch ``spec`` on a free port, wait for ``/health``, return its URL."""
+        port = free_port(self.host)
+        log_dir = self.run_dir / "servers"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(log_dir / f"{spec.name}.log", "ab")
+        self._logs.append(log)
+        cmd = [sys.executable, "-m", spec.module, *spec.args, "--host", self.host, "--port", str(port)]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[spec.name] = proc
+        if len(self.procs) == 1:
+            atexit.register(self.stop)
+        url = f"http://{self.host}:{port}"
+        try:
+            wait_healthy(url, timeout_s=spec.health_timeout_s, proc=proc)
+        except Exception as err:
+            self.stop()
+            raise RuntimeError(f"embedded {spec.name} server failed to start ({err}); see {log.name}") from None
+        self.urls[spec.name] = url
+        return url
+
+    def stop(self) -> None:
+        """Terminate every server (SIGTERM, then SIGKILL after 10 s); idempotent."""
+        for name, proc in list(self.procs.items()):
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=10)
+            del self.procs[name]
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def __enter__(self) -> "EmbeddedServers":
+        self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+        if _in_main_thread():
+            # SIGTERM (e.g. a scheduler killing the job) becomes an exception, so __exit__ runs.
+            signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if _in_main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+
+def rollout_server_spec(model_path: str, precision: str, routed_experts: bool, seed: int,
+                        tokenizer_path: Optional[str] = None, max_running_requests: Optional[int] = None) -> ServerSpec:
+    args = ["--model-path", model_path, "--precision", precision, "--random-seed", str(seed)]
+    if tokenizer_path:
+        args += ["--tokenizer-path", tokenizer_path]
+    if routed_experts:
+        args.append("--enable-return-routed-experts")
+    if max_running_requests:
+        args += ["--max-running-requests", str(max_running_requests)]
+    return ServerSpec("rollout", "sorl_megatron.rollout.server", args)
+
+
+def retrieval_server_spec(corpus: str, topk: int) -> ServerSpec:
+    if not corpus or not Path(corpus).is_file():
+        raise FileNotFoundError(f"retrieval.corpus: {corpus!r} is not a file (and no retrieval.url was given)")
+    return ServerSpec("retrieval", "sorl_megatron.retrieval.server", ["--corpus", corpus, "--topk", str(topk)], health_timeout_s=120.0)
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

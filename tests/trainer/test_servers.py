@@ -1,0 +1,50 @@
+"""The trainer's embedded servers start on loopback and are always stopped (real processes)."""
+
+import json
+import urllib.request
+
+import pytest
+
+from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec
+
+
+def _corpus(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    docs = [{"id": str(i), "contents": f'"Doc {i}"\nthe city of town{i} lies in land{i}'} for i in range(5)]
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return path
+
+
+def _retrieve(url, query):
+    req = urllib.request.Request(f"{url}/retrieve", data=json.dumps({"queries": [query], "topk": 1}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_servers_stop_after_an_error(tmp_path):
+    servers = EmbeddedServers(tmp_path)
+    with pytest.raises(RuntimeError, match="boom"):
+        with servers:
+            url = servers.start(retrieval_server_spec(str(_corpus(tmp_path)), topk=1))
+            assert url.startswith("http://127.0.0.1:")
+            assert "town3" in json.dumps(_retrieve(url, "town3"))
+            proc = servers.procs["retrieval"]
+            raise RuntimeError("boom")
+    assert proc.poll() is not None  # the child is gone
+    assert servers.procs == {}
+    assert (tmp_path / "servers" / "retrieval.log").exists()
+
+
+def test_server_that_dies_at_start_is_reported_and_reaped(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    servers = EmbeddedServers(tmp_path)
+    with pytest.raises(RuntimeError, match=r"embedded retrieval server failed to start .*retrieval.log"):
+        servers.start(retrieval_server_spec(str(bad), topk=1))
+    assert servers.procs == {}
+
+
+def test_missing_corpus_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="retrieval.corpus"):
+        retrieval_server_spec(str(tmp_path / "nope.jsonl"), topk=3)
