@@ -1,0 +1,177 @@
+"""Parallel layouts and the checks that reject impossible ones.
+
+Pure Python (no megatron import): the checks run before any process group or model is
+created, so a bad layout fails in milliseconds with a message naming the numbers involved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# HF `model_type` values this package builds and has tested on CPU. mbridge registers more
+# families (deepseek_v3, glm4_moe, ...) but they need layer specs (MLA, shared experts with
+# gates) whose local CPU variants are not written yet, so they are refused up front.
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work for this model or this world size."""
+
+
+class UnsupportedModelError(ValueError):
+    """An HF architecture this package cannot build."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How one model is split over ranks.
+
+    tp: tensor parallel, pp: pipeline stages, vpp: virtual stages per pipeline rank
+    (interleaved schedule; 1 = off), ep: expert parallel, etp: expert tensor parallel
+    (None = same as tp, megatron's default), cp: context parallel (only 1 is tested here).
+    sequence_parallel: None = on whenever tp > 1 (MoE layers require it with TP).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+    cp: int = 1
+    sequence_parallel: Optional[bool] = None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def use_sequence_parallel(self) -> bool:
+        if self.sequence_parallel is None:
+            return self.tp > 1
+        return bool(self.sequence_parallel) and self.tp > 1
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size
+
+    def describe(self) -> str:
+        parts = [f"TP={self.tp}", f"PP={self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"VPP={self.vpp}")
+        if self.ep > 1 or self.etp is not None:
+            parts.append(f"EP={self.ep}")
+            parts.append(f"ETP={self.expert_tp}")
+        if self.cp > 1:
+            parts.append(f"CP={self.cp}")
+        if self.use_sequence_parallel:
+            parts.append("SP")
+        return " ".join(parts)
+
+    @classmethod
+    def from_string(cls, text: str) -> "ParallelLayout":
+        """Parse 'tp=2,pp=1,ep=2' (keys: tp pp vpp ep etp cp sp)."""
+        values: dict[str, Any] = {}
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            if "=" not in item:
+                raise LayoutError(f"layout item {item!r} is not key=value (in {text!r})")
+            key, value = (s.strip().lower() for s in item.split("=", 1))
+            if key == "sp":
+                values["sequence_parallel"] = value in ("1", "true", "yes", "on")
+            elif key in ("tp", "pp", "vpp", "ep", "etp", "cp"):
+                try:
+                    values[key] = int(value)
+                except ValueError:
+                    raise LayoutError(f"layout {key}={value!r} is not an integer") from None
+            else:
+                raise LayoutError(f"unknown layout key {key!r} in {text!r}; use tp,pp,vpp,ep,etp,cp,sp")
+        return cls(**values)
+
+
+def _cfg(hf_config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(hf_config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def num_experts_of(hf_config: Any) -> int:
+    """Routed experts per MoE layer (0 for dense). Qwen-MoE: num_experts; Mixtral: num_local_experts."""
+    return int(_cfg(hf_config, "num_experts", "num_local_experts", default=0) or 0)
+
+
+def validate_layout(layout: ParallelLayout, hf_config: Any, world_size: Optional[int] = None) -> None:
+    """Raise LayoutError / UnsupportedModelError when `layout` cannot run `hf_config`.
+
+    Called before process groups exist: everything here is arithmetic on the config.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported architecture model_type={model_type!r} "
+            f"(architectures={getattr(hf_config, 'architectures', None)}); "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    for key in ("tp", "pp", "vpp", "ep", "cp"):
+        if getattr(layout, key) < 1:
+            raise LayoutError(f"{key}={getattr(layout, key)} must be >= 1")
+    if layout.etp is not None and layout.etp < 1:
+        raise LayoutError(f"etp={layout.etp} must be >= 1")
+    if layout.cp != 1:
+        raise LayoutError("context parallelism (cp > 1) is not supported by this package yet")
+
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(_cfg(hf_config, "num_key_value_heads", default=heads))
+    layers = int(hf_config.num_hidden_layers)
+    name = f"{model_type} ({layers} layers, {heads} heads, {kv_heads} kv heads)"
+    if heads % layout.tp:
+        raise LayoutError(f"TP={layout.tp} does not divide num_attention_heads={heads} of {name}")
+    if kv_heads % layout.tp:
+        raise LayoutError(
+            f"TP={layout.tp} does not divide num_key_value_heads={kv_heads} of {name} "
+            "(KV-head replication is not supported)"
+        )
+    stages = layout.pp * layout.vpp
+    if layout.vpp > 1 and layout.pp == 1:
+        raise LayoutError(f"VPP={layout.vpp} needs PP > 1 (interleaving splits pipeline stages)")
+    if layers % stages:
+        raise LayoutError(
+            f"PP={layout.pp} x VPP={layout.vpp} = {stages} stages do not divide "
+            f"num_hidden_layers={layers} of {name}"
+        )
+    experts = num_experts_of(hf_config)
+    if experts == 0:
+        if layout.ep > 1 or (layout.etp not in (None, layout.tp)):
+            raise LayoutError(f"EP={layout.ep}/ETP={layout.etp} given for dense model {name}")
+    else:
+        if experts % layout.ep:
+            raise LayoutError(f"EP={layout.ep} does not divide num_experts={experts} of {name}")
+        ffn = int(_cfg(hf_config, "moe_intermediate_size", "intermediate_size"))
+        if ffn % layout.expert_tp:
+            raise LayoutError(f"ETP={layout.expert_tp} does not divide expert ffn size {ffn} of {name}")
+    ffn_dense = _cfg(hf_config, "intermediate_size")
+    if experts == 0 and ffn_dense is not None and int(ffn_dense) % layout.tp:
+        raise LayoutError(f"TP={layout.tp} does not divide intermediate_size={ffn_dense} of {name}")
+    if world_size is not None:
+        mp = layout.model_parallel_size
+        if world_size % mp:
+            raise LayoutError(
+                f"world size {world_size} is not a multiple of TP x PP x CP = {mp} ({layout.describe()})"
+            )
+        dp = world_size // mp
+        # Experts re-split the same ranks: ETP x EP x expert-DP x PP must equal the world size.
+        expert_mp = layout.expert_tp * layout.ep * layout.pp
+        if world_size % expert_mp:
+            raise LayoutError(
+                f"world size {world_size} is not a multiple of ETP x EP x PP = {expert_mp} "
+                f"({layout.describe()})"
+            )
+        if layout.tp * layout.cp * dp % (layout.expert_tp * layout.ep):
+            raise LayoutError(
+                f"ETP x EP = {layout.expert_tp * layout.ep} must divide TP x CP x DP = "
+                f"{layout.tp * layout.cp * dp} ({layout.describe()}, world size {world_size})"
+            )

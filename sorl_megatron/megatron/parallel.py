@@ -1,0 +1,96 @@
+"""Process groups for a ParallelLayout: gloo on CPU, nccl on GPU.
+
+Works single-process (no torchrun: a world of one on a free local port) and under torchrun
+(RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment). Megatron's groups can
+be torn down and rebuilt at another layout on the same world, which the checkpoint tests use.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .cpu_compat import apply_cpu_compat
+from .layout import LayoutError, ParallelLayout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: int = 600) -> None:
+    """Create the default process group once (idempotent)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python ...`: a world of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ["RANK"] = "0"
+        os.environ["WORLD_SIZE"] = "1"
+        os.environ.setdefault("LOCAL_RANK", "0")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def init_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optional[str] = None) -> None:
+    """Initialize megatron's model-parallel groups (and RNG trackers) for `layout`.
+
+    Safe to call again with another layout: the previous megatron groups are destroyed first.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    apply_cpu_compat()
+    init_distributed(backend)
+    world = dist.get_world_size()
+    if world % layout.model_parallel_size:
+        raise LayoutError(
+            f"world size {world} is not a multiple of TP x PP x CP = {layout.model_parallel_size} "
+            f"({layout.describe()})"
+        )
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the default process group."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def current_layout() -> ParallelLayout:
+    """The layout megatron is currently initialized with."""
+    from megatron.core import parallel_state as mpu
+
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+    return ParallelLayout(
+        tp=mpu.get_tensor_model_parallel_world_size(),
+        pp=mpu.get_pipeline_model_parallel_world_size(),
+        vpp=vpp,
+        ep=mpu.get_expert_model_parallel_world_size(),
+        etp=mpu.get_expert_tensor_parallel_world_size(),
+        cp=mpu.get_context_parallel_world_size(),
+    )
