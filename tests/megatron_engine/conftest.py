@@ -64,6 +64,7 @@ def ws1(engine_models, engine_work):
         {"op": "losses", "model": MODEL, "layout": "tp=1", "tag": "losses_ws1"},
         {"op": "bad_input", "model": MODEL, "layout": "tp=1", "tag": "bad_ws1"},
         {"op": "compat", "model": MODEL, "layout": "tp=1", "tag": "compat_ws1"},
+        {"op": "recompute", "model": MODEL, "layout": "tp=1", "tag": "recompute_ws1"},
     ]
     return launch(engine_models, engine_work, cases, 1, "ws1")
 

@@ -124,6 +124,13 @@ def test_routing_replay(ws1, ws2, engine_work, tag):
         assert (ref["r3_logprobs"] - got["r3_logprobs"]).abs().max() < 1e-4
 
 
+def test_routing_replay_under_activation_recompute(ws1):
+    r = _ok(ws1, "recompute_ws1")
+    assert r["replays_in_backward"][0] == 0 and r["replays_in_backward"][1] > 0  # recompute really ran
+    assert r["param_diff"] == 0.0
+    assert r["losses"][0] == r["losses"][1]
+
+
 # ---------------------------------------------------------------- checkpoints
 
 

@@ -288,7 +288,44 @@ def op_compat(case: dict, models: str, work: str) -> dict:
     return out
 
 
-OPS = {"compat": op_compat, "actor": op_actor, "losses": op_losses, "replay": op_replay, "critic": op_critic, "resume": op_resume,
+def op_recompute(case: dict, models: str, work: str) -> dict:
+    """R2 under full activation recompute: the re-forward in backward replays the same routes."""
+    import sorl_megatron.megatron.routing_replay as rr
+
+    counter = {"in_backward": 0}
+    real = torch._C._current_graph_task_id
+
+    def spy():
+        v = real()
+        counter["in_backward"] += v != -1
+        return v
+
+    out = {}
+    for recompute in (False, True):
+        cfg = actor_config(name="grpo", replay="r2", lr=2e-2)
+        cfg.recompute = recompute
+        actor = PolicyEngine(os.path.join(models, case["model"]), ParallelLayout.from_string(case["layout"]), cfg)
+        batch, _ = training_batch(actor, seed=5)
+        batch = batch.replace(routed_experts=actor.compute_logprobs(batch, record_routing=True).routed_experts)
+        rr.torch._C._current_graph_task_id = spy
+        try:
+            losses = [actor.update(batch)["loss"] for _ in range(2)]
+        finally:
+            rr.torch._C._current_graph_task_id = real
+        out[recompute] = (params_of(actor), losses, counter["in_backward"])
+        counter["in_backward"] = 0
+    return {
+        "param_diff": _max_param_diff(out[False][0], out[True][0]),
+        "losses": [out[False][1], out[True][1]],
+        "replays_in_backward": [out[False][2], out[True][2]],
+    }
+
+
+def _max_param_diff(a, b) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+OPS = {"recompute": op_recompute, "compat": op_compat, "actor": op_actor, "losses": op_losses, "replay": op_replay, "critic": op_critic, "resume": op_resume,
        "bad_input": op_bad_input}
 
 
