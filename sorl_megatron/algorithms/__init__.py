@@ -20,6 +20,7 @@ from .is_correction import ISCorrection, is_correction_weights
 from .kl import kl_penalty
 from .policy_loss import POLICY_LOSSES, PolicyLossSpec, clip_bias_surrogate, compute_policy_loss, register_policy_loss
 from .ratios import level_log_ratio, masked_log_ratio
+from .sft import sft_loss
 from .turns import TurnSegments, broadcast_segments, row_segments, segment_mean_broadcast, segment_sum, segment_turns
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional, get_args
 
 import torch
 
-from ..algorithms import PolicyLossConfig, aggregation_denominator, clip_bias_norm, clip_bias_surrogate, compute_policy_loss
+from ..algorithms import PolicyLossConfig, aggregation_denominator, clip_bias_norm, clip_bias_surrogate, compute_policy_loss, sft_loss
 from ..algorithms.policy_loss import POLICY_LOSSES
 from .engine import BatchingConfig, EngineBase, OptimConfig, accumulate_metrics, device, mean_over_steps, reduce_metrics
 from .layout import ParallelLayout
@@ -91,12 +91,12 @@ class PolicyEngine(EngineBase):
 
     # -- validation -----------------------------------------------------------------------
 
-    def _validate(self, batch: RLBatch, need: tuple[str, ...] = ()) -> RLBatch:
+    def _validate(self, batch: RLBatch, need: tuple[str, ...] = (), require_routes: bool = True) -> RLBatch:
         c = self.config
         kw: dict[str, Any] = {"vocab_size": self.model.hf_config.vocab_size}
         if self.is_moe:
             kw.update(num_layers=c.num_layers, topk=c.moe_router_topk, num_experts=c.num_moe_experts)
-        if self.cfg.routing_replay == "r3" and "routed_experts" not in need and batch.routed_experts is None:
+        if require_routes and self.cfg.routing_replay == "r3" and "routed_experts" not in need and batch.routed_experts is None:
             need = need + ("routed_experts",)
         return validate_batch(batch, need=need, **kw)
 
@@ -195,7 +195,17 @@ class PolicyEngine(EngineBase):
         """
         if not self.trainable:
             raise RuntimeError("this PolicyEngine was built with trainable=False")
-        batch = self._validate(batch, self._need())
+        return self._optimize(self._validate(batch, self._need()), self._train_mini_batch)
+
+    def sft_update(self, batch: RLBatch) -> dict[str, float]:
+        """Supervised cold start on gold trajectories: cross-entropy on ``loss_mask`` tokens,
+        aggregated like ``loss.loss_agg``, one optimizer step per mini-batch (same batching)."""
+        if not self.trainable:
+            raise RuntimeError("this PolicyEngine was built with trainable=False")
+        return self._optimize(self._validate(batch, require_routes=False), self._sft_mini_batch)
+
+    def _optimize(self, batch: RLBatch, train_mini_batch) -> dict[str, float]:
+        """``epochs`` x mini-batches of ``train_mini_batch(batch, rows, micro_batch_size)``."""
         batch = batch.padded_seq(self._seq_multiple())
         n = batch.batch_size
         mini = self._mini_batches(n)
@@ -205,10 +215,29 @@ class PolicyEngine(EngineBase):
             order = self._epoch_order(n, epoch)
             for m in range(n // mini):
                 rows = order[m * mini:(m + 1) * mini]
-                per_step.append(self._train_mini_batch(batch, rows, mbs))
+                per_step.append(train_mini_batch(batch, rows, mbs))
         out = mean_over_steps(per_step)
         out["steps"] = float(len(per_step))
         out["lr"] = per_step[-1]["lr"]
+        return out
+
+    def _sft_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int) -> dict[str, float]:
+        agg = self.cfg.loss.loss_agg
+        denominator = aggregation_denominator(batch.loss_mask[rows], agg).to(device())
+        micro = self._micro_dicts(batch, self._dp_rows(rows, mbs, "batching.mini_batch_size"), mbs)
+        scale = float(len(micro) * self.ranks["dp"])  # as in _train_mini_batch
+        acc: dict[str, list[float]] = {}
+
+        def loss_fn(mb, logits):
+            lp, _ = self._token_outputs(mb, logits, False)
+            loss, metrics = sft_loss(lp, mb["loss_mask"], agg, denominator)
+            accumulate_metrics(acc, metrics, weight=float(metrics["policy_tokens"]))
+            return loss * scale, {}
+
+        self._zero_grads()
+        self._run(micro, loss_fn, forward_only=False, replay_mode=None)
+        out = reduce_metrics(acc, self.contributes)
+        out.update(self._optimizer_step())
         return out
 
     def _train_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int) -> dict[str, float]:

@@ -140,10 +140,9 @@ class SFTConfig:
     """Cold-start supervised stage on gold trajectories, before RL."""
 
     enabled: bool = False
-    steps: int = 0
-    lr: float = 1e-4
-    batch_size: int = 8
-    data: str = ""
+    steps: int = 100
+    lr: float = 1e-3
+    batch_size: int = 16  # gold trajectories per optimizer step
 
 
 @dataclass
@@ -186,7 +185,7 @@ CONFIG_GROUPS: dict[str, str] = {
     "algorithm": "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, routing_replay, value_clip, pvpo",
     "rollout": "SGLang URLs (or embedded), precision, group size, sampling, turns and lengths",
     "retrieval": "retrieval URL (or embedded BM25 corpus), top-k",
-    "data": "train / val files (Search-R1 parquet or JSONL), prompt length",
+    "data": "train / val files (Search-R1 / verl parquet), prompt length",
     "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule",
     "schedule": "steps, batch / mini-batch / micro-batch sizes, ppo_epochs, validation period, seed",
     "sft": "cold-start supervised stage",
@@ -223,6 +222,10 @@ def _check_values(cfg: TrainConfig) -> None:
         )
     if s.mini_batch_size % s.micro_batch_size:
         raise ConfigError(f"schedule.micro_batch_size={s.micro_batch_size} must divide schedule.mini_batch_size={s.mini_batch_size}")
+    if cfg.sft.enabled:
+        _positive_int("sft.steps", cfg.sft.steps)
+        if cfg.sft.batch_size % s.micro_batch_size:
+            raise ConfigError(f"schedule.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={cfg.sft.batch_size}")
     a = cfg.algorithm
     if a.advantage.estimator == "grpo" and cfg.rollout.group_size < 2:
         raise ConfigError("algorithm.advantage.estimator=grpo needs rollout.group_size >= 2")

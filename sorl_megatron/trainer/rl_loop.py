@@ -1,0 +1,465 @@
+"""The RL loop: rollouts -> rewards -> old/ref log-probs, values -> advantages -> actor and
+critic updates -> weight sync -> validation -> checkpoint.
+
+Every rank runs the Megatron engines; rank 0 alone talks HTTP (rollout and retrieval
+servers) and broadcasts each step's batch to the other ranks, which then cut their own
+data-parallel rows. The off-policyness is explicit in the recipe: ``schedule.batch_size x
+rollout.group_size`` trajectories per step, split into mini-batches of
+``schedule.mini_batch_size`` (one optimizer step each) over ``schedule.ppo_epochs`` epochs
+(SORL appendix A.5). Everything is seeded per step, so a run killed at any point and resumed
+from its latest checkpoint reproduces the uninterrupted run on CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..algorithms import (
+    broadcast_to_tokens,
+    compute_gae,
+    compute_grpo_advantages,
+    compute_pvpo_advantages,
+    whiten_advantages,
+)
+from ..typed_config import to_dict
+from .config import TrainConfig, dump_config
+from .metrics_log import MetricsLogger
+from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
+from .rollout_phase import RolloutResult, collect_rollouts, rollout_metrics
+from .servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
+
+log = logging.getLogger("sorl_megatron.trainer")
+
+CRITIC_ESTIMATORS = ("gae",)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's object on every rank (our own ranks: pickling between them is safe)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return obj
+    box = [obj if _rank() == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@dataclass
+class DataStream:
+    """Deterministic prompt batches: epoch-wise permutations seeded by (seed, epoch)."""
+
+    indices: list[int]
+    batch_size: int
+    seed: int
+    shuffle: bool = True
+
+    def batch(self, step: int) -> list[int]:
+        if not self.indices:
+            raise ValueError("no training prompts left (PVPO group sampling may have dropped them all)")
+        out, n = [], len(self.indices)
+        for pos in range(step * self.batch_size, (step + 1) * self.batch_size):
+            epoch, i = divmod(pos, n)
+            if self.shuffle:
+                order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+                i = int(order[i])
+            out.append(self.indices[i])
+        return out
+
+
+@dataclass
+class StepTimer:
+    times: dict[str, float] = field(default_factory=dict)
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.times[f"time/{name}"] = timer.times.get(f"time/{name}", 0.0) + time.perf_counter() - self.t0
+
+        return _Ctx()
+
+
+class RLTrainer:
+    """Owns the engines, the servers and the loop of one run."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.logging.dir) / cfg.logging.run_name
+        self.ckpt_root = Path(cfg.checkpoint.dir)
+        self._loop = asyncio.new_event_loop()
+        self.pvpo: Optional[PVPOState] = None
+
+    # -- set-up ------------------------------------------------------------------------
+
+    def _layout(self):
+        from ..megatron.layout import ParallelLayout
+
+        p = self.cfg.parallelism
+        return ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sequence_parallel=p.sequence_parallel)
+
+    def _model_options(self):
+        from ..megatron.model import ModelOptions
+
+        dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.model.dtype]
+        return ModelOptions(dtype=dtype)
+
+    def build_engines(self, policy_path: str) -> None:
+        from ..megatron.actor import ActorConfig, PolicyEngine
+        from ..megatron.critic import CriticConfig, ValueEngine
+        from ..megatron.engine import BatchingConfig, OptimConfig
+
+        cfg, s, o = self.cfg, self.cfg.schedule, self.cfg.optimizer
+        decay = {"decay_style": o.lr_schedule, "decay_steps": (s.total_steps * max(1, s.batch_size * cfg.rollout.group_size // s.mini_batch_size) * s.ppo_epochs) if o.lr_schedule != "constant" else None}
+        optim = OptimConfig(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, weight_decay=o.weight_decay,
+                            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+                            use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer, **decay)
+        batching = BatchingConfig(epochs=s.ppo_epochs, mini_batch_size=s.mini_batch_size, micro_batch_size=s.micro_batch_size,
+                                  shuffle=True, seed=s.seed)
+        layout, options = self._layout(), self._model_options()
+        self.actor = PolicyEngine(policy_path, layout, ActorConfig(
+            loss=cfg.algorithm.loss, optim=optim, batching=batching, routing_replay=cfg.algorithm.routing_replay,
+            temperature=cfg.rollout.temperature), model_options=options)
+        self.ref = None
+        if cfg.algorithm.loss.kl_coef > 0:
+            self.ref = PolicyEngine(policy_path, layout, ActorConfig(loss=cfg.algorithm.loss, batching=batching,
+                                                                     temperature=cfg.rollout.temperature),
+                                    trainable=False, model_options=options)
+        self.critic = None
+        if cfg.algorithm.advantage.estimator in CRITIC_ESTIMATORS:
+            critic_optim = OptimConfig(**{**to_dict(optim), "lr": o.critic_lr, "min_lr": min(o.min_lr, o.critic_lr)})
+            critic_batching = BatchingConfig(epochs=s.critic_epochs, mini_batch_size=s.mini_batch_size,
+                                             micro_batch_size=s.micro_batch_size, shuffle=True, seed=s.seed + 1)
+            self.critic = ValueEngine(cfg.model.critic_path or policy_path, layout, CriticConfig(
+                optim=critic_optim, batching=critic_batching, value_clip=cfg.algorithm.value_clip,
+                loss_agg=cfg.algorithm.loss.loss_agg), model_options=options)
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def latest_checkpoint(self) -> Optional[Path]:
+        if self.cfg.checkpoint.resume == "none":
+            return None
+        if self.cfg.checkpoint.resume != "auto":
+            path = Path(self.cfg.checkpoint.resume)
+            if not (path / "trainer.json").is_file():
+                raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no trainer.json)")
+            return path
+        done = sorted(self.ckpt_root.glob("step_*/trainer.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+        return done[-1].parent if done else None
+
+    def save(self, step: int) -> None:
+        from ..megatron.engine_checkpoint import save_engine_checkpoint
+
+        extra = {"step": step}
+        if self.pvpo is not None:
+            extra["pvpo"] = {"static_v": self.pvpo.static_v, "accuracy": self.pvpo.accuracy,
+                             "refreshed_at_step": self.pvpo.refreshed_at_step, "keep": self.stream.indices}
+        save_engine_checkpoint(str(self.ckpt_root / f"step_{step}"), self.actor, self.critic, extra=extra)
+        if _rank() == 0 and self.cfg.checkpoint.keep_last > 0:
+            done = sorted(self.ckpt_root.glob("step_*/trainer.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+            for old in done[: -self.cfg.checkpoint.keep_last]:
+                shutil.rmtree(old.parent, ignore_errors=True)
+
+    def restore(self, path: Path) -> int:
+        from ..megatron.engine_checkpoint import load_engine_checkpoint
+
+        extra = load_engine_checkpoint(str(path), self.actor, self.critic)
+        if "pvpo" in extra:
+            p = extra["pvpo"]
+            self.pvpo = PVPOState({int(k): v for k, v in p["static_v"].items()}, {int(k): v for k, v in p["accuracy"].items()},
+                                  p["refreshed_at_step"])
+            self.stream.indices = list(p["keep"])
+        return int(extra["step"])
+
+    # -- rollouts ----------------------------------------------------------------------
+
+    def _agent(self, greedy: bool = False):
+        from ..retrieval.client import RetrievalClient
+        from ..rollout.agent import AgentConfig, SearchAgent
+        from ..rollout.client import RolloutClient, RolloutClientConfig
+
+        r = self.cfg.rollout
+        policy = RolloutClient(RolloutClientConfig(urls=tuple(self.rollout_urls), max_concurrency=r.concurrency))
+        retriever = RetrievalClient(self.retrieval_url, topk=self.cfg.retrieval.topk)
+        agent_cfg = AgentConfig(
+            max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_total_tokens=r.max_total_tokens,
+            max_obs_tokens=r.max_obs_tokens, topk=self.cfg.retrieval.topk,
+            temperature=r.temperature, top_p=1.0 if greedy else r.top_p, top_k=1 if greedy else r.top_k,
+            return_routed_experts=self.cfg.algorithm.routing_replay == "r3", max_concurrency=r.concurrency,
+        )
+        return SearchAgent(policy, retriever, self.tokenizer, agent_cfg), policy, retriever
+
+    def rollouts(self, indices: list[int], n: int, seed: int, greedy: bool = False) -> RolloutResult:
+        async def go():
+            agent, policy, retriever = self._agent(greedy)
+            try:
+                return await collect_rollouts(agent, self.tokenizer, [self.rows[i] for i in indices], indices, n,
+                                              self.rewards, seed=seed)
+            finally:
+                await policy.close()
+                await retriever.close()
+
+        return self._loop.run_until_complete(go())
+
+    def sync_weights(self) -> None:
+        """Push the actor's weights to the rollout servers (HF names, bucketed)."""
+        from ..megatron.weights import iter_hf_weights, save_hf_checkpoint
+        from ..rollout.client import RolloutClient
+
+        fp8 = self.cfg.rollout.precision == "fp8" and bool(self.cfg.rollout.urls)  # embedded servers quantize themselves
+        if self.cfg.rollout.weight_sync == "disk":
+            out = str(self.run_dir / "weights_sync")
+            save_hf_checkpoint(self.actor.model, out, fp8=fp8)
+            if _rank() == 0:
+                self._loop.run_until_complete(self._with_client(lambda c: c.update_weights_from_disk(out)))
+            return
+        tensors = iter_hf_weights(self.actor.model)
+        if fp8:
+            from ..megatron.fp8 import quantize_hf_tensor
+
+            tensors = (pair for name, t in tensors for pair in quantize_hf_tensor(name, t))
+        if _rank() == 0:
+            self._loop.run_until_complete(self._with_client(lambda c: c.update_weights_from_tensor(tensors)))
+        else:
+            for _ in tensors:  # every rank joins the gathers inside the export
+                pass
+
+    async def _with_client(self, fn):
+        from ..rollout.client import RolloutClient
+
+        client = RolloutClient(tuple(self.rollout_urls))
+        try:
+            return await fn(client)
+        finally:
+            await client.close()
+
+    # -- the step ----------------------------------------------------------------------
+
+    def _to_batch(self, res: RolloutResult, injected: torch.Tensor):
+        from ..megatron.rl_batch import RLBatch
+        from ..rollout.trajectory import collate
+
+        t = collate(res.trajectories, pad_token_id=self.pad_id)
+        return RLBatch(
+            input_ids=t["input_ids"], attention_mask=t["attention_mask"], loss_mask=t["loss_mask"],
+            rollout_logprobs=t["rollout_logprobs"], turn_ids=t["turn_ids"], group_ids=res.group_ids,
+            routed_experts=t.get("routed_experts") if self.cfg.algorithm.routing_replay == "r3" else None,
+        ), injected
+
+    def advantages(self, batch, rewards: torch.Tensor, values: Optional[torch.Tensor]):
+        a = self.cfg.algorithm.advantage
+        mask = batch.loss_mask
+        returns = None
+        if a.estimator == "gae":
+            token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
+            last = (mask * torch.arange(mask.shape[1])).argmax(dim=1)  # last policy token of each row
+            token_rewards[torch.arange(mask.shape[0]), last] = rewards
+            adv, returns = compute_gae(token_rewards, values, mask, a.gamma, a.lam)
+        elif a.estimator == "pvpo":
+            adv = broadcast_to_tokens(compute_pvpo_advantages(rewards, self.pvpo.values_for(batch.group_ids)), mask)
+        else:
+            adv = broadcast_to_tokens(compute_grpo_advantages(rewards, batch.group_ids, a.normalize_std), mask)
+        if a.whiten:
+            adv = whiten_advantages(adv, mask)
+        return adv, returns
+
+    def step(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        timer = StepTimer()
+        metrics: dict[str, float] = {}
+        indices = self.stream.batch(step)
+        with timer("rollout"):
+            payload = None
+            if _rank() == 0:
+                res = self.rollouts(indices, cfg.rollout.group_size, seed=cfg.schedule.seed * 1_000_003 + step)
+                injected = torch.zeros(len(res.trajectories), dtype=torch.bool)
+                if self.pvpo is not None and cfg.algorithm.pvpo.inject_ground_truth:
+                    res.trajectories, injected = inject_ground_truth(res.trajectories, res.group_ids, self.gold_trajectories(indices),
+                                                                     group_sampling(self.pvpo).unsolved)
+                    res.rewards = torch.where(injected, torch.ones_like(res.rewards), res.rewards)
+                payload = (self._to_batch(res, injected), res.rewards, res.metrics)
+            (batch, injected), rewards, rollout_metrics_ = _broadcast(payload)
+        metrics.update(rollout_metrics_)
+        metrics["rollout/injected_ground_truth"] = float(injected.sum())
+        with timer("old_logprobs"):
+            out = self.actor.compute_logprobs(batch, record_routing=cfg.algorithm.routing_replay == "r2")
+            old = torch.where(injected[:, None], batch.rollout_logprobs, out.logprobs)  # PVPO eq. 6 for GT rows
+            batch = batch.replace(old_logprobs=old)
+            if cfg.algorithm.routing_replay == "r2":
+                batch = batch.replace(routed_experts=out.routed_experts)
+            metrics.update({f"actor/{k}": v for k, v in out.metrics.items()})
+        if self.ref is not None:
+            with timer("ref_logprobs"):
+                batch = batch.replace(ref_logprobs=self.ref.compute_logprobs(batch).logprobs)
+        values = None
+        if self.critic is not None:
+            with timer("values"):
+                values = self.critic.compute_values(batch)
+        adv, returns = self.advantages(batch, rewards, values)
+        batch = batch.replace(advantages=adv)
+        with timer("actor_update"):
+            metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch).items()})
+        if self.critic is not None:
+            with timer("critic_update"):
+                metrics.update({f"critic/{k}": v for k, v in self.critic.update(batch.replace(returns=returns, values=values)).items()})
+        with timer("weight_sync"):
+            self.sync_weights()
+        metrics.update(timer.times)
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Exact match of greedy episodes on the validation split (rank 0 rolls out)."""
+        if not self.val_rows:
+            return {}
+        payload = None
+        if _rank() == 0:
+            from ..rewards.registry import RewardRegistry
+
+            saved_rows, saved_rewards = self.rows, self.rewards
+            self.rows, self.rewards = self.val_rows, RewardRegistry(metric_override="em", default="em")
+            try:
+                res = self.rollouts(list(range(len(self.val_rows))), 1, seed=0, greedy=True)
+            finally:
+                self.rows, self.rewards = saved_rows, saved_rewards
+            payload = {"val/em": float(res.rewards.mean()), **rollout_metrics(res.trajectories, res.rewards, prefix="val")}
+            payload.pop("val/reward", None)
+        return _broadcast(payload)
+
+    def gold_trajectories(self, indices: list[int]) -> dict[int, Any]:
+        """Ground-truth trajectories of the given prompts, played through the agent loop."""
+        from ..data.gold import gold_trajectory
+        from ..data.qa import encode_prompt
+        from ..data.synthetic import GoldPlan
+        from ..retrieval.client import RetrievalClient
+        from ..rollout.agent import AgentConfig, SearchAgent
+
+        r = self.cfg.rollout
+        out = {}
+
+        async def go():
+            retriever = RetrievalClient(self.retrieval_url, topk=self.cfg.retrieval.topk)
+            try:
+                for i in indices:
+                    row = self.rows[i]
+                    searches = row.extra_info.get("gold_searches")
+                    if searches is None or i in out:
+                        continue  # rows without a gold plan get no injection
+                    cfg = AgentConfig(max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_total_tokens=r.max_total_tokens,
+                                      max_obs_tokens=r.max_obs_tokens, topk=self.cfg.retrieval.topk)
+                    out[i] = await gold_trajectory(lambda pol: SearchAgent(pol, retriever, self.tokenizer, cfg), self.tokenizer,
+                                                   encode_prompt(self.tokenizer, row),
+                                                   GoldPlan(searches=list(searches), answer=row.targets[0]))
+            finally:
+                await retriever.close()
+
+        self._loop.run_until_complete(go())
+        return out
+
+    # -- the run -----------------------------------------------------------------------
+
+    def run(self) -> dict[str, float]:
+        from transformers import AutoTokenizer
+
+        from ..data.qa import read_parquet
+        from ..rewards.registry import RewardRegistry
+
+        cfg = self.cfg
+        self.rows = read_parquet(cfg.data.train)
+        self.val_rows = read_parquet(cfg.data.val) if cfg.data.val else []
+        self.rewards = RewardRegistry(default="em")
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.stream = DataStream(list(range(len(self.rows))), cfg.schedule.batch_size, cfg.schedule.seed, cfg.data.shuffle)
+        with ExitStack() as stack:
+            servers = stack.enter_context(EmbeddedServers(self.run_dir))
+            if _rank() == 0:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+                self.retrieval_url = cfg.retrieval.url or servers.start(retrieval_server_spec(cfg.retrieval.corpus, cfg.retrieval.topk))
+            logger = MetricsLogger(self.run_dir, cfg.schedule.total_steps, cfg.logging.tensorboard, cfg.logging.progress,
+                                   enabled=_rank() == 0, start_step=0)
+            stack.callback(logger.close)
+            policy_path = self.sft_stage() if cfg.sft.enabled else cfg.model.path
+            self.build_engines(policy_path)
+            resume = self.latest_checkpoint()
+            start = self.restore(resume) if resume is not None else 0
+            if start > 0:
+                logger.close()
+                logger = MetricsLogger(self.run_dir, cfg.schedule.total_steps, cfg.logging.tensorboard, cfg.logging.progress,
+                                       enabled=_rank() == 0, start_step=start)
+                stack.callback(logger.close)
+            if _rank() == 0:
+                self.rollout_urls = list(cfg.rollout.urls) or [servers.start(rollout_server_spec(
+                    policy_path, cfg.rollout.precision, cfg.algorithm.routing_replay == "r3", cfg.schedule.seed))]
+            if start > 0 or cfg.rollout.urls:
+                self.sync_weights()  # servers hold the initial checkpoint; bring them to the trainer's weights
+            if cfg.algorithm.advantage.estimator == "pvpo" and self.pvpo is None:
+                self.pvpo_reference_pass()
+            last: dict[str, float] = {}
+            if start == 0:
+                logger.log(0, self.validate())
+            for step in range(start, cfg.schedule.total_steps):
+                last = self.step(step)
+                done = step + 1
+                if (cfg.schedule.val_every and done % cfg.schedule.val_every == 0) or done == cfg.schedule.total_steps:
+                    last.update(self.validate())
+                logger.log(done, last)
+                if (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == cfg.schedule.total_steps:
+                    self.save(done)
+            return last
+
+    def sft_stage(self) -> str:
+        """Cold-start SFT on gold trajectories; returns the HF directory RL starts from."""
+        from ..megatron.actor import ActorConfig, PolicyEngine
+        from ..megatron.engine import BatchingConfig, OptimConfig
+        from .sft import run_sft
+
+        cfg, sft = self.cfg, self.cfg.sft
+        out = self.run_dir / "sft_model"
+        if (out / "SFT_DONE").is_file():
+            return str(out)
+        payload = None
+        if _rank() == 0:
+            gold = self.gold_trajectories(list(range(len(self.rows))))
+            payload = [gold[i] for i in sorted(gold)]
+        trajs = _broadcast(payload)
+        engine = PolicyEngine(cfg.model.path, self._layout(), ActorConfig(
+            loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
+            batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size)),
+            model_options=self._model_options())
+        sft_log = MetricsLogger(self.run_dir / "sft", sft.steps, cfg.logging.tensorboard, cfg.logging.progress, enabled=_rank() == 0)
+        try:
+            run_sft(engine, trajs, sft.steps, sft.batch_size, cfg.schedule.seed, self.pad_id, out,
+                    on_step=lambda step, m: sft_log.log(step, {f"sft/{k}" if not k.startswith("sft/") else k: v for k, v in m.items()}))
+        finally:
+            sft_log.close()
+        del engine
+        return str(out)
+
+    def pvpo_reference_pass(self) -> None:
+        """M rollouts per prompt with the initial policy: static V, group sampling (PVPO)."""
+        p = self.cfg.algorithm.pvpo
+        payload = None
+        if _rank() == 0:
+            res = self.rollouts(self.stream.indices, p.num_ref_rollouts, seed=self.cfg.schedule.seed + 7)
+            payload = reference_statistics(res.rewards, res.group_ids)
+        self.pvpo = _broadcast(payload)
+        split = group_sampling(self.pvpo, p.drop_solved)
+        self.stream.indices = split.keep
+        log.info("PVPO: %d prompts kept, %d dropped as solved, %d unsolved", len(split.keep), len(split.dropped), len(split.unsolved))

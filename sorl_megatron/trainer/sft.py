@@ -1,0 +1,61 @@
+"""SFT cold start: cross-entropy on gold trajectories, then an HF checkpoint RL starts from.
+
+Gold trajectories are the data set's gold plans played through the real agent loop (same
+tokens, masks and observations as rollouts), so the policy learns the action format on
+exactly what RL will see. The stage writes ``<run_dir>/sft_model`` (safetensors, config and
+tokenizer files) with a ``SFT_DONE`` marker; a resumed run with the marker skips the stage.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from ..rollout.trajectory import Trajectory, collate
+
+
+def sft_batches(trajs: Sequence[Trajectory], batch_size: int, steps: int, seed: int) -> list[list[int]]:
+    """Deterministic epoch-wise shuffled index batches over the gold trajectories."""
+    if not trajs:
+        raise ValueError("sft: no gold trajectories (does the data set carry gold plans?)")
+    out, order, pos, epoch = [], [], 0, 0
+    for _ in range(steps):
+        batch = []
+        while len(batch) < batch_size:
+            if pos == len(order):
+                order = torch.randperm(len(trajs), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+                pos, epoch = 0, epoch + 1
+            batch.append(order[pos])
+            pos += 1
+        out.append(batch)
+    return out
+
+
+def run_sft(
+    engine,
+    trajs: Sequence[Trajectory],
+    steps: int,
+    batch_size: int,
+    seed: int,
+    pad_id: int,
+    out_dir: Path,
+    on_step: Callable[[int, dict], None] | None = None,
+) -> Path:
+    """Train ``engine`` (a PolicyEngine) ``steps`` times on gold batches; save an HF checkpoint."""
+    from ..megatron.rl_batch import RLBatch
+    from ..megatron.weights import save_hf_checkpoint
+
+    for step, idx in enumerate(sft_batches(trajs, batch_size, steps, seed), 1):
+        t = collate([trajs[i] for i in idx], pad_token_id=pad_id)
+        metrics = engine.sft_update(RLBatch(input_ids=t["input_ids"], attention_mask=t["attention_mask"], loss_mask=t["loss_mask"]))
+        if on_step is not None:
+            on_step(step, metrics)
+    save_hf_checkpoint(engine.model, str(out_dir))
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        (out_dir / "SFT_DONE").write_text(json.dumps({"steps": steps}))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return out_dir
