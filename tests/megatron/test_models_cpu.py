@@ -35,9 +35,9 @@ def test_logits_match_transformers_1proc(single_results, case_id):
 
 def _check_roundtrip(r: dict, model: str) -> None:
     assert r["missing"] == [] and r["extra"] == [], r
-    assert r["unequal"] == [], r  # torch.equal, same dtype
+    assert r["unequal"] == [], r  # torch.equal, same dtype (the source cast to bf16 for bf16 exports)
     assert r["n_tensors"] > 10
-    assert r["config_dtype"] == "float32" and r["config_model_type"] == model.replace("_4l", "").replace("_tied", "")
+    assert r["config_dtype"] == r["case"].get("dtype", "float32") and r["config_model_type"] == model.replace("_4l", "").replace("_tied", "")
     # tokenizer + generation files copied from the source directory
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"} <= set(r["files"])
 
@@ -58,6 +58,14 @@ def test_hf_roundtrip_is_tensor_equal_1proc(single_results, case_id):
         assert len(shards) > 1 and "model.safetensors.index.json" in r["files"]
     else:
         assert shards == ["model.safetensors"] and "model.safetensors.index.json" not in r["files"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which,case_id", [("mp", "from_config/mixtral/ep2"), ("single", "from_config/qwen3_moe/ws1")])
+def test_random_init_model_exports_to_transformers(mp_results, single_results, which, case_id):
+    r = result(mp_results if which == "mp" else single_results, case_id)
+    assert r["logit_std"] > 1e-3  # not a degenerate (all-zero) model
+    assert r["max_abs_diff"] <= LOGIT_TOL, r
 
 
 @pytest.mark.slow
@@ -122,3 +130,28 @@ def test_missing_weight_names_the_tensor(single_results):
     r = result(single_results, "missing_weight/qwen2")
     assert r["error_type"] == "CheckpointFileError"
     assert "model.layers.1.mlp.up_proj.weight" in r["error"] and "broken_qwen2" in r["error"]
+
+
+@pytest.mark.slow
+def test_local_spec_has_te_parameter_names_and_te_is_used_when_present(single_results):
+    r = result(single_results, "spec_selection")
+    assert r["te_available_here"] is False  # CPU-only machine
+    assert r["picked_with_te"] == "te-spec" and r["te_flag_calls"] == [True]
+    names = set(r["param_names"])
+    layer = "decoder.layers.0."
+    expected = {
+        layer + "self_attention.linear_qkv.layer_norm_weight",  # input norm fused into QKV (TE naming)
+        layer + "self_attention.linear_qkv.weight",
+        layer + "self_attention.q_layernorm.weight",
+        layer + "self_attention.k_layernorm.weight",
+        layer + "self_attention.linear_proj.weight",
+        layer + "pre_mlp_layernorm.weight",  # MoE layers keep a separate norm, as in TE's spec
+        layer + "mlp.router.weight",
+        *(f"{layer}mlp.experts.linear_fc1.weight{i}" for i in range(4)),  # TE grouped-linear names
+        *(f"{layer}mlp.experts.linear_fc2.weight{i}" for i in range(4)),
+        "embedding.word_embeddings.weight",
+        "decoder.final_layernorm.weight",
+        "output_layer.weight",
+    }
+    assert expected <= names, sorted(expected - names)
+    assert not any("input_layernorm" in n or "local_experts" in n for n in names)

@@ -66,10 +66,12 @@ def op_logits(case: dict, models: str, work: str) -> dict:
 
 
 def op_value(case: dict, models: str, work: str) -> dict:
-    """Critic head set to lm_head row 0: its values must equal the HF logits of token 0."""
+    """Critic head set to lm_head row 0: its values must equal the HF logits of token 0.
+    (A tied model's critic is built untied, so its backbone must still load correctly.)"""
     src = os.path.join(models, case["model"])
     model = build_model(src, ParallelLayout.from_string(case["layout"]), ModelOptions(value_head=True))
-    lm_head = read_safetensors_dir(src)["lm_head.weight"]
+    state = read_safetensors_dir(src)
+    lm_head = state.get("lm_head.weight", state["model.embed_tokens.weight"])  # tied: the embedding
     heads = [c.output_layer for c in model.unwrapped() if getattr(c, "post_process", False)]
     for head in heads:
         with torch.no_grad():
@@ -79,8 +81,10 @@ def op_value(case: dict, models: str, work: str) -> dict:
     return {"max_abs_diff": (values - ref).abs().max().item(), "shape": list(values.shape)}
 
 
-def _compare_dirs(out_dir: str, src: str) -> dict:
+def _compare_dirs(out_dir: str, src: str, dtype=None) -> dict:
     got, want = read_safetensors_dir(out_dir), read_safetensors_dir(src)
+    if dtype is not None:
+        want = {k: v.to(dtype) for k, v in want.items()}
     unequal = [k for k in want if k in got and not (got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]))]
     files = sorted(os.listdir(out_dir))
     with open(os.path.join(out_dir, "config.json")) as f:
@@ -101,11 +105,29 @@ def op_roundtrip(case: dict, models: str, work: str) -> dict:
     model = build_model(src, ParallelLayout.from_string(case["layout"]))
     out_dir = os.path.join(work, f"rt_{case['model']}_{case['layout'].replace(',', '_').replace('=', '')}")
     t = time.time()
-    save_hf_checkpoint(model, out_dir, max_shard_bytes=case.get("max_shard_bytes", 4 * 1024**3))
+    dtype = getattr(torch, case["dtype"]) if "dtype" in case else None
+    if dtype is not None:
+        out_dir += "_" + case["dtype"]
+    save_hf_checkpoint(model, out_dir, dtype=dtype, max_shard_bytes=case.get("max_shard_bytes", 4 * 1024**3))
     res = {"save_s": time.time() - t}
     if rank() == 0:
-        res.update(_compare_dirs(out_dir, src))
+        res.update(_compare_dirs(out_dir, src, dtype))
     return res
+
+
+def op_from_config(case: dict, models: str, work: str) -> dict:
+    """Random-init model from a config object (no HF files): exported, it must load in
+    transformers and give the Megatron logits."""
+    from tiny_models import CONFIGS
+
+    model = build_model(CONFIGS[case["model"]](), ParallelLayout.from_string(case["layout"]), load_weights=False)
+    logits = forward_logits(model, TOKENS)
+    out_dir = os.path.join(work, f"from_config_{case['model']}")
+    save_hf_checkpoint(model, out_dir)
+    if rank() != 0:
+        return {}
+    ref = hf_logits(out_dir, TOKENS)
+    return {"max_abs_diff": (logits - ref).abs().max().item(), "logit_std": logits.std().item()}
 
 
 def op_buckets(case: dict, models: str, work: str) -> dict:
@@ -207,6 +229,35 @@ def op_missing_weight(case: dict, models: str, work: str) -> dict:
     return {"error_type": None, "error": None}
 
 
+def op_spec_selection(case: dict, models: str, work: str) -> dict:
+    """TE spec iff TE imports (mocked: TE cannot be installed on these CPUs); the local spec's
+    parameter names are TE's."""
+    from unittest import mock
+
+    from sorl_megatron.megatron import local_spec
+
+    model = build_model(os.path.join(models, case["model"]), ParallelLayout(), load_weights=False)
+    names = sorted(n for c in model.unwrapped() for n, _ in c.named_parameters())
+    calls = []
+
+    def fake_te_spec(config, use_transformer_engine, **kwargs):
+        calls.append(use_transformer_engine)
+        return "te-spec" if use_transformer_engine else local_spec.get_gpt_decoder_block_spec.__wrapped_original__(
+            config, use_transformer_engine, **kwargs)
+
+    fake_te_spec.__wrapped_original__ = local_spec.get_gpt_decoder_block_spec
+    with mock.patch.object(local_spec, "transformer_engine_available", lambda: True), mock.patch.object(
+        local_spec, "get_gpt_decoder_block_spec", fake_te_spec
+    ):
+        picked_with_te = local_spec.decoder_block_spec(model.config)
+    return {
+        "te_available_here": local_spec.transformer_engine_available(),
+        "picked_with_te": picked_with_te,
+        "te_flag_calls": calls,
+        "param_names": names,
+    }
+
+
 def op_compat_probes(case: dict, models: str, work: str) -> dict:
     from compat_probes import run_probes
 
@@ -216,6 +267,7 @@ def op_compat_probes(case: dict, models: str, work: str) -> dict:
 OPS = {
     "logits": op_logits,
     "value": op_value,
+    "from_config": op_from_config,
     "roundtrip": op_roundtrip,
     "buckets": op_buckets,
     "fp8": op_fp8,
@@ -223,6 +275,7 @@ OPS = {
     "load_ckpt": op_load_ckpt,
     "missing_weight": op_missing_weight,
     "compat_probes": op_compat_probes,
+    "spec_selection": op_spec_selection,
 }
 
 
