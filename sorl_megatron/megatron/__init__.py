@@ -11,35 +11,61 @@ Public API (what the RL training engine and the conversion CLI build on):
     save_hf_checkpoint(model, out_dir, fp8=False)
     save_megatron_checkpoint(model, ckpt_dir); load_megatron_checkpoint(ckpt_dir, other_layout)
 
-Importing this package does not import megatron (only torch/transformers); megatron is
-imported when a model is built or groups are initialized.
+Names are imported lazily: megatron is imported when a model is built or groups are
+initialized, torch/transformers when the first name that needs them is used.
 """
 
-from .cpu_compat import apply_cpu_compat, applied_patches
-from .dist_ckpt import (
-    load_megatron_checkpoint,
-    load_megatron_checkpoint_into,
-    read_checkpoint_meta,
-    save_megatron_checkpoint,
-)
-from .fp8 import dequantize_block_fp8, dequantize_hf_state_dict, quantize_block_fp8
-from .forward import causal_attention_mask, forward_logits
-from .hf_config import CheckpointFileError, load_hf_config
-from .layout import (
-    SUPPORTED_MODEL_TYPES,
-    LayoutError,
-    ParallelLayout,
-    UnsupportedModelError,
-    validate_layout,
-)
-from .model import MegatronModel, ModelOptions, ScalarValueHead, build_model
-from .parallel import current_layout, destroy_parallel, init_distributed, init_parallel
-from .weights import (
-    iter_hf_weight_buckets,
-    iter_hf_weights,
-    load_hf_weights,
-    save_hf_checkpoint,
-)
+import importlib
+from typing import Any
+
+# name -> submodule. Resolved on first use (PEP 562) so that `import sorl_megatron.megatron`
+# and `tools/convert.py --help` do not pay for torch/transformers/megatron imports.
+_EXPORTS = {
+    "apply_cpu_compat": "cpu_compat",
+    "applied_patches": "cpu_compat",
+    "load_megatron_checkpoint": "dist_ckpt",
+    "load_megatron_checkpoint_into": "dist_ckpt",
+    "read_checkpoint_meta": "dist_ckpt",
+    "save_megatron_checkpoint": "dist_ckpt",
+    "dequantize_block_fp8": "fp8",
+    "dequantize_hf_state_dict": "fp8",
+    "quantize_block_fp8": "fp8",
+    "causal_attention_mask": "forward",
+    "forward_logits": "forward",
+    "CheckpointFileError": "hf_config",
+    "load_hf_config": "hf_config",
+    "SUPPORTED_MODEL_TYPES": "layout",
+    "LayoutError": "layout",
+    "ParallelLayout": "layout",
+    "UnsupportedModelError": "layout",
+    "validate_layout": "layout",
+    "MegatronModel": "model",
+    "ModelOptions": "model",
+    "ScalarValueHead": "model",
+    "build_model": "model",
+    "current_layout": "parallel",
+    "destroy_parallel": "parallel",
+    "init_distributed": "parallel",
+    "init_parallel": "parallel",
+    "iter_hf_weight_buckets": "weights",
+    "iter_hf_weights": "weights",
+    "load_hf_weights": "weights",
+    "save_hf_checkpoint": "weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "CheckpointFileError",

@@ -14,16 +14,17 @@ import sys
 import time
 from typing import Optional
 
-import torch
+# torch/megatron are imported inside the commands so that --help answers instantly.
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
-
-def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+def _dtype(name: Optional[str]):
     if name is None:
         return None
+    import torch
+
     try:
-        return DTYPES[name.lower()]
+        return getattr(torch, DTYPES[name.lower()])
     except KeyError:
         raise SystemExit(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
 
@@ -38,6 +39,8 @@ def _size(text: str) -> int:
 
 
 def _rank0() -> bool:
+    import torch
+
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
@@ -79,6 +82,8 @@ def cmd_megatron_to_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    import torch
+
     from . import ModelOptions, build_model, forward_logits, load_megatron_checkpoint
 
     if args.ckpt:
@@ -165,6 +170,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             warnings.filterwarnings("ignore", category=category)
     from .hf_config import CheckpointFileError
     from .layout import LayoutError, UnsupportedModelError
+
+    import torch
 
     try:
         return args.func(args)

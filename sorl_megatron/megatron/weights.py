@@ -138,13 +138,14 @@ def save_hf_checkpoint(
 ) -> None:
     """Write an HF directory (safetensors shards + config.json + tokenizer files) from any layout.
 
-    All ranks call this; rank 0 writes. dtype: exported dtype (None = the model's).
+    All ranks call this; rank 0 writes. dtype: exported dtype (None = the dtype named in the
+    source config.json, e.g. bfloat16 for a bf16 checkpoint trained in fp32 on CPU; else the model's).
     fp8: block-quantize linear weights (see fp8.py); non-linear tensors use `dtype`.
     source_dir: where tokenizer/generation files are copied from (default: the load source).
     """
     from .fp8 import FP8_BLOCK, fp8_quantization_config, quantize_hf_tensor
 
-    dtype = dtype or model.dtype
+    dtype = dtype or source_dtype(model) or model.dtype
     writer = _ShardWriter(out_dir, max_shard_bytes) if _rank() == 0 else None
     if writer is not None:
         os.makedirs(out_dir, exist_ok=True)
@@ -163,6 +164,19 @@ def save_hf_checkpoint(
         if source:
             copy_tokenizer_files(source, out_dir)
     _barrier()
+
+
+_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def source_dtype(model: MegatronModel) -> Optional[torch.dtype]:
+    """The dtype the source HF config.json declares (`dtype` or legacy `torch_dtype`), if any."""
+    path = model.source_dir and os.path.join(model.source_dir, "config.json")
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        cfg = json.load(f)
+    return _EXPORT_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype")))
 
 
 def write_hf_config(model: MegatronModel, out_dir: str, dtype: torch.dtype, quantization_config: Optional[dict]) -> None:

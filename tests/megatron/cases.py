@@ -43,6 +43,8 @@ SINGLE_CASES = (
          "max_shard_bytes": 60000},
         {"id": "value/qwen2/ws1", "op": "value", "model": "qwen2", "layout": ""},
         {"id": "value/qwen2_tied/ws1", "op": "value", "model": "qwen2_tied", "layout": ""},
+        {"id": "roundtrip/qwen2_bf16/ws1", "op": "roundtrip", "model": "qwen2_bf16", "layout": "",
+         "expect_dtype": "bfloat16"},  # fp32 on CPU, exported back in the source's bf16 by default
         {"id": "roundtrip/mixtral/ws1-bf16", "op": "roundtrip", "model": "mixtral", "layout": "", "dtype": "bfloat16"},
         {"id": "from_config/qwen3_moe/ws1", "op": "from_config", "model": "qwen3_moe", "layout": ""},
         {"id": "buckets/qwen2_tied/ws1", "op": "buckets", "model": "qwen2_tied", "layout": "", "bucket_bytes": 20000},

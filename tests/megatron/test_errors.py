@@ -131,3 +131,13 @@ def test_rope_scaling_is_refused():
     cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     with pytest.raises(ValueError, match="rope_type='yarn'"):
         load_hf_config(cfg)
+
+
+def test_public_api_names_resolve():
+    import sorl_megatron.megatron as api
+
+    assert sorted(api.__all__) == sorted(api._EXPORTS)
+    for name in api.__all__:
+        assert getattr(api, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        api.nope  # noqa: B018

@@ -61,6 +61,7 @@ CONFIGS: dict[str, Callable] = {
     "qwen2": lambda: qwen2_config(tied=False),
     "qwen2_tied": lambda: qwen2_config(tied=True),
     "qwen2_4l": lambda: qwen2_config(tied=True, layers=4),  # for PP x VPP
+    "qwen2_bf16": lambda: qwen2_config(tied=False),  # saved in bfloat16, like real checkpoints
     "qwen3_moe": qwen3_moe_config,
     "mixtral": mixtral_config,
 }
@@ -80,6 +81,8 @@ def save_tiny_model(kind: str, out_dir: str, seed: int = 0, with_tokenizer: bool
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
+    if kind.endswith("_bf16"):
+        model = model.to(torch.bfloat16)
     model.save_pretrained(out_dir)
     if with_tokenizer:
         _write_tokenizer(out_dir)
