@@ -24,7 +24,7 @@ from .engine import BatchingConfig, EngineBase, OptimConfig, accumulate_metrics,
 from .layout import ParallelLayout
 from .model import ModelOptions
 from .rl_batch import BatchError, RLBatch, validate_batch
-from .vocab_parallel import next_token_targets, shift_to_token_positions, vocab_parallel_entropy, vocab_parallel_logprobs
+from .vocab_parallel import next_token_targets, shift_to_token_positions, vocab_parallel_logprobs_entropy
 
 RoutingReplayMode = Literal["off", "r2", "r3"]
 
@@ -112,14 +112,12 @@ class PolicyEngine(EngineBase):
     def _token_outputs(self, mb: dict, logits: torch.Tensor, entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Log-probs (and entropy) aligned to token positions, 0 off the attention mask."""
         logits = self._logits_scaled(logits)  # [b, s, V/tp]
-        lp = shift_to_token_positions(vocab_parallel_logprobs(logits, next_token_targets(mb["input_ids"])))
+        lp, ent = vocab_parallel_logprobs_entropy(logits, next_token_targets(mb["input_ids"]))
         att = mb["attention_mask"].bool()
-        lp = torch.where(att, lp, torch.zeros_like(lp))
-        ent = None
-        if entropy:
-            ent = shift_to_token_positions(vocab_parallel_entropy(logits))
-            ent = torch.where(att, ent, torch.zeros_like(ent))
-        return lp, ent
+        lp = torch.where(att, shift_to_token_positions(lp), torch.zeros_like(lp))
+        if not entropy:
+            return lp, None
+        return lp, torch.where(att, shift_to_token_positions(ent), torch.zeros_like(ent))
 
     @torch.no_grad()
     def compute_logprobs(

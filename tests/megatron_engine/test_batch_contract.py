@@ -68,13 +68,16 @@ def test_token_alignment_helpers():
 def test_vocab_parallel_entropy_matches_autograd_single_rank():
     from megatron.core import parallel_state  # noqa: F401  (groups not initialized: TP = 1 path)
 
-    from sorl_megatron.megatron.vocab_parallel import vocab_parallel_entropy
+    from sorl_megatron.megatron.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs_entropy
 
     logits = torch.randn(3, 4, 7, dtype=torch.float64, requires_grad=True)
-    ent = vocab_parallel_entropy(logits)
+    ent = vocab_parallel_entropy(logits).float()
     logp = torch.log_softmax(logits.float(), -1)
     ref = -(logp.exp() * logp).sum(-1)
     assert torch.allclose(ent, ref, atol=1e-5)
+    targets = torch.randint(0, 7, (3, 4))
+    lp, _ = vocab_parallel_logprobs_entropy(logits, targets)
+    assert torch.allclose(lp.float(), logp.gather(-1, targets[..., None])[..., 0], atol=1e-5)
     w = torch.randn(3, 4)
     (g,) = torch.autograd.grad((ent * w).sum(), logits)
     (g_ref,) = torch.autograd.grad((ref * w).sum(), logits)
