@@ -15,25 +15,22 @@ import torch
 from .protocol import PRECISIONS
 
 Precision = Literal["fp32", "bf16", "fp8"]
-E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
 def fp8_block_roundtrip(weight: torch.Tensor, block: int = 128) -> torch.Tensor:
     """Quantize the last two dims of ``weight`` to e4m3 in ``block x block`` tiles and back.
 
-    Works on 2-D linear weights and on 3-D fused expert weights ``[E, out, in]`` alike;
-    ragged edge tiles are padded for the scale computation only.
+    Works on 2-D linear weights and on 3-D fused expert weights ``[E, out, in]`` alike (one
+    2-D quantization per expert); the quantizer is the one the FP8 checkpoint export uses
+    (``sorl_megatron.megatron.fp8``), so the embedded server sees exactly the weights an FP8
+    server would load from that export.
     """
-    w = weight.detach().float()
-    *lead, rows, cols = w.shape
-    pr, pc = -rows % block, -cols % block
-    padded = torch.nn.functional.pad(w, (0, pc, 0, pr))
-    tiles = padded.reshape(*lead, (rows + pr) // block, block, (cols + pc) // block, block)
-    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-12)
-    scale = amax / E4M3_MAX
-    q = (tiles / scale).to(torch.float8_e4m3fn)
-    deq = (q.float() * scale).reshape(padded.shape)[..., :rows, :cols]
-    return deq.to(weight.dtype)
+    from ..megatron.fp8 import dequantize_block_fp8, quantize_block_fp8
+
+    tiles = (block, block)
+    mats = weight.detach().reshape(-1, *weight.shape[-2:])
+    out = torch.stack([dequantize_block_fp8(*quantize_block_fp8(m, tiles), torch.float32, tiles) for m in mats])
+    return out.reshape(weight.shape).to(weight.dtype)
 
 
 def _is_quantized_weight(name: str, param: torch.Tensor) -> bool:
