@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test clean
+.PHONY: setup demo toy-demo test clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The CPU demo end to end: data, tokenizer and tiny MoE model, SFT, SO-GRPO RL, validation, plots.
 demo: setup
+	$(PY) tools/demo.py
+
+# The algorithm core alone on a toy task (every loss, ~1 minute).
+toy-demo: setup
 	$(PY) -m sorl_megatron.demo
 
 test: setup
