@@ -264,6 +264,10 @@ def _check_model_layout(cfg: TrainConfig) -> None:
     experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
     if heads % p.tp or kv % p.tp:
         raise ConfigError(f"parallelism.tp={p.tp} does not divide the model's {heads} attention / {kv} KV heads")
+    vocab = int(hf_config.get("vocab_size") or 0)
+    if vocab % p.tp:
+        # megatron shards the (unpadded) embedding and output layer over TP
+        raise ConfigError(f"parallelism.tp={p.tp} does not divide the model's vocab_size {vocab} (pad the vocabulary)")
     if layers % (p.pp * p.vpp):
         raise ConfigError(f"parallelism.pp x vpp = {p.pp * p.vpp} does not divide the model's {layers} layers")
     if p.ep > 1 and (experts == 0 or experts % p.ep):

@@ -160,8 +160,14 @@ class RLTrainer:
             if not (path / "trainer.json").is_file():
                 raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no trainer.json)")
             return path
-        done = sorted(self.ckpt_root.glob("step_*/trainer.json"), key=lambda p: int(p.parent.name.split("_")[1]))
-        return done[-1].parent if done else None
+        done = self.complete_checkpoints()
+        return done[-1] if done else None
+
+    def complete_checkpoints(self) -> list[Path]:
+        """``step_<k>`` directories with a trainer.json, oldest first. A run killed mid-save
+        leaves ``step_<k>.tmp`` (or ``.old``) with a trainer.json: those are not checkpoints."""
+        done = [p.parent for p in self.ckpt_root.glob("step_*/trainer.json") if p.parent.name[5:].isdigit()]
+        return sorted(done, key=lambda d: int(d.name[5:]))
 
     def save(self, step: int) -> None:
         from ..megatron.engine_checkpoint import save_engine_checkpoint
@@ -172,9 +178,8 @@ class RLTrainer:
                              "refreshed_at_step": self.pvpo.refreshed_at_step, "keep": self.stream.indices}
         save_engine_checkpoint(str(self.ckpt_root / f"step_{step}"), self.actor, self.critic, extra=extra)
         if _rank() == 0 and self.cfg.checkpoint.keep_last > 0:
-            done = sorted(self.ckpt_root.glob("step_*/trainer.json"), key=lambda p: int(p.parent.name.split("_")[1]))
-            for old in done[: -self.cfg.checkpoint.keep_last]:
-                shutil.rmtree(old.parent, ignore_errors=True)
+            for old in self.complete_checkpoints()[: -self.cfg.checkpoint.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
 
     def restore(self, path: Path) -> int:
         from ..megatron.engine_checkpoint import load_engine_checkpoint
@@ -290,8 +295,9 @@ class RLTrainer:
                 res = self.rollouts(indices, cfg.rollout.group_size, seed=cfg.schedule.seed * 1_000_003 + step)
                 injected = torch.zeros(len(res.trajectories), dtype=torch.bool)
                 if self.pvpo is not None and cfg.algorithm.pvpo.inject_ground_truth:
-                    res.trajectories, injected = inject_ground_truth(res.trajectories, res.group_ids, self.gold_trajectories(indices),
-                                                                     group_sampling(self.pvpo).unsolved)
+                    unsolved = group_sampling(self.pvpo).unsolved
+                    gold = self.gold_trajectories(sorted(set(indices) & set(unsolved)), complete_only=True)
+                    res.trajectories, injected = inject_ground_truth(res.trajectories, res.group_ids, gold, unsolved)
                     res.rewards = torch.where(injected, torch.ones_like(res.rewards), res.rewards)
                 payload = (self._to_batch(res, injected), res.rewards, res.metrics)
             (batch, injected), rewards, rollout_metrics_ = _broadcast(payload)
@@ -341,8 +347,12 @@ class RLTrainer:
             payload.pop("val/reward", None)
         return _broadcast(payload)
 
-    def gold_trajectories(self, indices: list[int]) -> dict[int, Any]:
-        """Ground-truth trajectories of the given prompts, played through the agent loop."""
+    def gold_trajectories(self, indices: list[int], complete_only: bool = False) -> dict[int, Any]:
+        """Ground-truth trajectories of the given prompts, played through the agent loop.
+
+        With ``complete_only`` (PVPO injection, which scores them 1) a plan the rollout budgets
+        cut before its answer (``max_turns``, ``max_turn_tokens``, ``max_total_tokens``) is left
+        out: it is not a correct trajectory."""
         from ..data.gold import gold_trajectory
         from ..data.qa import encode_prompt
         from ..data.synthetic import GoldPlan
@@ -369,6 +379,11 @@ class RLTrainer:
                 await retriever.close()
 
         self._loop.run_until_complete(go())
+        if complete_only:
+            cut = sorted(i for i, t in out.items() if t.finish_reason != "answer")
+            if cut:
+                log.warning("ground truth of prompt(s) %s does not reach its answer within the rollout budgets; not injected", cut)
+            out = {i: t for i, t in out.items() if i not in set(cut)}
         return out
 
     # -- the run -----------------------------------------------------------------------
@@ -392,18 +407,14 @@ class RLTrainer:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.yaml").write_text(dump_config(cfg))
                 self.retrieval_url = cfg.retrieval.url or servers.start(retrieval_server_spec(cfg.retrieval.corpus, cfg.retrieval.topk))
-            logger = MetricsLogger(self.run_dir, cfg.schedule.total_steps, cfg.logging.tensorboard, cfg.logging.progress,
-                                   enabled=_rank() == 0, start_step=0)
-            stack.callback(logger.close)
             policy_path = self.sft_stage() if cfg.sft.enabled else cfg.model.path
             self.build_engines(policy_path)
             resume = self.latest_checkpoint()
             start = self.restore(resume) if resume is not None else 0
-            if start > 0:
-                logger.close()
-                logger = MetricsLogger(self.run_dir, cfg.schedule.total_steps, cfg.logging.tensorboard, cfg.logging.progress,
-                                       enabled=_rank() == 0, start_step=start)
-                stack.callback(logger.close)
+            # only now: a logger opened at step 0 deletes metrics.jsonl, which a resumed run continues
+            logger = MetricsLogger(self.run_dir, cfg.schedule.total_steps, cfg.logging.tensorboard, cfg.logging.progress,
+                                   enabled=_rank() == 0, start_step=start)
+            stack.callback(logger.close)
             if _rank() == 0:
                 self.rollout_urls = list(cfg.rollout.urls) or [servers.start(rollout_server_spec(
                     policy_path, cfg.rollout.precision, cfg.algorithm.routing_replay == "r3", cfg.schedule.seed))]
@@ -415,6 +426,9 @@ class RLTrainer:
             if start == 0:
                 logger.log(0, self.validate())
             for step in range(start, cfg.schedule.total_steps):
+                k = cfg.algorithm.pvpo.refresh_every
+                if self.pvpo is not None and k and step > 0 and step % k == 0 and self.pvpo.refreshed_at_step < step:
+                    self.pvpo_reference_pass(step)  # refresh static V with the current policy
                 last = self.step(step)
                 done = step + 1
                 if (cfg.schedule.val_every and done % cfg.schedule.val_every == 0) or done == cfg.schedule.total_steps:
@@ -452,14 +466,19 @@ class RLTrainer:
         del engine
         return str(out)
 
-    def pvpo_reference_pass(self) -> None:
-        """M rollouts per prompt with the initial policy: static V, group sampling (PVPO)."""
+    def pvpo_reference_pass(self, step: int = 0) -> None:
+        """M rollouts per prompt with the policy the rollout servers hold: static V and, at step
+        0 (the initial policy), group sampling (PVPO). Later calls (``pvpo.refresh_every``)
+        refresh static V and accuracy of the kept prompts without re-filtering them."""
         p = self.cfg.algorithm.pvpo
         payload = None
         if _rank() == 0:
-            res = self.rollouts(self.stream.indices, p.num_ref_rollouts, seed=self.cfg.schedule.seed + 7)
-            payload = reference_statistics(res.rewards, res.group_ids)
+            res = self.rollouts(self.stream.indices, p.num_ref_rollouts, seed=self.cfg.schedule.seed + 7 + 1_000_033 * step)
+            payload = reference_statistics(res.rewards, res.group_ids, step=step)
         self.pvpo = _broadcast(payload)
+        if step > 0:
+            log.info("PVPO: static V refreshed at step %d", step)
+            return
         split = group_sampling(self.pvpo, p.drop_solved)
         self.stream.indices = split.keep
         log.info("PVPO: %d prompts kept, %d dropped as solved, %d unsolved", len(split.keep), len(split.dropped), len(split.unsolved))

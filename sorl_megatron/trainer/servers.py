@@ -4,7 +4,8 @@ With no ``rollout.urls`` the trainer starts ``python -m sorl_megatron.rollout.se
 free 127.0.0.1 port; with no ``retrieval.url`` it starts the BM25 retrieval server over
 ``retrieval.corpus``. Both are child processes stopped on exit: normal return, exceptions,
 Ctrl-C (``KeyboardInterrupt``) and SIGTERM all go through :meth:`EmbeddedServers.stop`, and an
-``atexit`` hook catches anything else. Server output goes to ``<run_dir>/servers/*.log``.
+``atexit`` hook catches anything else; on Linux the children also get SIGTERM when the trainer
+itself is killed (SIGKILL included). Server output goes to ``<run_dir>/servers/*.log``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class EmbeddedServers:
         log = open(log_dir / f"{spec.name}.log", "ab")
         self._logs.append(log)
         cmd = [sys.executable, "-m", spec.module, *spec.args, "--host", self.host, "--port", str(port)]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_die_with_parent_fn())
         self.procs[spec.name] = proc
         if len(self.procs) == 1:
             atexit.register(self.stop)
@@ -109,6 +111,32 @@ def retrieval_server_spec(corpus: str, topk: int) -> ServerSpec:
     if not corpus or not Path(corpus).is_file():
         raise FileNotFoundError(f"retrieval.corpus: {corpus!r} is not a file (and no retrieval.url was given)")
     return ServerSpec("retrieval", "sorl_megatron.retrieval.server", ["--corpus", corpus, "--topk", str(topk)], health_timeout_s=120.0)
+
+
+def _die_with_parent_fn():
+    """A Popen ``preexec_fn`` giving the child SIGTERM when the trainer dies (Linux).
+
+    ``stop`` and the ``atexit`` hook cover every exit the trainer sees; a SIGKILL (OOM killer,
+    ``kill -9``, a scheduler's hard kill) runs neither, and the servers live in their own
+    sessions, so without this they would outlive the run. ``prctl`` is resolved here, in the
+    parent, so the child only makes the call between fork and exec.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the trainer died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:

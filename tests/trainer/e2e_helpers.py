@@ -1,0 +1,127 @@
+"""Shared pieces of the end-to-end trainer tests: the tiny-run overrides, metrics reading,
+clean environments for subprocess launches, and process liveness checks (no psutil)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Iterable
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE_RECIPE = str(ROOT / "recipes" / "tiny_search_base.yaml")
+VENV_BIN = os.path.dirname(sys.executable)
+
+# Prompts of the synthetic set are ~272 tokens with the generated tokenizer: leave room for
+# two short turns (a budget below the prompt length would give empty trajectories).
+TINY = [
+    "schedule.batch_size=2",
+    "rollout.group_size=2",
+    "schedule.mini_batch_size=2",  # 4 trajectories -> 2 optimizer steps (the second is off-policy)
+    "schedule.micro_batch_size=1",
+    "rollout.max_turns=2",
+    "rollout.max_turn_tokens=12",
+    "rollout.max_total_tokens=340",
+    "rollout.max_obs_tokens=32",
+    "sft.enabled=false",
+    "schedule.val_every=0",
+    "data.val=''",
+    "optimizer.lr=1e-2",  # large enough that the off-policy mini-batch clips
+    "optimizer.critic_lr=1e-2",
+    "logging.progress=none",
+    "logging.tensorboard=false",
+]
+
+
+def data_overrides(data: Path) -> list[str]:
+    return [
+        f"model.path={data / 'model'}",
+        f"retrieval.corpus={data / 'corpus.jsonl'}",
+        f"data.train={data / 'train.parquet'}",
+    ]
+
+
+def run_overrides(data: Path, out: Path, name: str, *extra: str) -> list[str]:
+    """Tiny-run overrides writing under ``out/name`` (logs) and ``out/name/ckpt``."""
+    return [*data_overrides(data), *TINY, f"logging.dir={out}", f"logging.run_name={name}",
+            f"checkpoint.dir={out / name / 'ckpt'}", *extra]
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl of a run as {step: row}."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in rows}
+
+
+def comparable(row: dict) -> dict:
+    """A metrics row without wall-clock fields."""
+    return {k: v for k, v in row.items() if k not in ("time", "step") and not k.startswith("time/")}
+
+
+def assert_finite(row: dict, what: str) -> None:
+    bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
+    assert not bad, f"{what}: non-finite metrics {bad}"
+
+
+def subprocess_env() -> dict:
+    """The environment for a child launch: no torch.distributed variables leaked from an
+    in-process world of one (init_distributed sets RANK/WORLD_SIZE/MASTER_* in os.environ)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    return env
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a reaped child raises ProcessLookupError)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0): count it as dead only if /proc says so
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc), any thread."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def server_children(pid: int) -> list[int]:
+    """Children of ``pid`` that are embedded rollout / retrieval servers."""
+    out = []
+    for child in children(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if b"sorl_megatron.rollout.server" in cmd or b"sorl_megatron.retrieval.server" in cmd:
+            out.append(child)
+    return out
+
+
+def wait_dead(pids: Iterable[int], timeout_s: float = 30.0) -> list[int]:
+    """Wait until every pid is gone; return the ones still alive at the deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    pids = list(pids)
+    while time.monotonic() < deadline:
+        pids = [p for p in pids if alive(p)]
+        if not pids:
+            return []
+        time.sleep(0.2)
+    return pids

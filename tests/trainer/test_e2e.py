@@ -1,0 +1,426 @@
+"""End-to-end trainer runs: real Megatron engines, real rollout and retrieval servers.
+
+One synthetic data set and tiny Qwen3-MoE (vocabulary 520, so TP=2 can shard it) are
+generated once for the module. Most runs happen in this pytest process (megatron's import
+and the rollout server's start-up are the fixed costs): the loss loop, the layout and resume
+references and the PVPO run talk to one pair of servers started here (the trainer's
+external-URL path, which syncs the trainer's weights to the server when a run starts), while
+the failure, resume-after-kill and layout runs start their own embedded servers.
+
+What is crafted (a random tiny model never answers a question right, so exact match is 0
+everywhere): ``LengthReward`` scores a response by its length, so GRPO groups have variance
+and every loss gets a non-zero gradient; the PVPO test gives three prompts rewards that make
+them always solved / never solved / solved half the time.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sorl_megatron.rewards.registry import RewardRegistry
+
+from .e2e_helpers import (
+    BASE_RECIPE,
+    ROOT,
+    VENV_BIN,
+    alive,
+    assert_finite,
+    server_children,
+    comparable,
+    read_metrics,
+    run_overrides,
+    subprocess_env,
+    wait_dead,
+)
+
+
+# ------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("e2e_data")
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_data.py"), "--out", str(out), "--num-people", "8",
+                    "--make-model", "--vocab-size", "512"], check=True, capture_output=True, env=subprocess_env(), cwd=ROOT)
+    assert json.loads((out / "model" / "config.json").read_text())["vocab_size"] % 2 == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared_servers(tiny_data, tmp_path_factory):
+    """One rollout server (routed experts enabled, for R3 runs) and one retrieval server."""
+    from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
+
+    servers = EmbeddedServers(tmp_path_factory.mktemp("shared_servers"))
+    try:
+        retrieval = servers.start(retrieval_server_spec(str(tiny_data / "corpus.jsonl"), 2))
+        rollout = servers.start(rollout_server_spec(str(tiny_data / "model"), "fp32", True, 1234))
+        yield [f"rollout.urls=[{rollout}]", f"retrieval.url={retrieval}"]
+    finally:
+        servers.stop()
+
+
+class LengthReward(RewardRegistry):
+    """Crafted reward in {0, .25, .5, .75, 1}: the response length mod 5 (see module doc)."""
+
+    def score(self, data_source, response, ground_truth):
+        return (len(response) % 5) / 4
+
+
+@pytest.fixture
+def length_reward(monkeypatch):
+    monkeypatch.setattr("sorl_megatron.rewards.registry.RewardRegistry", LengthReward)
+
+
+def _trainer(overrides, cls=None):
+    from sorl_megatron.trainer.config import load_recipe
+    from sorl_megatron.trainer.rl_loop import RLTrainer
+
+    return (cls or RLTrainer)(load_recipe(BASE_RECIPE, overrides))
+
+
+@pytest.fixture
+def server_spy(monkeypatch):
+    """Records every embedded server process the trainer starts."""
+    from sorl_megatron.trainer.servers import EmbeddedServers
+
+    started: list[subprocess.Popen] = []
+    original = EmbeddedServers.start
+
+    def start(self, spec):
+        try:
+            return original(self, spec)
+        finally:
+            started.append(self.procs.get(spec.name))
+
+    monkeypatch.setattr(EmbeddedServers, "start", start)
+    return started
+
+
+def _assert_reaped(procs):
+    assert procs and all(p is not None for p in procs)
+    for p in procs:
+        assert p.poll() is not None, f"server {p.args} still running"
+        with pytest.raises(ProcessLookupError):
+            os.kill(p.pid, 0)
+
+
+# ------------------------------------------------------------------- 1. every loss trains
+
+LOSS_RUNS = [  # (loss, advantage estimator, extra overrides riding along)
+    ("ppo", "gae", []),
+    ("turn_ppo", "gae", []),
+    ("s_ppo", "gae", ["schedule.ppo_epochs=2"]),
+    ("so_ppo", "gae", ["algorithm.loss.clip_bias.mode=scalar"]),
+    ("grpo", "grpo", []),
+    ("so_grpo", "grpo", ["algorithm.routing_replay=r2"]),
+    ("gspo", "grpo", ["algorithm.routing_replay=r3"]),
+    ("sapo", "grpo", ["algorithm.loss.kl_coef=0.01"]),
+    ("grpo", "pvpo", ["algorithm.pvpo.num_ref_rollouts=2"]),
+]
+
+
+def test_every_loss_trains(tiny_data, shared_servers, length_reward, tmp_path):
+    """Each loss name runs one RL step in this process with fresh engines (megatron's
+    parallel state re-initialized per run) against the shared servers."""
+    from sorl_megatron.algorithms import POLICY_LOSSES
+
+    assert {loss for loss, _, _ in LOSS_RUNS} == set(POLICY_LOSSES)
+    failures = []
+    for loss, estimator, extra in LOSS_RUNS:
+        name = f"{loss}_{estimator}"
+        trainer = _trainer(run_overrides(tiny_data, tmp_path, name, f"algorithm.loss.name={loss}",
+                                         f"algorithm.advantage.estimator={estimator}", "schedule.total_steps=1",
+                                         *shared_servers, *extra))
+        try:
+            last = trainer.run()
+        except Exception as err:  # report every failing loss, not just the first
+            failures.append(f"{name}: {type(err).__name__}: {err}")
+            continue
+        m = read_metrics(tmp_path / name)[1]
+        assert comparable(last) == comparable(m)
+        assert_finite(m, name)
+        steps = 2 * (2 if "schedule.ppo_epochs=2" in extra else 1)  # 4 trajectories / mini-batch 2 (x epochs)
+        assert m["actor/steps"] == steps, name
+        assert m["rollout/policy_tokens"] > 0 and m["actor/policy_tokens"] > 0, name
+        assert m["actor/grad_norm"] > 0, name  # non-zero advantages reached the weights
+        has_critic = any(k.startswith("critic/") for k in m)
+        assert has_critic == (estimator == "gae"), (name, sorted(k for k in m if k.startswith("critic/")))
+        if has_critic:
+            assert m["critic/steps"] == 2 and m["critic/grad_norm"] > 0, name
+        if "kl_coef" in " ".join(extra):
+            assert "time/ref_logprobs" in m and m["actor/kl_ref"] >= 0, name
+        if "routing_replay" in " ".join(extra):
+            assert m["actor/routing/replayed_pairs"] > 0, name
+        if estimator == "pvpo":
+            assert trainer.pvpo is not None and set(trainer.stream.indices) <= set(trainer.pvpo.accuracy)
+        assert (tmp_path / name / "ckpt" / "step_1" / "trainer.json").is_file(), name
+        assert not (tmp_path / name / "servers").exists(), f"{name} started embedded servers despite URLs"
+    assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------- 2. layouts equal world size 1
+
+LAYOUT_KEYS = ["rollout/reward", "rollout/policy_tokens", "actor/loss", "actor/pg_loss", "actor/clip_frac",
+               "actor/grad_norm", "actor/clip_bias/norm", "actor/ratio/mean", "actor/approx_kl_k3",
+               "critic/value_loss", "critic/grad_norm", "critic/values/mean"]
+LAYOUTS = {"tp2": "parallelism.tp=2", "ep2": "parallelism.ep=2", "pp2": "parallelism.pp=2"}
+
+
+def test_layouts_match_world_size_1(tiny_data, shared_servers, tmp_path):
+    """TP=2 (+SP), EP=2 (with DP=2) and PP=2 give world size 1's first-step metrics.
+
+    One ``torchrun --nproc_per_node=2`` calls the CLI's ``main`` once per layout (fresh engines,
+    megatron's groups re-initialized at each layout on the same world); all runs use the shared
+    servers, whose weights each run resets to the initial checkpoint, so every layout sees the
+    same rollouts (sampling is seeded per request) and only the Megatron side differs."""
+    from sorl_megatron.train import main
+
+    common = ["algorithm.loss.name=so_ppo", "algorithm.advantage.estimator=gae", "schedule.total_steps=1", "schedule.ppo_epochs=2",
+              *shared_servers]
+    assert main(["--config", BASE_RECIPE, *run_overrides(tiny_data, tmp_path, "ws1", *common)]) == 0
+
+    spec = tmp_path / "launch.json"
+    spec.write_text(json.dumps([["--config", BASE_RECIPE, *run_overrides(tiny_data, tmp_path, name, *common, layout)]
+                                for name, layout in LAYOUTS.items()]))
+    cmd = [os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "trainer" / "e2e_launch.py"), str(spec)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+    ref = read_metrics(tmp_path / "ws1")[1]
+    assert ref["actor/grad_norm"] > 0 and ref["critic/grad_norm"] > 0 and ref["rollout/policy_tokens"] > 0
+    assert ref["actor/clip_frac"] > 0 and ref["actor/clip_bias/norm"] > 0  # the off-policy mini-batches clip
+    for name in LAYOUTS:
+        got = read_metrics(tmp_path / name)[1]
+        assert_finite(got, name)
+        for key in LAYOUT_KEYS:
+            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, got[key], ref[key])
+
+
+# ------------------------------------------------------------- 3. resume after a SIGKILL
+
+
+def test_resume_after_kill_equals_uninterrupted(tiny_data, shared_servers, server_spy, tmp_path):
+    """Run A: 3 steps uninterrupted (in process). Run B: the CLI in a subprocess, SIGKILLed
+    once its step-2 checkpoint is complete (its servers must die with it); a half-written
+    ``step_3.tmp`` is left behind as a kill mid-save would. Run C: the same command resumed
+    (``checkpoint.resume=auto``, embedded servers) takes step 3. B's steps 1-2 and C's step 3
+    equal A's."""
+    common = ["algorithm.loss.name=so_ppo", "algorithm.advantage.estimator=gae", "schedule.total_steps=3",
+              "checkpoint.save_every=1", "checkpoint.keep_last=3"]
+    _trainer(run_overrides(tiny_data, tmp_path, "full", *common, *shared_servers)).run()
+    full = read_metrics(tmp_path / "full")
+
+    killed = run_overrides(tiny_data, tmp_path, "killed", *common)
+    ckpt = tmp_path / "killed" / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *killed], cwd=ROOT,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    servers: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not (ckpt / "step_2" / "trainer.json").is_file():
+            assert proc.poll() is None, f"run B exited early:\n{proc.stdout.read().decode()[-4000:]}"
+            assert time.monotonic() < deadline, "run B did not reach its step-2 checkpoint"
+            servers = server_children(proc.pid) or servers
+            time.sleep(0.05)
+        servers = server_children(proc.pid) or servers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    assert len(servers) == 2, f"expected the 2 embedded servers as children of run B, got {servers}"
+    left = wait_dead(servers, timeout_s=30)
+    for pid in left:  # do not leak them even when the assertion below fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"embedded servers {left} outlived the SIGKILLed trainer"
+    assert not (ckpt / "step_3" / "trainer.json").exists(), "run B finished step 3 before the kill"
+    partial = ckpt / "step_3.tmp"
+    partial.mkdir(exist_ok=True)
+    (partial / "trainer.json").write_text("{}")  # a kill between writing trainer.json and the rename
+
+    trainer = _trainer(killed)
+    restored = []
+    original_restore = trainer.restore
+    trainer.restore = lambda path: restored.append(original_restore(path)) or restored[-1]
+    trainer.run()
+    assert restored == [2]
+    _assert_reaped(server_spy)  # C's embedded servers stopped on normal exit
+
+    resumed = read_metrics(tmp_path / "killed")
+    assert sorted(resumed) == sorted(full) == [0, 1, 2, 3]  # step 0: the (here empty) initial validation
+    for step in (1, 2, 3):
+        a, b = comparable(full[step]), comparable(resumed[step])
+        assert a.keys() == b.keys(), (step, a.keys() ^ b.keys())
+        diff = {k: (a[k], b[k]) for k in a if not math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=_abs_tol(k))}
+        assert not diff, f"step {step} differs from the uninterrupted run: {diff}"
+    assert full[3]["actor/grad_norm"] > 0 and full[3]["critic/grad_norm"] > 0
+    assert full[3]["actor/pg_loss"] != full[2]["actor/pg_loss"]  # the steps are not all the same
+
+
+def _abs_tol(key: str) -> float:
+    # The train/inference mismatch statistics are float noise (|log pi - log mu| ~ 1e-7): the
+    # server's batched forward depends on which requests share a batch (timing), so they only
+    # agree to ~1e-6 between runs; the sampled tokens, and everything trained on them, are equal.
+    return 5e-6 if key.startswith("actor/is/mismatch") else 1e-9
+
+
+# ----------------------------------------------------------------- 4. config errors (CLI)
+
+
+def test_cli_config_errors_exit_2_naming_the_key(tiny_data, tmp_path, monkeypatch, capsys):
+    from sorl_megatron.train import main
+
+    data = run_overrides(tiny_data, tmp_path, "bad")
+    proc = subprocess.run([sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *data, "algorithm.loss.nme=ppo"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "algorithm.loss.nme" in proc.stderr and "did you mean algorithm.loss.name" in proc.stderr
+
+    def error(*overrides, world_size="1"):
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        assert main(["--config", BASE_RECIPE, *data, *overrides]) == 2
+        return capsys.readouterr().err
+
+    assert "schedule.total_steps must be an integer" in error("schedule.total_steps=abc")
+    assert "rollout.group_size" in error("rollout.group_size=zero")
+    assert "parallelism: tp x pp = 2 x 1 = 2 does not divide the world size 3" in error("parallelism.tp=2", world_size="3")
+    assert "parallelism.tp=4 does not divide the model's 4 attention / 2 KV heads" in error("parallelism.tp=4", world_size="4")
+    assert "parallelism.ep=3 does not divide the model's 4 experts" in error("parallelism.ep=3", world_size="3")
+    assert "parallelism.pp x vpp = 4 does not divide the model's 2 layers" in error("parallelism.pp=4", world_size="4")
+    msg = error("schedule.micro_batch_size=2", world_size="2")  # DP=2: micro 2 x DP 2 does not divide mini 2
+    assert "schedule.mini_batch_size=2 must be a multiple of schedule.micro_batch_size x data-parallel size" in msg
+    odd = tmp_path / "odd_vocab"
+    odd.mkdir()
+    hf = json.loads((tiny_data / "model" / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**hf, "vocab_size": 521}))
+    assert "parallelism.tp=2 does not divide the model's vocab_size 521" in error(f"model.path={odd}", "parallelism.tp=2",
+                                                                                 world_size="2")
+
+
+# ---------------------------------------------------- 5. servers are stopped after failures
+
+
+def test_servers_stopped_after_failures(tiny_data, server_spy, monkeypatch, tmp_path):
+    from sorl_megatron.trainer.rl_loop import RLTrainer
+
+    # a real build failure after the retrieval server started: the critic's checkpoint is missing
+    bad_critic = run_overrides(tiny_data, tmp_path, "bad_critic", "algorithm.advantage.estimator=gae",
+                               f"model.critic_path={tmp_path / 'no_such_model'}")
+    with pytest.raises(Exception, match="no_such_model"):
+        _trainer(bad_critic).run()
+    assert [p.args[2] for p in server_spy] == ["sorl_megatron.retrieval.server"]
+    _assert_reaped(server_spy)
+
+    # Ctrl-C in the middle of the first step, with both servers up (crafted: step raises)
+    server_spy.clear()
+
+    def interrupted(self, step):
+        raise KeyboardInterrupt("crafted Ctrl-C")
+
+    monkeypatch.setattr(RLTrainer, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt, match="crafted"):
+        _trainer(run_overrides(tiny_data, tmp_path, "interrupted")).run()
+    assert sorted(p.args[2] for p in server_spy) == ["sorl_megatron.retrieval.server", "sorl_megatron.rollout.server"]
+    _assert_reaped(server_spy)
+
+
+# ------------------------------------------------ 6. PVPO filtering and GT injection, crafted
+
+
+class CraftedPVPORewards(RewardRegistry):
+    """Crafted per-prompt outcomes: ``crafted_solved`` always scores 1, ``crafted_unsolved``
+    never, ``crafted_mixed`` alternates 1, 0, 1, 0 (so every group of an even size is half
+    solved). The rollouts themselves are real (tiny model on the shared server)."""
+
+    mixed_calls = 0
+
+    def score(self, data_source, response, ground_truth):
+        if data_source == "crafted_mixed":
+            CraftedPVPORewards.mixed_calls += 1
+            return float(CraftedPVPORewards.mixed_calls % 2)
+        return {"crafted_solved": 1.0, "crafted_unsolved": 0.0}[data_source]
+
+
+def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, monkeypatch, tmp_path):
+    from sorl_megatron.data.qa import read_parquet, write_parquet
+    from sorl_megatron.trainer.rl_loop import RLTrainer
+
+    rows = read_parquet(tiny_data / "train.parquet")[:3]
+    sources = ["crafted_solved", "crafted_unsolved", "crafted_mixed"]
+    crafted = [dataclasses.replace(r, data_source=s) for r, s in zip(rows, sources)]
+    write_parquet(crafted, tmp_path / "crafted.parquet")
+    monkeypatch.setattr("sorl_megatron.rewards.registry.RewardRegistry", CraftedPVPORewards)
+    CraftedPVPORewards.mixed_calls = 0
+
+    seen = {"passes": [], "steps": []}
+
+    class Spy(RLTrainer):
+        def pvpo_reference_pass(self, step=0):
+            super().pvpo_reference_pass(step)
+            seen["passes"].append((step, copy.deepcopy(self.pvpo), list(self.stream.indices)))
+
+        def advantages(self, batch, rewards, values):
+            adv, returns = super().advantages(batch, rewards, values)
+            seen["steps"].append((batch, rewards.clone(), adv))
+            return adv, returns
+
+    overrides = run_overrides(tiny_data, tmp_path, "pvpo", f"data.train={tmp_path / 'crafted.parquet'}",
+                              "algorithm.loss.name=grpo", "algorithm.advantage.estimator=pvpo",
+                              "algorithm.pvpo.num_ref_rollouts=2", "algorithm.pvpo.inject_ground_truth=true",
+                              "algorithm.pvpo.refresh_every=1", "schedule.total_steps=2", *shared_servers,
+                              # room for the gold plan (search, then answer) of a one-hop question
+                              "rollout.max_turns=3", "rollout.max_turn_tokens=32", "rollout.max_total_tokens=420")
+    trainer = _trainer(overrides, Spy)
+    trainer.run()
+
+    # group sampling on the reference pass: index 0 (always solved) is dropped
+    (step0, state0, keep0), (step1, state1, keep1) = seen["passes"]
+    assert step0 == 0 and state0.accuracy == {0: 1.0, 1: 0.0, 2: 0.5} and state0.static_v == {0: 1.0, 1: 0.0, 2: 0.5}
+    assert keep0 == [1, 2]
+    # refresh_every=1: static V is refreshed before step 2 on the kept prompts only
+    assert step1 == 1 and state1.refreshed_at_step == 1 and set(state1.accuracy) == {1, 2} and keep1 == [1, 2]
+
+    tokenizer = trainer.tokenizer
+    metrics = read_metrics(tmp_path / "pvpo")
+    for k, (batch, rewards, adv) in enumerate(seen["steps"]):
+        assert metrics[k + 1]["rollout/injected_ground_truth"] == 1.0
+        groups = batch.group_ids.tolist()
+        assert sorted(groups) == [1, 1, 2, 2]
+        gt = max(i for i, g in enumerate(groups) if g == 1)  # the last rollout of the unsolved group
+        text = tokenizer.decode(batch.input_ids[gt][batch.attention_mask[gt].bool()].tolist())
+        assert f"<answer> {rows[1].targets[0]} </answer>" in text
+        assert rewards.tolist() == [1.0 if i == gt else (0.0 if g == 1 else rewards[i].item()) for i, g in enumerate(groups)]
+        assert sorted(rewards[[i for i, g in enumerate(groups) if g == 2]].tolist()) == [0.0, 1.0]
+        # PVPO eq. 6: the GT row's old log-probs are its generating policy's, not the current policy's
+        assert torch.equal(batch.old_logprobs[gt], batch.rollout_logprobs[gt])
+        other = next(i for i, g in enumerate(groups) if g == 1 and i != gt)
+        assert not torch.equal(batch.old_logprobs[other], batch.rollout_logprobs[other])
+        # PVPO advantages r - V_static, broadcast over policy tokens (no whitening)
+        v = {1: 0.0, 2: 0.5} if k == 0 else {g: seen["passes"][1][1].static_v[g] for g in (1, 2)}
+        for i, g in enumerate(groups):
+            on = batch.loss_mask[i].bool()
+            assert on.any()
+            assert torch.allclose(adv[i][on], torch.full_like(adv[i][on], rewards[i].item() - v[g])), (k, i)
+    assert_finite(metrics[2], "pvpo")
+    # a gold plan cut by the budgets is not a correct trajectory: it is not injected
+    assert set(trainer.gold_trajectories([1], complete_only=True)) == {1}
+    trainer.cfg.rollout.max_turn_tokens = 12
+    assert trainer.gold_trajectories([1], complete_only=True) == {}
+    saved = json.loads((tmp_path / "pvpo" / "ckpt" / "step_2" / "trainer.json").read_text())["extra"]["pvpo"]
+    assert saved["keep"] == [1, 2] and saved["refreshed_at_step"] == 1
