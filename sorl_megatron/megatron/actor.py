@@ -20,10 +20,10 @@ import torch
 
 from ..algorithms import PolicyLossConfig, aggregation_denominator, clip_bias_norm, clip_bias_surrogate, compute_policy_loss, sft_loss
 from ..algorithms.policy_loss import POLICY_LOSSES
-from .engine import BatchingConfig, EngineBase, OptimConfig, accumulate_metrics, device, mean_over_steps, reduce_metrics
+from .engine import BatchingConfig, EngineBase, OptimConfig, accumulate_metrics, device, reduce_metrics
 from .layout import ParallelLayout
 from .model import ModelOptions
-from .rl_batch import BatchError, RLBatch, validate_batch
+from .rl_batch import RLBatch, validate_batch
 from .vocab_parallel import next_token_targets, shift_to_token_positions, vocab_parallel_logprobs_entropy
 
 RoutingReplayMode = Literal["off", "r2", "r3"]
@@ -202,41 +202,15 @@ class PolicyEngine(EngineBase):
             raise RuntimeError("this PolicyEngine was built with trainable=False")
         return self._optimize(self._validate(batch, require_routes=False), self._sft_mini_batch)
 
-    def _optimize(self, batch: RLBatch, train_mini_batch) -> dict[str, float]:
-        """``epochs`` x mini-batches of ``train_mini_batch(batch, rows, micro_batch_size)``."""
-        batch = batch.padded_seq(self._seq_multiple())
-        n = batch.batch_size
-        mini = self._mini_batches(n)
-        mbs = self.batching.micro_batch_size
-        per_step = []
-        for epoch in range(self.batching.epochs):
-            order = self._epoch_order(n, epoch)
-            for m in range(n // mini):
-                rows = order[m * mini:(m + 1) * mini]
-                per_step.append(train_mini_batch(batch, rows, mbs))
-        out = mean_over_steps(per_step)
-        out["steps"] = float(len(per_step))
-        out["lr"] = per_step[-1]["lr"]
-        return out
-
     def _sft_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int) -> dict[str, float]:
         agg = self.cfg.loss.loss_agg
-        denominator = aggregation_denominator(batch.loss_mask[rows], agg).to(device())
-        micro = self._micro_dicts(batch, self._dp_rows(rows, mbs, "batching.mini_batch_size"), mbs)
-        scale = float(len(micro) * self.ranks["dp"])  # as in _train_mini_batch
-        acc: dict[str, list[float]] = {}
 
-        def loss_fn(mb, logits):
+        def micro_loss(mb, logits, denominator):
             lp, _ = self._token_outputs(mb, logits, False)
             loss, metrics = sft_loss(lp, mb["loss_mask"], agg, denominator)
-            accumulate_metrics(acc, metrics, weight=float(metrics["policy_tokens"]))
-            return loss * scale, {}
+            return loss, metrics, float(metrics["policy_tokens"])
 
-        self._zero_grads()
-        self._run(micro, loss_fn, forward_only=False, replay_mode=None)
-        out = reduce_metrics(acc, self.contributes)
-        out.update(self._optimizer_step())
-        return out
+        return self._fit_mini_batch(batch, rows, mbs, agg, micro_loss)
 
     def _train_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int) -> dict[str, float]:
         loss_cfg = self.cfg.loss

@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..algorithms.aggregation import LOSS_AGG_MODES, aggregate, aggregation_denominator, masked_mean, token_weights
-from .engine import BatchingConfig, EngineBase, OptimConfig, accumulate_metrics, device, mean_over_steps, reduce_metrics
+from ..algorithms.aggregation import LOSS_AGG_MODES, aggregate, masked_mean, token_weights
+from .engine import BatchingConfig, EngineBase, OptimConfig
 from .layout import ParallelLayout
 from .model import ModelOptions
 from .rl_batch import RLBatch, validate_batch
@@ -123,32 +123,12 @@ class ValueEngine(EngineBase):
     def update(self, batch: RLBatch) -> dict[str, float]:
         """Fit values to ``batch.returns`` on ``batch.loss_mask`` (epochs x mini x micro)."""
         need = ("returns",) + (("values",) if self.cfg.value_clip is not None else ())
-        batch = self._validate(batch, need).padded_seq(self._seq_multiple())
-        n = batch.batch_size
-        mini = self._mini_batches(n)
-        mbs = self.batching.micro_batch_size
-        per_step = []
-        for epoch in range(self.batching.epochs):
-            order = self._epoch_order(n, epoch)
-            for m in range(n // mini):
-                rows = order[m * mini:(m + 1) * mini]
-                denominator = aggregation_denominator(batch.loss_mask[rows], self.cfg.loss_agg).to(device())
-                micro = self._micro_dicts(batch, self._dp_rows(rows, mbs, "batching.mini_batch_size"), mbs)
-                scale = float(len(micro) * self.ranks["dp"])
-                acc: dict[str, list[float]] = {}
+        return self._optimize(self._validate(batch, need), self._value_mini_batch)
 
-                def loss_fn(mb, out):
-                    v = self._values(mb, out)
-                    loss, metrics = value_loss(v, mb.get("values"), mb["returns"], mb["loss_mask"],
-                                               self.cfg.value_clip, self.cfg.loss_agg, denominator)
-                    accumulate_metrics(acc, metrics, weight=float(metrics["tokens"]))
-                    return loss * scale, {}
+    def _value_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int) -> dict[str, float]:
+        def micro_loss(mb, out, denominator):
+            loss, metrics = value_loss(self._values(mb, out), mb.get("values"), mb["returns"], mb["loss_mask"],
+                                       self.cfg.value_clip, self.cfg.loss_agg, denominator)
+            return loss, metrics, float(metrics["tokens"])
 
-                self._zero_grads()
-                self._run(micro, loss_fn, forward_only=False)
-                metrics = reduce_metrics(acc, self.contributes)
-                metrics.update(self._optimizer_step())
-                per_step.append(metrics)
-        out = mean_over_steps(per_step)
-        out["steps"] = float(len(per_step))
-        return out
+        return self._fit_mini_batch(batch, rows, mbs, self.cfg.loss_agg, micro_loss)

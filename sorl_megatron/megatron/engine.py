@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, get_args
 
 import torch
@@ -445,6 +445,48 @@ class EngineBase:
             "lr": float(saved[0]) * lr_factor if saved else 0.0,
             "update_ok": float(bool(ok)),
         }
+
+    def _optimize(self, batch: RLBatch, train_mini_batch) -> dict[str, float]:
+        """``epochs`` x mini-batches of ``train_mini_batch(batch, rows, micro_batch_size)``."""
+        batch = batch.padded_seq(self._seq_multiple())
+        n = batch.batch_size
+        mini = self._mini_batches(n)
+        mbs = self.batching.micro_batch_size
+        per_step = []
+        for epoch in range(self.batching.epochs):
+            order = self._epoch_order(n, epoch)
+            for m in range(n // mini):
+                rows = order[m * mini:(m + 1) * mini]
+                per_step.append(train_mini_batch(batch, rows, mbs))
+        out = mean_over_steps(per_step)
+        out["steps"] = float(len(per_step))
+        out["lr"] = per_step[-1]["lr"]
+        return out
+
+    def _fit_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int, loss_agg: str, micro_loss) -> dict[str, float]:
+        """One optimizer step of a plain objective (SFT, value loss) on the mini-batch ``rows``.
+
+        ``micro_loss(mb, model_output, denominator) -> (loss, metrics, weight)`` gives a
+        micro-batch's share of the mini-batch loss (``denominator`` = mini-batch aggregation
+        count); the policy update has its own step because of the clip-bias normalization.
+        """
+        from ..algorithms import aggregation_denominator
+
+        denominator = aggregation_denominator(batch.loss_mask[rows], loss_agg).to(device())
+        micro = self._micro_dicts(batch, self._dp_rows(rows, mbs, "batching.mini_batch_size"), mbs)
+        scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp
+        acc: dict[str, list[float]] = {}
+
+        def loss_fn(mb, out):
+            loss, metrics, weight = micro_loss(mb, out, denominator)
+            accumulate_metrics(acc, metrics, weight=weight)
+            return loss * scale, {}
+
+        self._zero_grads()
+        self._run(micro, loss_fn, forward_only=False)
+        metrics = reduce_metrics(acc, self.contributes)
+        metrics.update(self._optimizer_step())
+        return metrics
 
     def _epoch_order(self, n: int, epoch: int) -> torch.Tensor:
         if not self.batching.shuffle:

@@ -65,6 +65,7 @@ def ws1(engine_models, engine_work):
         {"op": "bad_input", "model": MODEL, "layout": "tp=1", "tag": "bad_ws1"},
         {"op": "compat", "model": MODEL, "layout": "tp=1", "tag": "compat_ws1"},
         {"op": "recompute", "model": MODEL, "layout": "tp=1", "tag": "recompute_ws1"},
+        {"op": "sft", "model": MODEL, "layout": "tp=1", "tag": "sft_ws1"},
     ]
     return launch(engine_models, engine_work, cases, 1, "ws1")
 
@@ -85,5 +86,6 @@ def ws2(engine_models, engine_work):
         {"op": "resume", "model": MODEL, "layout": "tp=2", "resume_layout": "tp=2", "tag": "resume_same"},
         {"op": "resume", "model": MODEL, "layout": "tp=2", "resume_layout": "pp=2", "tag": "resume_tp2_to_pp2"},
         {"op": "bad_input", "model": MODEL, "layout": "ep=2", "tag": "bad_ep2"},
+        {"op": "sft", "model": MODEL, "layout": "tp=2", "tag": "sft_tp2"},
     ]
     return launch(engine_models, engine_work, cases, 2, "ws2")

@@ -98,6 +98,19 @@ def test_critic_layouts_equal_world_size_1(ws1, ws2, engine_work):
         assert got["m"]["value_loss"] == pytest.approx(ref["m"]["value_loss"], rel=1e-5)
 
 
+def test_sft_update_is_cross_entropy_and_matches_across_layouts(ws1, ws2, engine_work):
+    _ok(ws1, "sft_ws1")
+    ref = _load(engine_work, "sft_ws1")
+    mask = ref["mask"].bool()
+    nll0 = float(-ref["lp0"][mask].mean())
+    assert ref["m"][0]["sft/nll"] == pytest.approx(nll0, rel=1e-5)  # the loss is -mean log p on loss-mask tokens
+    assert float(-ref["lp1"][mask].mean()) < nll0 - 1e-3  # three steps of SFT lowered it
+    _ok(ws2, "sft_tp2")
+    got = _load(engine_work, "sft_tp2")
+    assert _max_diff(ref["params"], got["params"]) < TOL
+    assert (ref["lp1"] - got["lp1"]).abs().max() < TOL
+
+
 # ---------------------------------------------------------------- routing replay
 
 

@@ -187,6 +187,21 @@ def op_critic(case: dict, models: str, work: str) -> dict:
     return {"m": m}
 
 
+def op_sft(case: dict, models: str, work: str) -> dict:
+    """SFT cold start: three cross-entropy steps on a fixed batch."""
+    layout = ParallelLayout.from_string(case["layout"])
+    cfg = ActorConfig(loss=PolicyLossConfig(name="ppo", loss_agg="token-mean"),
+                      optim=OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6),
+                      batching=BatchingConfig(micro_batch_size=2, mini_batch_size=8))
+    actor = PolicyEngine(os.path.join(models, case["model"]), layout, cfg)
+    batch = make_batch(rows=8, seq=12, seed=3)
+    lp0 = actor.compute_logprobs(batch).logprobs
+    steps = [actor.sft_update(batch) for _ in range(3)]
+    lp1 = actor.compute_logprobs(batch).logprobs
+    save(work, case["tag"], {"lp0": lp0, "lp1": lp1, "m": steps, "mask": batch.loss_mask, "params": params_of(actor)})
+    return {"nll": [m["sft/nll"] for m in steps]}
+
+
 def op_resume(case: dict, models: str, work: str) -> dict:
     """Uninterrupted k+1 steps vs save after k, rebuild at `resume_layout`, load, one step."""
     from sorl_megatron.megatron.engine_checkpoint import load_engine_checkpoint, save_engine_checkpoint
@@ -325,7 +340,7 @@ def _max_param_diff(a, b) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-OPS = {"recompute": op_recompute, "compat": op_compat, "actor": op_actor, "losses": op_losses, "replay": op_replay, "critic": op_critic, "resume": op_resume,
+OPS = {"sft": op_sft, "recompute": op_recompute, "compat": op_compat, "actor": op_actor, "losses": op_losses, "replay": op_replay, "critic": op_critic, "resume": op_resume,
        "bad_input": op_bad_input}
 
 
