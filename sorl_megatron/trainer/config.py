@@ -100,7 +100,7 @@ class RetrievalConfig:
 @dataclass
 class DataConfig:
     train: str = ""
-    val: str = ""
+    val: Optional[str] = ""  # empty or null (``data.val=``): no validation
     max_prompt_tokens: int = 256
     shuffle: bool = True
 
