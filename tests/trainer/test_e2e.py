@@ -35,7 +35,6 @@ from .e2e_helpers import (
     BASE_RECIPE,
     ROOT,
     VENV_BIN,
-    alive,
     assert_finite,
     server_children,
     comparable,
