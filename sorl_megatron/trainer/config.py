@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 from ..algorithms.config import PolicyLossConfig
 from ..typed_config import ConfigError, build_dataclass, to_dict

@@ -13,9 +13,7 @@ from its latest checkpoint reproduces the uninterrupted run on CPU.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import shutil
 import time
 from contextlib import ExitStack
@@ -225,7 +223,6 @@ class RLTrainer:
     def sync_weights(self) -> None:
         """Push the actor's weights to the rollout servers (HF names, bucketed)."""
         from ..megatron.weights import iter_hf_weights, save_hf_checkpoint
-        from ..rollout.client import RolloutClient
 
         fp8 = self.cfg.rollout.precision == "fp8" and bool(self.cfg.rollout.urls)  # embedded servers quantize themselves
         if self.cfg.rollout.weight_sync == "disk":
@@ -402,6 +399,7 @@ class RLTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stream = DataStream(list(range(len(self.rows))), cfg.schedule.batch_size, cfg.schedule.seed, cfg.data.shuffle)
         with ExitStack() as stack:
+            stack.callback(self._loop.close)
             servers = stack.enter_context(EmbeddedServers(self.run_dir))
             if _rank() == 0:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
