@@ -101,7 +101,6 @@ class RLTrainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.logging.dir) / cfg.logging.run_name
         self.ckpt_root = Path(cfg.checkpoint.dir)
-        self._loop = asyncio.new_event_loop()
         self.pvpo: Optional[PVPOState] = None
 
     # -- set-up ------------------------------------------------------------------------
@@ -218,7 +217,7 @@ class RLTrainer:
                 await policy.close()
                 await retriever.close()
 
-        return self._loop.run_until_complete(go())
+        return asyncio.run(go())
 
     def sync_weights(self) -> None:
         """Push the actor's weights to the rollout servers (HF names, bucketed)."""
@@ -229,7 +228,7 @@ class RLTrainer:
             out = str(self.run_dir / "weights_sync")
             save_hf_checkpoint(self.actor.model, out, fp8=fp8)
             if _rank() == 0:
-                self._loop.run_until_complete(self._with_client(lambda c: c.update_weights_from_disk(out)))
+                asyncio.run(self._with_client(lambda c: c.update_weights_from_disk(out)))
             return
         tensors = iter_hf_weights(self.actor.model)
         if fp8:
@@ -237,7 +236,7 @@ class RLTrainer:
 
             tensors = (pair for name, t in tensors for pair in quantize_hf_tensor(name, t))
         if _rank() == 0:
-            self._loop.run_until_complete(self._with_client(lambda c: c.update_weights_from_tensor(tensors)))
+            asyncio.run(self._with_client(lambda c: c.update_weights_from_tensor(tensors)))
         else:
             for _ in tensors:  # every rank joins the gathers inside the export
                 pass
@@ -375,7 +374,7 @@ class RLTrainer:
             finally:
                 await retriever.close()
 
-        self._loop.run_until_complete(go())
+        asyncio.run(go())
         if complete_only:
             cut = sorted(i for i, t in out.items() if t.finish_reason != "answer")
             if cut:
@@ -399,7 +398,6 @@ class RLTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stream = DataStream(list(range(len(self.rows))), cfg.schedule.batch_size, cfg.schedule.seed, cfg.data.shuffle)
         with ExitStack() as stack:
-            stack.callback(self._loop.close)
             servers = stack.enter_context(EmbeddedServers(self.run_dir))
             if _rank() == 0:
                 self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -212,7 +212,17 @@ def test_layouts_match_world_size_1(tiny_data, shared_servers, tmp_path):
 # ------------------------------------------------------------- 3. resume after a SIGKILL
 
 
-def test_resume_after_kill_equals_uninterrupted(tiny_data, shared_servers, server_spy, tmp_path):
+@pytest.fixture
+def one_thread():
+    """The CLI subprocess runs with OMP_NUM_THREADS=1; in-process runs compared with it must
+    reduce in the same order (one thread) to agree to the last bits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_resume_after_kill_equals_uninterrupted(tiny_data, shared_servers, server_spy, tmp_path, one_thread):
     """Run A: 3 steps uninterrupted (in process). Run B: the CLI in a subprocess, SIGKILLed
     once its step-2 checkpoint is complete (its servers must die with it); a half-written
     ``step_3.tmp`` is left behind as a kill mid-save would. Run C: the same command resumed
@@ -276,7 +286,11 @@ def _abs_tol(key: str) -> float:
     # The train/inference mismatch statistics are float noise (|log pi - log mu| ~ 1e-7): the
     # server's batched forward depends on which requests share a batch (timing), so they only
     # agree to ~1e-6 between runs; the sampled tokens, and everything trained on them, are equal.
-    return 5e-6 if key.startswith("actor/is/mismatch") else 1e-9
+    # approx_kl is a mean of log-ratio differences ~1e-2 whose last bits depend on the thread
+    # count of the process's reductions (in-process pytest vs the CLI subprocess): ~2e-8 apart.
+    if key.startswith("actor/is/mismatch"):
+        return 5e-6
+    return 1e-7 if key.startswith("actor/approx_kl") else 1e-9
 
 
 # ----------------------------------------------------------------- 4. config errors (CLI)
