@@ -207,12 +207,15 @@ class RLTrainer:
         )
         return SearchAgent(policy, retriever, self.tokenizer, agent_cfg), policy, retriever
 
-    def rollouts(self, indices: list[int], n: int, seed: int, greedy: bool = False) -> RolloutResult:
+    def rollouts(self, indices: list[int], n: int, seed: int, greedy: bool = False, rows=None, rewards=None) -> RolloutResult:
+        """``n`` episodes for each of ``rows[i]`` (default: the training rows and rewards)."""
+        rows = self.rows if rows is None else rows
+        rewards = self.rewards if rewards is None else rewards
+
         async def go():
             agent, policy, retriever = self._agent(greedy)
             try:
-                return await collect_rollouts(agent, self.tokenizer, [self.rows[i] for i in indices], indices, n,
-                                              self.rewards, seed=seed)
+                return await collect_rollouts(agent, self.tokenizer, [rows[i] for i in indices], indices, n, rewards, seed=seed)
             finally:
                 await policy.close()
                 await retriever.close()
@@ -333,12 +336,8 @@ class RLTrainer:
         if _rank() == 0:
             from ..rewards.registry import RewardRegistry
 
-            saved_rows, saved_rewards = self.rows, self.rewards
-            self.rows, self.rewards = self.val_rows, RewardRegistry(metric_override="em", default="em")
-            try:
-                res = self.rollouts(list(range(len(self.val_rows))), 1, seed=0, greedy=True)
-            finally:
-                self.rows, self.rewards = saved_rows, saved_rewards
+            res = self.rollouts(list(range(len(self.val_rows))), 1, seed=0, greedy=True, rows=self.val_rows,
+                                rewards=RewardRegistry(metric_override="em", default="em"))
             payload = {"val/em": float(res.rewards.mean()), **rollout_metrics(res.trajectories, res.rewards, prefix="val")}
             payload.pop("val/reward", None)
         return _broadcast(payload)
