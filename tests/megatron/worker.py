@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-import traceback
 
 import torch
 
@@ -22,7 +21,6 @@ from sorl_megatron.megatron import (  # noqa: E402
     ParallelLayout,
     build_model,
     forward_logits,
-    init_distributed,
     iter_hf_weight_buckets,
     load_megatron_checkpoint,
     save_hf_checkpoint,
@@ -30,6 +28,7 @@ from sorl_megatron.megatron import (  # noqa: E402
 )
 from sorl_megatron.megatron.fp8 import FP8_DTYPE, dequantize_block_fp8  # noqa: E402
 from tiny_models import hf_logits  # noqa: E402
+from case_runner import run_cases  # noqa: E402
 
 TOKENS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -280,28 +279,7 @@ OPS = {
 
 
 def main() -> None:
-    spec_path, out_path = sys.argv[1], sys.argv[2]
-    with open(spec_path) as f:
-        spec = json.load(f)
-    init_distributed(timeout_s=spec.get("timeout_s", 180))
-    results = []
-    for case in spec["cases"]:
-        t = time.time()
-        try:
-            res = OPS[case["op"]](case, spec["models_dir"], spec["work_dir"])
-            res["ok"] = True
-        except Exception as e:
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        res["case"] = case
-        res["seconds"] = round(time.time() - t, 2)
-        results.append(res)
-        if rank() == 0:
-            print(json.dumps({k: v for k, v in res.items() if k != "traceback"})[:400], flush=True)
-    if rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    run_cases(OPS, default_timeout_s=180)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,9 @@ Megatron's groups are re-initialized per case, so one launch covers several layo
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
-import traceback
 
 import torch
 
@@ -21,11 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from batches import make_batch  # noqa: E402
 
 from sorl_megatron.algorithms import PolicyLossConfig, clip_bias_surrogate, compute_policy_loss  # noqa: E402
-from sorl_megatron.megatron import ParallelLayout, init_distributed, iter_hf_weights  # noqa: E402
+from sorl_megatron.megatron import ParallelLayout, iter_hf_weights  # noqa: E402
 from sorl_megatron.megatron.actor import ActorConfig, PolicyEngine  # noqa: E402
 from sorl_megatron.megatron.critic import CriticConfig, ValueEngine  # noqa: E402
 from sorl_megatron.megatron.engine import BatchingConfig, OptimConfig  # noqa: E402
 from sorl_megatron.megatron.rl_batch import BatchError  # noqa: E402
+from tests.megatron.case_runner import run_cases  # noqa: E402
 
 
 def rank() -> int:
@@ -345,28 +344,7 @@ OPS = {"sft": op_sft, "recompute": op_recompute, "compat": op_compat, "actor": o
 
 
 def main() -> None:
-    spec_path, out_path = sys.argv[1], sys.argv[2]
-    with open(spec_path) as f:
-        spec = json.load(f)
-    init_distributed(timeout_s=spec.get("timeout_s", 120))
-    results = []
-    for case in spec["cases"]:
-        t = time.time()
-        try:
-            res = OPS[case["op"]](case, spec["models_dir"], spec["work_dir"])
-            res["ok"] = True
-        except Exception as e:
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        res["case"] = case
-        res["seconds"] = round(time.time() - t, 2)
-        results.append(res)
-        if rank() == 0:
-            print(json.dumps({k: v for k, v in res.items() if k != "traceback"}, default=str)[:600], flush=True)
-    if rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    run_cases(OPS, default_timeout_s=120)
 
 
 if __name__ == "__main__":
