@@ -83,11 +83,17 @@ def build_tiny_model(cfg: TinyModelConfig, eos_token_id: int | None = None, pad_
     return model.eval()
 
 
+VOCAB_MULTIPLE = 64  # padded vocabulary, as Megatron pads: any TP size up to 64 that is a power of 2 divides it
+
+
 def save_tiny_model(cfg: TinyModelConfig, out_dir: str | Path, tokenizer=None) -> Path:
-    """Build and save a tiny model (and tokenizer, whose size sets the vocabulary)."""
+    """Build and save a tiny model (and tokenizer, whose size, rounded up to a multiple of
+    ``VOCAB_MULTIPLE``, sets the vocabulary: the unused rows are never sampled ids' targets but
+    let tensor parallelism split the embedding and output layer evenly)."""
     out = Path(out_dir)
     if tokenizer is not None:
-        cfg = TinyModelConfig(**{**cfg.__dict__, "vocab_size": len(tokenizer)})
+        vocab = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        cfg = TinyModelConfig(**{**cfg.__dict__, "vocab_size": vocab})
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     pad = tokenizer.pad_token_id if tokenizer is not None else None
     model = build_tiny_model(cfg, eos, pad)

@@ -128,3 +128,16 @@ def test_tools_wrapper_writes_the_data_set(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for name in ("corpus.jsonl", "gold.jsonl", "train.parquet", "validation.parquet", "test.parquet"):
         assert (tmp_path / name).stat().st_size > 0, name
+
+
+def test_tiny_model_vocabulary_is_padded_for_tensor_parallelism(tmp_path):
+    import json
+
+    from sorl_megatron.data.tiny_model import VOCAB_MULTIPLE, TinyModelConfig, save_tiny_model
+    from sorl_megatron.data.tokenizer import train_tokenizer
+
+    tok = train_tokenizer([f"word{i} other{i * 7}" for i in range(300)], vocab_size=300)
+    assert len(tok) % VOCAB_MULTIPLE  # the tokenizer alone would not split over TP = 2, 4, ...
+    out = save_tiny_model(TinyModelConfig(arch="qwen2", seed=0), tmp_path / "m", tok)
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    assert vocab % VOCAB_MULTIPLE == 0 and len(tok) <= vocab < len(tok) + VOCAB_MULTIPLE
