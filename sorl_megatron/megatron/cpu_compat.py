@@ -204,11 +204,17 @@ def _schedule_targets() -> list[tuple[Any, str, Any]]:
 
 def _fork_results_queue():
     import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    from ..procutil import die_with_parent
+
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+        # The manager process must not outlive a trainer killed with SIGKILL (no cleanup runs).
+        manager = SyncManager(ctx=mp.get_context("fork"))
+        manager.start(initializer=die_with_parent)
+        filesystem_async._results_queue = manager.Queue()
     return filesystem_async._results_queue
 
 

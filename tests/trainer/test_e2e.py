@@ -36,6 +36,7 @@ from .e2e_helpers import (
     ROOT,
     VENV_BIN,
     assert_finite,
+    children,
     server_children,
     comparable,
     read_metrics,
@@ -246,6 +247,7 @@ def test_resume_after_kill_equals_uninterrupted(tiny_data, shared_servers, serve
             servers = server_children(proc.pid) or servers
             time.sleep(0.05)
         servers = server_children(proc.pid) or servers
+        helpers = children(proc.pid)  # the servers and e.g. the checkpoint writer's manager process
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -258,6 +260,10 @@ def test_resume_after_kill_equals_uninterrupted(tiny_data, shared_servers, serve
     for pid in left:  # do not leak them even when the assertion below fails
         os.kill(pid, signal.SIGKILL)
     assert not left, f"embedded servers {left} outlived the SIGKILLed trainer"
+    left = wait_dead(helpers, timeout_s=30)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"child processes {left} of the SIGKILLed trainer outlived it"
     assert not (ckpt / "step_3" / "trainer.json").exists(), "run B finished step 3 before the kill"
     partial = ckpt / "step_3.tmp"
     partial.mkdir(exist_ok=True)
