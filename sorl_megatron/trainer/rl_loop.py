@@ -67,14 +67,15 @@ class DataStream:
     def batch(self, step: int) -> list[int]:
         if not self.indices:
             raise ValueError("no training prompts left (PVPO group sampling may have dropped them all)")
-        out, n = [], len(self.indices)
-        for pos in range(step * self.batch_size, (step + 1) * self.batch_size):
-            epoch, i = divmod(pos, n)
-            if self.shuffle:
+        n = len(self.indices)
+        pos = torch.arange(step * self.batch_size, (step + 1) * self.batch_size)
+        epochs, i = pos // n, pos % n
+        if self.shuffle:  # one permutation per epoch the batch touches (usually one, at most a few)
+            for epoch in epochs.unique().tolist():
                 order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
-                i = int(order[i])
-            out.append(self.indices[i])
-        return out
+                here = epochs == epoch
+                i[here] = order[i[here]]
+        return [self.indices[k] for k in i.tolist()]
 
 
 @dataclass
