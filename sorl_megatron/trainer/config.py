@@ -101,7 +101,7 @@ class RetrievalConfig:
 class DataConfig:
     train: str = ""
     val: Optional[str] = ""  # empty or null (``data.val=``): no validation
-    max_prompt_tokens: int = 256
+    max_prompt_tokens: int = 2048  # longer prompts are an error naming the row
     shuffle: bool = True
 
 

@@ -196,9 +196,11 @@ class RLTrainer:
         from ..retrieval.client import RetrievalClient
         from ..rollout.agent import AgentConfig, SearchAgent
         from ..rollout.client import RolloutClient, RolloutClientConfig
+        from ..rollout.http import RetryPolicy
 
         r = self.cfg.rollout
-        policy = RolloutClient(RolloutClientConfig(urls=tuple(self.rollout_urls), max_concurrency=r.concurrency))
+        policy = RolloutClient(RolloutClientConfig(urls=tuple(self.rollout_urls), max_concurrency=r.concurrency,
+                                                   generate_retry=RetryPolicy(timeout_s=r.timeout_s, retries=2)))
         retriever = RetrievalClient(self.retrieval_url, topk=self.cfg.retrieval.topk)
         agent_cfg = AgentConfig(
             max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_total_tokens=r.max_total_tokens,
@@ -216,7 +218,8 @@ class RLTrainer:
         async def go():
             agent, policy, retriever = self._agent(greedy)
             try:
-                return await collect_rollouts(agent, self.tokenizer, [rows[i] for i in indices], indices, n, rewards, seed=seed)
+                return await collect_rollouts(agent, self.tokenizer, [rows[i] for i in indices], indices, n, rewards, seed=seed,
+                                              max_prompt_tokens=self.cfg.data.max_prompt_tokens)
             finally:
                 await policy.close()
                 await retriever.close()

@@ -37,11 +37,19 @@ async def collect_rollouts(
     rewards: RewardRegistry,
     seed: int | None = None,
     progress: bool = False,
+    max_prompt_tokens: int | None = None,
 ) -> RolloutResult:
-    """``n`` episodes per row, scored by the row's ``data_source`` reward."""
+    """``n`` episodes per row, scored by the row's ``data_source`` reward.
+
+    A prompt longer than ``max_prompt_tokens`` is an error naming its row (``data.max_prompt_tokens``).
+    """
     if len(rows) != len(prompt_ids):
         raise ValueError(f"{len(rows)} rows but {len(prompt_ids)} prompt ids")
     prompts = [encode_prompt(tokenizer, row) for row in rows]
+    if max_prompt_tokens is not None:
+        for ids, row_id in zip(prompts, prompt_ids):
+            if len(ids) > max_prompt_tokens:
+                raise ValueError(f"data row {row_id}: prompt has {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}")
     trajs = await agent.run_many(prompts, n=n, seed=seed, progress=progress)
     traj_rows = [rows[i] for i in range(len(rows)) for _ in range(n)]
     scores = score_trajectories(trajs, traj_rows, rewards)

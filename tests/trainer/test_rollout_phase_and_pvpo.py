@@ -61,6 +61,8 @@ def test_collect_rollouts_scores_and_groups(tokenizer):
     assert res.metrics["rollout/reward"] == pytest.approx(0.25)
     assert res.metrics["rollout/finish_answer"] == 1.0 and res.metrics["rollout/searches"] == 0.0
     assert [r.targets for r in res.rows] == [["Paris"], ["Paris"], ["Rome"], ["Rome"]]
+    with pytest.raises(ValueError, match=r"data row 10: prompt has \d+ tokens > data.max_prompt_tokens=5"):
+        asyncio.run(collect_rollouts(agent, tokenizer, rows, [10, 11], n=1, rewards=RewardRegistry(), max_prompt_tokens=5))
 
 
 def _traj(n, lp=-1.0, routed=False, meta=None):
