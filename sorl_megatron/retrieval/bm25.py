@@ -32,16 +32,19 @@ class BM25Index:
     def search(self, queries: Sequence[str], topk: int) -> list[list[Passage]]:
         """Top-k passages per query, best first, each carrying its BM25 score.
 
-        Queries whose words are all unknown still get k passages (with score 0), as a dense
-        retriever would; the caller sees the scores.
+        Queries whose words are all unknown, or all stop words, still get k passages (with
+        score 0), as a dense retriever would; the caller sees the scores.
         """
         k = min(topk, len(self.passages))
         # Token strings (not ids) so bm25s maps them onto the index vocabulary.
         q_tokens = bm25s.tokenize(list(queries), stopwords="en", show_progress=False, return_ids=False)
-        q_tokens = [t if t else [""] for t in q_tokens]
-        ids, scores = self._bm25.retrieve(q_tokens, k=k, show_progress=False, n_threads=1)
-        ids, scores = np.asarray(ids), np.asarray(scores, dtype=np.float64)
-        return [
-            [Passage(self.passages[i].id, self.passages[i].contents, float(s)) for i, s in zip(row_ids, row_scores)]
-            for row_ids, row_scores in zip(ids.tolist(), scores.tolist())
-        ]
+        # bm25s maps a query with no tokens left (empty, or stop words only such as "is a") to
+        # an id past its score matrix and raises; score those against nothing instead.
+        known = [i for i, t in enumerate(q_tokens) if t]
+        out = [[Passage(p.id, p.contents, 0.0) for p in self.passages[:k]] for _ in q_tokens]
+        if known:
+            ids, scores = self._bm25.retrieve([q_tokens[i] for i in known], k=k, show_progress=False, n_threads=1)
+            ids, scores = np.asarray(ids), np.asarray(scores, dtype=np.float64)
+            for i, row_ids, row_scores in zip(known, ids.tolist(), scores.tolist()):
+                out[i] = [Passage(self.passages[j].id, self.passages[j].contents, float(s)) for j, s in zip(row_ids, row_scores)]
+        return out

@@ -58,15 +58,19 @@ def test_index_ranks_and_scores(corpus_file):
     assert {h.id for h in hits[1]} == {"0", "2"}
     assert index.search(["zzzz"], topk=10)[0][0].score == 0.0
     assert len(index.search(["zzzz"], topk=10)[0]) == len(CORPUS)  # topk clamps to corpus size
+    # stop words only: bm25s itself raises on these (an RL policy emits them while exploring)
+    mixed = index.search(["is a", "the", "capital of Germany"], topk=2)
+    assert [[p.score for p in row] for row in mixed[:2]] == [[0.0, 0.0], [0.0, 0.0]]
+    assert mixed[2][0].id == "1" and mixed[2][0].score > 0
 
 
 def test_client_topk_and_scores(server):
     async def go():
         async with RetrievalClient(server.url) as client:
-            return await client.retrieve(["capital of Germany", "domesticated mammal"], topk=3)
+            return await client.retrieve(["capital of Germany", "domesticated mammal", "is the"], topk=3)
 
     res = run(go())
-    assert [len(r) for r in res] == [3, 3]
+    assert [len(r) for r in res] == [3, 3, 3]
     assert res[0][0].id == "1" and res[1][0].id == "3"
     scores = [p.score for p in res[0]]
     assert scores == sorted(scores, reverse=True) and scores[0] > 0
