@@ -130,8 +130,10 @@ def split_rows(items: list[tuple[str, str, GoldPlan]], fractions=(0.8, 0.1, 0.1)
     }
 
 
-def write_dataset(out_dir: str | Path, num_people: int = 200, seed: int = 0, make_model: bool = False, vocab_size: int = 2048) -> dict[str, Path]:
-    """Write corpus.jsonl, kb.json, {train,validation,test}.parquet, gold.jsonl (and model/)."""
+def write_dataset(out_dir: str | Path, num_people: int = 200, seed: int = 0, make_model: bool = False, vocab_size: int = 2048,
+                  hidden_size: int = 64, tie_embeddings: bool = False) -> dict[str, Path]:
+    """Write corpus.jsonl, kb.json, {train,validation,test}.parquet, gold.jsonl (and model/:
+    a Qwen3-MoE with ``hidden_size / 16`` heads of 16 and experts of ``hidden_size``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kb = make_kb(num_people=num_people, seed=seed)
@@ -146,12 +148,23 @@ def write_dataset(out_dir: str | Path, num_people: int = 200, seed: int = 0, mak
         for q, source, plan in items:
             f.write(json.dumps({"question": q, "data_source": source, **asdict(plan), "turns": plan.turns()}) + "\n")
     if make_model:
+        from ..retrieval.corpus import format_passages, read_corpus
+        from .qa import SEARCH_INSTRUCTION
         from .tiny_model import TinyModelConfig, save_tiny_model
         from .tokenizer import train_tokenizer
 
-        texts = [r["contents"] for r in rows] + [t for _, _, p in items for t in p.turns()] + [q for q, _, _ in items]
+        # What the model will read: prompts as the chat template renders them, passages as
+        # observations render them, and the gold turns; a tokenizer that never saw the
+        # instruction spells it out byte by byte (a 270-token prompt instead of ~70).
+        passages = list(read_corpus(paths["corpus"]))
+        texts = ([f"<|im_start|>user\n{SEARCH_INSTRUCTION.format(question=q)}<|im_end|>\n<|im_start|>assistant\n" for q, _, _ in items] + [format_passages([p]) for p in passages]
+                 + [t for _, _, p in items for t in p.turns()])
         tok = train_tokenizer(texts, vocab_size=vocab_size)
-        paths["model"] = save_tiny_model(TinyModelConfig(arch="qwen3_moe", seed=seed), out / "model", tok)
+        if hidden_size % 16:
+            raise ValueError(f"hidden_size must be a multiple of 16 (heads of 16), got {hidden_size}")
+        model = TinyModelConfig(arch="qwen3_moe", hidden_size=hidden_size, num_heads=hidden_size // 16, head_dim=16,
+                                intermediate_size=2 * hidden_size, tie_embeddings=tie_embeddings, seed=seed)
+        paths["model"] = save_tiny_model(model, out / "model", tok)
     return paths
 
 
@@ -162,8 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--make-model", action="store_true", help="also train a tokenizer and save a tiny random Qwen3-MoE in OUT/model")
     p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size with --make-model (default 2048)")
+    p.add_argument("--hidden-size", type=int, default=64, help="tiny model hidden size, a multiple of 16 (default 64)")
+    p.add_argument("--tie-embeddings", action="store_true", help="tie the tiny model's input and output embeddings")
     args = p.parse_args(argv)
-    paths = write_dataset(args.out, args.num_people, args.seed, args.make_model, args.vocab_size)
+    paths = write_dataset(args.out, args.num_people, args.seed, args.make_model, args.vocab_size, args.hidden_size, args.tie_embeddings)
     for name, path in paths.items():
         print(f"{name}: {path}")
 

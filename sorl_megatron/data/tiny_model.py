@@ -32,6 +32,9 @@ class TinyModelConfig:
     # Routers get a larger init than the rest so that top-k choices are not near ties
     # (a near tie would flip under any reordering of float sums).
     router_init_std: float = 0.5
+    # Tied input/output embeddings let a tiny model copy a rare token (a name in the question
+    # or a passage) into its output: the output row of a token is its well-trained input row.
+    tie_embeddings: bool = False
     seed: int = 0
 
 
@@ -45,7 +48,7 @@ def hf_config(cfg: TinyModelConfig, eos_token_id: int | None = None, pad_token_i
         max_position_embeddings=cfg.max_position_embeddings,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=cfg.tie_embeddings,
     )
     if cfg.arch == "qwen3_moe":
         return Qwen3MoeConfig(

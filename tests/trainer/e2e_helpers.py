@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE_RECIPE = str(ROOT / "recipes" / "tiny_search_base.yaml")
 VENV_BIN = os.path.dirname(sys.executable)
 
-# Prompts of the synthetic set are ~272 tokens with the generated tokenizer: leave room for
+# Prompts of the synthetic set are ~105 tokens with the generated tokenizer: leave room for
 # two short turns (a budget below the prompt length would give empty trajectories).
 TINY = [
     "schedule.batch_size=2",
