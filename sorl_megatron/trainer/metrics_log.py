@@ -26,8 +26,10 @@ class MetricsLogger:
         progress: str = "tqdm",
         enabled: bool = True,
         start_step: int = 0,
+        name: str = "rl",  # the progress line's label
     ) -> None:
         self.enabled = enabled
+        self.name = name
         self.total_steps = total_steps
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
@@ -52,7 +54,7 @@ class MetricsLogger:
         if progress == "tqdm":
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="rl", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True)
         self._progress = progress
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -74,7 +76,7 @@ class MetricsLogger:
         self._show(step, row)
 
     def _show(self, step: int, row: Mapping[str, Any]) -> None:
-        keys = [k for k in ("rollout/reward", "val/em", "actor/clip_frac", "actor/clip_bias/norm", "actor/grad_norm") if row.get(k) is not None]
+        keys = [k for k in ("sft/nll", "rollout/reward", "val/em", "actor/clip_frac", "actor/clip_bias/norm", "actor/grad_norm") if row.get(k) is not None]
         summary = " ".join(f"{k.split('/', 1)[-1]}={row[k]:.4g}" for k in keys)
         if self._bar is not None:
             self._bar.set_postfix_str(summary, refresh=False)
@@ -83,7 +85,7 @@ class MetricsLogger:
             done = step - self._start_step
             elapsed = time.monotonic() - self._t0
             eta = elapsed / max(done, 1) * (self.total_steps - step)
-            print(f"step {step}/{self.total_steps} {summary} eta {eta:.0f}s", flush=True)
+            print(f"{self.name} step {step}/{self.total_steps} {summary} eta {eta:.0f}s", flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

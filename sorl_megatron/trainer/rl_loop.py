@@ -456,7 +456,8 @@ class RLTrainer:
             loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
             batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size)),
             model_options=self._model_options())
-        sft_log = MetricsLogger(self.run_dir / "sft", sft.steps, cfg.logging.tensorboard, cfg.logging.progress, enabled=_rank() == 0)
+        sft_log = MetricsLogger(self.run_dir / "sft", sft.steps, cfg.logging.tensorboard, cfg.logging.progress, enabled=_rank() == 0,
+                                name="sft")
         try:
             run_sft(engine, trajs, sft.steps, sft.batch_size, cfg.schedule.seed, self.pad_id, out,
                     on_step=lambda step, m: sft_log.log(step, {f"sft/{k}" if not k.startswith("sft/") else k: v for k, v in m.items()}))

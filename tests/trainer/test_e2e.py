@@ -53,7 +53,7 @@ from .e2e_helpers import (
 def tiny_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("e2e_data")
     subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_data.py"), "--out", str(out), "--num-people", "8",
-                    "--make-model", "--vocab-size", "512"], check=True, capture_output=True, env=subprocess_env(), cwd=ROOT)
+                    "--make-model", "--vocab-size", "512", "--tie-embeddings"], check=True, capture_output=True, env=subprocess_env(), cwd=ROOT)
     assert json.loads((out / "model" / "config.json").read_text())["vocab_size"] % 2 == 0
     return out
 
@@ -443,3 +443,43 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
     assert trainer.gold_trajectories([1], complete_only=True) == {}
     saved = json.loads((tmp_path / "pvpo" / "ckpt" / "step_2" / "trainer.json").read_text())["extra"]["pvpo"]
     assert saved["keep"] == [1, 2] and saved["refreshed_at_step"] == 1
+
+
+# ------------------------------------------------------------------- 6. SFT cold start
+
+
+def test_sft_cold_start_writes_the_policy_rl_starts_from(tiny_data, shared_servers, tmp_path):
+    """The SFT stage trains on every training row's gold trajectory played through the agent
+    loop, saves the HF checkpoint RL starts from, and a rerun of the finished run skips it."""
+    from safetensors.torch import load_file
+
+    from sorl_megatron.data.qa import read_parquet
+    from sorl_megatron.trainer.rl_loop import RLTrainer
+
+    calls = []
+
+    class Spy(RLTrainer):
+        def gold_trajectories(self, indices, complete_only=False):
+            out = super().gold_trajectories(indices, complete_only)
+            calls.append(out)
+            return out
+
+    overrides = run_overrides(tiny_data, tmp_path, "sft", "sft.enabled=true", "sft.steps=2", "sft.batch_size=2",
+                              "schedule.total_steps=1", *shared_servers,
+                              "rollout.max_turns=3", "rollout.max_turn_tokens=32", "rollout.max_total_tokens=420")
+    _trainer(overrides, Spy).run()
+    rows = read_parquet(tiny_data / "train.parquet")
+    (gold,) = calls
+    assert sorted(gold) == list(range(len(rows)))
+    for i, traj in gold.items():
+        assert traj.finish_reason == "answer" and traj.response_text.rstrip().endswith(f"<answer> {rows[i].targets[0]} </answer>")
+        assert traj.num_searches == len(rows[i].extra_info["gold_searches"]), i
+    sft_dir = tmp_path / "sft" / "sft_model"
+    assert (sft_dir / "SFT_DONE").is_file() and (sft_dir / "tokenizer.json").is_file()
+    sft_rows = read_metrics(tmp_path / "sft" / "sft")
+    assert sorted(sft_rows) == [1, 2] and all(math.isfinite(r["sft/nll"]) and r["sft/nll"] > 0 for r in sft_rows.values())
+    init, sft = load_file(tiny_data / "model" / "model.safetensors"), load_file(sft_dir / "model.safetensors")
+    assert any(not torch.equal(init[k], sft[k]) for k in init)  # SFT changed the weights RL starts from
+    assert read_metrics(tmp_path / "sft")[1]["actor/policy_tokens"] > 0
+    _trainer(overrides, Spy).run()  # the finished run: SFT is not redone
+    assert len(calls) == 1
