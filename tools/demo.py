@@ -3,7 +3,8 @@
     python tools/demo.py [--recipe recipes/tiny_search_so_grpo.yaml] [key=value ...]
 
 1. Generates the synthetic search data set, an offline BPE tokenizer and a tiny random
-   Qwen3-MoE model into runs/tiny/ (skipped when present; no downloads).
+   Qwen3-MoE model (hidden 128, tied embeddings) into runs/tiny/ (skipped when present; no
+   downloads).
 2. Trains with the recipe: SFT cold start on gold trajectories, then RL (SO-GRPO by default)
    with the embedded rollout and BM25 retrieval servers on 127.0.0.1, validation EM every
    few steps and checkpoints (re-running resumes; `rm -rf runs/` starts over).
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     data = Path(args.data)
     if not (data / "model" / "config.json").is_file():
         print(f"[demo] generating the synthetic data set, tokenizer and tiny MoE model in {data}/", flush=True)
-        make_data(["--out", str(data), "--make-model"])
+        make_data(["--out", str(data), "--make-model", "--hidden-size", "128", "--tie-embeddings"])
     overrides = [f"model.path={data}/model", f"retrieval.corpus={data}/corpus.jsonl",
                  f"data.train={data}/train.parquet", f"data.val={data}/validation.parquet", *args.overrides]
     try:
