@@ -155,7 +155,7 @@ def write_dataset(out_dir: str | Path, num_people: int = 200, seed: int = 0, mak
 
         # What the model will read: prompts as the chat template renders them, passages as
         # observations render them, and the gold turns; a tokenizer that never saw the
-        # instruction spells it out byte by byte (a 270-token prompt instead of ~70).
+        # instruction spells it out byte by byte (a 269-token prompt instead of ~105).
         passages = list(read_corpus(paths["corpus"]))
         texts = ([f"<|im_start|>user\n{SEARCH_INSTRUCTION.format(question=q)}<|im_end|>\n<|im_start|>assistant\n" for q, _, _ in items] + [format_passages([p]) for p in passages]
                  + [t for _, _, p in items for t in p.turns()])
