@@ -134,6 +134,8 @@ def write_dataset(out_dir: str | Path, num_people: int = 200, seed: int = 0, mak
                   hidden_size: int = 64, tie_embeddings: bool = False) -> dict[str, Path]:
     """Write corpus.jsonl, kb.json, {train,validation,test}.parquet, gold.jsonl (and model/:
     a Qwen3-MoE with ``hidden_size / 16`` heads of 16 and experts of ``hidden_size``)."""
+    if hidden_size <= 0 or hidden_size % 16:
+        raise ValueError(f"hidden_size must be a positive multiple of 16 (heads of 16), got {hidden_size}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kb = make_kb(num_people=num_people, seed=seed)
@@ -148,20 +150,21 @@ def write_dataset(out_dir: str | Path, num_people: int = 200, seed: int = 0, mak
         for q, source, plan in items:
             f.write(json.dumps({"question": q, "data_source": source, **asdict(plan), "turns": plan.turns()}) + "\n")
     if make_model:
-        from ..retrieval.corpus import format_passages, read_corpus
+        import jinja2
+
+        from ..retrieval.corpus import Passage, format_passages
         from .qa import SEARCH_INSTRUCTION
         from .tiny_model import TinyModelConfig, save_tiny_model
-        from .tokenizer import train_tokenizer
+        from .tokenizer import CHATML_TEMPLATE, train_tokenizer
 
         # What the model will read: prompts as the chat template renders them, passages as
         # observations render them, and the gold turns; a tokenizer that never saw the
         # instruction spells it out byte by byte (a 269-token prompt instead of ~105).
-        passages = list(read_corpus(paths["corpus"]))
-        texts = ([f"<|im_start|>user\n{SEARCH_INSTRUCTION.format(question=q)}<|im_end|>\n<|im_start|>assistant\n" for q, _, _ in items] + [format_passages([p]) for p in passages]
+        chat = jinja2.Template(CHATML_TEMPLATE)
+        texts = ([chat.render(messages=[{"role": "user", "content": SEARCH_INSTRUCTION.format(question=q)}], add_generation_prompt=True)
+                  for q, _, _ in items] + [format_passages([Passage(r["id"], r["contents"])]) for r in rows]
                  + [t for _, _, p in items for t in p.turns()])
         tok = train_tokenizer(texts, vocab_size=vocab_size)
-        if hidden_size % 16:
-            raise ValueError(f"hidden_size must be a multiple of 16 (heads of 16), got {hidden_size}")
         model = TinyModelConfig(arch="qwen3_moe", hidden_size=hidden_size, num_heads=hidden_size // 16, head_dim=16,
                                 intermediate_size=2 * hidden_size, tie_embeddings=tie_embeddings, seed=seed)
         paths["model"] = save_tiny_model(model, out / "model", tok)

@@ -97,6 +97,8 @@ def test_cli_writes_everything_and_gold_trajectories_score_1(tmp_path):
     assert len(gold) == 80 and gold[0]["turns"][-1].startswith("<think>")
     tok = AutoTokenizer.from_pretrained(tmp_path / "model")
     assert (tmp_path / "model" / "config.json").exists()
+    # the tokenizer learned the instruction's words: ~105 tokens, not the ~270 of its bytes
+    assert len(encode_prompt(tok, splits["train"][0])) < 140
     index = BM25Index(list(read_corpus(tmp_path / "corpus.jsonl")))
 
     class LocalRetriever:
@@ -141,3 +143,12 @@ def test_tiny_model_vocabulary_is_padded_for_tensor_parallelism(tmp_path):
     out = save_tiny_model(TinyModelConfig(arch="qwen2", seed=0), tmp_path / "m", tok)
     vocab = json.loads((out / "config.json").read_text())["vocab_size"]
     assert vocab % VOCAB_MULTIPLE == 0 and len(tok) <= vocab < len(tok) + VOCAB_MULTIPLE
+
+
+def test_cli_model_size_and_tied_embeddings(tmp_path):
+    main(["--out", str(tmp_path), "--num-people", "8", "--make-model", "--vocab-size", "512", "--hidden-size", "32", "--tie-embeddings"])
+    cfg = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert cfg["hidden_size"] == 32 and cfg["num_attention_heads"] == 2 and cfg["tie_word_embeddings"] is True
+    with pytest.raises(ValueError, match="hidden_size must be a positive multiple of 16"):
+        main(["--out", str(tmp_path / "bad"), "--make-model", "--hidden-size", "40"])
+    assert not (tmp_path / "bad").exists()  # rejected before anything is written
