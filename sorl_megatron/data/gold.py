@@ -8,6 +8,7 @@ tokens carry log-prob 0 (they were not sampled).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,3 +54,31 @@ async def gold_trajectory(agent_factory, tokenizer: Any, prompt_ids: Sequence[in
     """Play ``plan``; ``agent_factory(policy)`` builds a SearchAgent around the gold policy."""
     agent = agent_factory(GoldPolicy(tokenizer, plan))
     return await agent.run(prompt_ids, meta={**(meta or {}), "gold": True})
+
+
+def gold_plan(row: Any) -> GoldPlan | None:
+    """The row's ideal episode (``extra_info["gold_searches"]`` then its first target), or None."""
+    searches = row.extra_info.get("gold_searches")
+    return None if searches is None else GoldPlan(searches=list(searches), answer=row.targets[0])
+
+
+def cold_start_plans(rows: Sequence[Any], direct_answer_fraction: float = 0.0, seed: int = 0) -> dict[int, GoldPlan]:
+    """SFT demonstrations, by row index, for the rows with a gold plan.
+
+    A seeded ``direct_answer_fraction`` of them answer at once, without searching, with the
+    answer of a random row: a teacher that sometimes guesses instead of looking it up. Those
+    demonstrations are usually wrong, so the cold-start policy mixes both behaviours and RL,
+    rewarded by EM alone, has to learn that searching pays (the CPU demo's setting, see
+    docs/recipes.md). With 0 every demonstration is the gold plan."""
+    if not 0.0 <= direct_answer_fraction < 1.0:
+        raise ValueError(f"direct_answer_fraction must be in [0, 1), got {direct_answer_fraction}")
+    rng = random.Random(seed)
+    out = {}
+    for i, row in enumerate(rows):
+        plan = gold_plan(row)
+        if plan is None:
+            continue
+        if rng.random() < direct_answer_fraction:
+            plan = GoldPlan(searches=[], answer=rows[rng.randrange(len(rows))].targets[0])
+        out[i] = plan
+    return out

@@ -143,6 +143,9 @@ class SFTConfig:
     steps: int = 100
     lr: float = 1e-3
     batch_size: int = 16  # gold trajectories per optimizer step
+    # this fraction of the demonstrations answers at once with a guess instead of searching
+    # (data.gold.cold_start_plans): RL must learn that searching pays (the CPU demo)
+    direct_answer_fraction: float = 0.0
 
 
 @dataclass
@@ -226,6 +229,8 @@ def _check_values(cfg: TrainConfig) -> None:
         _positive_int("sft.steps", cfg.sft.steps)
         if cfg.sft.batch_size % s.micro_batch_size:
             raise ConfigError(f"schedule.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={cfg.sft.batch_size}")
+        if not 0 <= cfg.sft.direct_answer_fraction < 1:
+            raise ConfigError(f"sft.direct_answer_fraction must be in [0, 1), got {cfg.sft.direct_answer_fraction}")
     a = cfg.algorithm
     if a.advantage.estimator == "grpo" and cfg.rollout.group_size < 2:
         raise ConfigError("algorithm.advantage.estimator=grpo needs rollout.group_size >= 2")

@@ -346,19 +346,22 @@ class RLTrainer:
             payload.pop("val/reward", None)
         return _broadcast(payload)
 
-    def gold_trajectories(self, indices: list[int], complete_only: bool = False) -> dict[int, Any]:
+    def gold_trajectories(self, indices: list[int], complete_only: bool = False, plans: dict[int, Any] | None = None) -> dict[int, Any]:
         """Ground-truth trajectories of the given prompts, played through the agent loop.
 
-        With ``complete_only`` (PVPO injection, which scores them 1) a plan the rollout budgets
-        cut before its answer (``max_turns``, ``max_turn_tokens``, ``max_total_tokens``) is left
-        out: it is not a correct trajectory."""
-        from ..data.gold import gold_trajectory
+        ``plans`` (index -> GoldPlan) replaces the rows' own gold plans (the SFT cold start's
+        demonstrations); prompts without a plan are left out. With ``complete_only`` (PVPO
+        injection, which scores them 1) a plan the rollout budgets cut before its answer
+        (``max_turns``, ``max_turn_tokens``, ``max_total_tokens``) is left out: it is not a
+        correct trajectory."""
+        from ..data.gold import gold_plan, gold_trajectory
         from ..data.qa import encode_prompt
-        from ..data.synthetic import GoldPlan
         from ..retrieval.client import RetrievalClient
         from ..rollout.agent import AgentConfig, SearchAgent
 
         r = self.cfg.rollout
+        cfg = AgentConfig(max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_total_tokens=r.max_total_tokens,
+                          max_obs_tokens=r.max_obs_tokens, topk=self.cfg.retrieval.topk)
         out = {}
 
         async def go():
@@ -366,14 +369,11 @@ class RLTrainer:
             try:
                 for i in indices:
                     row = self.rows[i]
-                    searches = row.extra_info.get("gold_searches")
-                    if searches is None or i in out:
+                    plan = plans.get(i) if plans is not None else gold_plan(row)
+                    if plan is None or i in out:
                         continue  # rows without a gold plan get no injection
-                    cfg = AgentConfig(max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_total_tokens=r.max_total_tokens,
-                                      max_obs_tokens=r.max_obs_tokens, topk=self.cfg.retrieval.topk)
                     out[i] = await gold_trajectory(lambda pol: SearchAgent(pol, retriever, self.tokenizer, cfg), self.tokenizer,
-                                                   encode_prompt(self.tokenizer, row),
-                                                   GoldPlan(searches=list(searches), answer=row.targets[0]))
+                                                   encode_prompt(self.tokenizer, row), plan)
             finally:
                 await retriever.close()
 
@@ -439,6 +439,7 @@ class RLTrainer:
 
     def sft_stage(self) -> str:
         """Cold-start SFT on gold trajectories; returns the HF directory RL starts from."""
+        from ..data.gold import cold_start_plans
         from ..megatron.actor import ActorConfig, PolicyEngine
         from ..megatron.engine import BatchingConfig, OptimConfig
         from .sft import run_sft
@@ -449,7 +450,8 @@ class RLTrainer:
             return str(out)
         payload = None
         if _rank() == 0:
-            gold = self.gold_trajectories(list(range(len(self.rows))))
+            plans = cold_start_plans(self.rows, sft.direct_answer_fraction, cfg.schedule.seed)
+            gold = self.gold_trajectories(sorted(plans), plans=plans)
             payload = [gold[i] for i in sorted(gold)]
         trajs = _broadcast(payload)
         engine = PolicyEngine(cfg.model.path, self._layout(), ActorConfig(

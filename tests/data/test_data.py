@@ -7,8 +7,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from sorl_megatron.data import encode_prompt, make_row, read_parquet, write_parquet
-from sorl_megatron.data.gold import gold_trajectory
-from sorl_megatron.data.synthetic import corpus, main, make_kb, questions
+from sorl_megatron.data.gold import cold_start_plans, gold_plan, gold_trajectory
+from sorl_megatron.data.synthetic import corpus, main, make_kb, questions, split_rows
 from sorl_megatron.data.tokenizer import ACTION_TAGS, train_tokenizer
 from sorl_megatron.retrieval import BM25Index, read_corpus
 from sorl_megatron.rewards import RewardRegistry
@@ -152,3 +152,21 @@ def test_cli_model_size_and_tied_embeddings(tmp_path):
     with pytest.raises(ValueError, match="hidden_size must be a positive multiple of 16"):
         main(["--out", str(tmp_path / "bad"), "--make-model", "--hidden-size", "40"])
     assert not (tmp_path / "bad").exists()  # rejected before anything is written
+
+
+def test_cold_start_plans_mix_seeded_direct_guesses_into_the_gold_plans():
+    rows = split_rows(questions(make_kb(num_people=100)))["train"] + [make_row("No plan?", ["x"], "nq", "train", 999)]
+    gold = cold_start_plans(rows)
+    assert sorted(gold) == list(range(len(rows) - 1))  # the row without a gold plan gets none
+    assert all(gold[i] == gold_plan(rows[i]) and gold[i].searches for i in gold)
+    mixed = cold_start_plans(rows, 0.5, seed=3)
+    direct = [i for i, p in mixed.items() if not p.searches]
+    assert 0.4 < len(direct) / len(mixed) < 0.6
+    targets = {r.targets[0] for r in rows}
+    assert all(mixed[i].answer in targets and mixed[i].turns() == [f"<think> I have the answer. </think>\n<answer> {mixed[i].answer} </answer>"]
+               for i in direct)
+    assert sum(mixed[i].answer != rows[i].targets[0] for i in direct) > 0.8 * len(direct)  # guesses are mostly wrong
+    assert all(mixed[i] == gold[i] for i in mixed if i not in direct)
+    assert cold_start_plans(rows, 0.5, seed=3) == mixed and cold_start_plans(rows, 0.5, seed=4) != mixed
+    with pytest.raises(ValueError, match="direct_answer_fraction"):
+        cold_start_plans(rows, 1.0)

@@ -41,6 +41,7 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["schedule.micro_batch_size=3"], r"schedule.micro_batch_size=3 must divide"),
         (["rollout.group_size=1", "schedule.mini_batch_size=8"], r"needs rollout.group_size >= 2"),
         (["rollout.top_p=1.5"], r"rollout.top_p"),
+        (["sft.direct_answer_fraction=1.0"], r"sft.direct_answer_fraction must be in \[0, 1\)"),
         (["notakeyvalue"], r"is not key=value"),
     ],
 )

@@ -453,27 +453,33 @@ def test_sft_cold_start_writes_the_policy_rl_starts_from(tiny_data, shared_serve
     loop, saves the HF checkpoint RL starts from, and a rerun of the finished run skips it."""
     from safetensors.torch import load_file
 
+    from sorl_megatron.data.gold import cold_start_plans
     from sorl_megatron.data.qa import read_parquet
+    from sorl_megatron.trainer.config import load_recipe
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
     calls = []
 
     class Spy(RLTrainer):
-        def gold_trajectories(self, indices, complete_only=False):
-            out = super().gold_trajectories(indices, complete_only)
+        def gold_trajectories(self, indices, complete_only=False, plans=None):
+            out = super().gold_trajectories(indices, complete_only, plans)
             calls.append(out)
             return out
 
     overrides = run_overrides(tiny_data, tmp_path, "sft", "sft.enabled=true", "sft.steps=2", "sft.batch_size=2",
-                              "schedule.total_steps=1", *shared_servers,
+                              "sft.direct_answer_fraction=0.5", "schedule.total_steps=1", *shared_servers,
                               "rollout.max_turns=3", "rollout.max_turn_tokens=32", "rollout.max_total_tokens=420")
     _trainer(overrides, Spy).run()
     rows = read_parquet(tiny_data / "train.parquet")
     (gold,) = calls
-    assert sorted(gold) == list(range(len(rows)))
+    plans = cold_start_plans(rows, 0.5, load_recipe(BASE_RECIPE, overrides).schedule.seed)
+    assert sorted(gold) == sorted(plans) == list(range(len(rows)))
+    assert {bool(p.searches) for p in plans.values()} == {True, False}  # both kinds of demonstration are there
     for i, traj in gold.items():
-        assert traj.finish_reason == "answer" and traj.response_text.rstrip().endswith(f"<answer> {rows[i].targets[0]} </answer>")
-        assert traj.num_searches == len(rows[i].extra_info["gold_searches"]), i
+        assert traj.finish_reason == "answer" and traj.response_text.rstrip().endswith(f"<answer> {plans[i].answer} </answer>")
+        assert traj.num_searches == len(plans[i].searches), i
+        if plans[i].searches:  # a searching demonstration is the row's gold plan
+            assert plans[i].searches == rows[i].extra_info["gold_searches"] and plans[i].answer == rows[i].targets[0]
     sft_dir = tmp_path / "sft" / "sft_model"
     assert (sft_dir / "SFT_DONE").is_file() and (sft_dir / "tokenizer.json").is_file()
     sft_rows = read_metrics(tmp_path / "sft" / "sft")
