@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -309,12 +310,18 @@ class _DropCpuRngWarning(logging.Filter):
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
+_NOT_ON_CPU_WARNINGS = r"(Transformer Engine and )?Apex (is|are) not installed"
+
+
 def apply_cpu_compat(force: bool = False) -> list[str]:
     """Apply every patch if CUDA is unavailable (or `force`); idempotent. Returns applied names."""
     if cuda_available() and not force:
         return []
     if not _APPLIED:
         logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropCpuRngWarning())
+        # TransformerEngine and apex cannot exist on a CPU machine: megatron's import-time
+        # "... not installed, falling back" warnings say nothing there (on GPU they stay).
+        warnings.filterwarnings("ignore", message=_NOT_ON_CPU_WARNINGS, category=UserWarning)
     for name, patch in PATCHES.items():
         if name not in _APPLIED:
             patch.apply()

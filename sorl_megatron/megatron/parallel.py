@@ -47,10 +47,10 @@ def init_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optional[st
 
     Safe to call again with another layout: the previous megatron groups are destroyed first.
     """
+    apply_cpu_compat()  # first: it also quiets megatron's CPU-only import warnings
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    apply_cpu_compat()
     init_distributed(backend)
     world = dist.get_world_size()
     if world % layout.model_parallel_size:

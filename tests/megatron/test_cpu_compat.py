@@ -51,3 +51,25 @@ def test_nothing_is_patched_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(cpu_compat, "_APPLIED", {})
     assert cpu_compat.apply_cpu_compat() == []
     assert cpu_compat.applied_patches() == []
+
+
+_IMPORT_MEGATRON = """
+import warnings, sys
+warnings.simplefilter("always")
+if sys.argv[1] == "quiet":
+    from sorl_megatron.megatron.cpu_compat import apply_cpu_compat
+    apply_cpu_compat()
+import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "plain"])
+def test_cpu_only_te_apex_warnings_are_quieted(mode):
+    # A fresh interpreter: megatron's "not installed" warnings fire once, at its first import.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _IMPORT_MEGATRON, mode], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    noisy = "Apex is not installed" in out.stderr
+    assert noisy == (mode == "plain"), out.stderr[-2000:]
