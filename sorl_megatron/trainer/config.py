@@ -74,7 +74,9 @@ class RolloutConfig:
     """Multi-turn generation. No URLs = start the embedded CPU server."""
 
     urls: list[str] = field(default_factory=list)
-    precision: Literal["fp32", "bf16", "fp8"] = "fp32"  # embedded server only
+    # embedded server: the precision it generates in; external servers (urls): fp8 makes each
+    # weight sync export FP8-quantized weights (launch SGLang with --quantization fp8)
+    precision: Literal["fp32", "bf16", "fp8"] = "fp32"
     group_size: int = 4  # n rollouts per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -114,7 +116,8 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # optimizer steps (batch x group / mini_batch x ppo_epochs per RL step), not RL steps
+    critic_warmup_steps: Optional[int] = None  # None: warmup_steps
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     min_lr: float = 0.0
 
@@ -149,8 +152,16 @@ class SFTConfig:
 
 
 @dataclass
+class RewardConfig:
+    """Rule rewards by each row's ``data_source`` (rewards/registry.py)."""
+
+    metric: Optional[Literal["em", "f1"]] = None  # None: each data_source's own metric (EM for the QA sets)
+    format_weight: float = 0.0  # (1 - w) x metric + w x well-formed response
+
+
+@dataclass
 class CheckpointConfig:
-    dir: str = "runs/checkpoints"
+    dir: Optional[str] = None  # None or empty: <logging.dir>/<logging.run_name>/checkpoints
     save_every: int = 0  # 0 = only at the end
     resume: str = "auto"  # auto | none | a checkpoint directory
     keep_last: int = 2
@@ -161,7 +172,7 @@ class LoggingConfig:
     dir: str = "runs"
     run_name: str = "run"
     tensorboard: bool = True
-    progress: Literal["rich", "tqdm", "plain", "none"] = "tqdm"
+    progress: Literal["tqdm", "plain", "none"] = "tqdm"
 
 
 @dataclass
@@ -175,10 +186,14 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        if not self.checkpoint.dir:
+            # one checkpoint directory per run: resume=auto never picks up another run's steps
+            self.checkpoint.dir = str(Path(self.logging.dir) / self.logging.run_name / "checkpoints")
         _check_values(self)
 
 
@@ -192,7 +207,8 @@ CONFIG_GROUPS: dict[str, str] = {
     "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule",
     "schedule": "steps, batch / mini-batch / micro-batch sizes, ppo_epochs, validation period, seed",
     "sft": "cold-start supervised stage",
-    "checkpoint": "directory, period, resume=auto|none|DIR",
+    "reward": "metric override (em / f1; default: each data_source's own), format weight",
+    "checkpoint": "directory (default <logging.dir>/<run_name>/checkpoints), period, resume=auto|none|DIR",
     "logging": "run directory and name, TensorBoard, progress bar",
 }
 
@@ -203,14 +219,37 @@ def _positive_int(name: str, value: int, minimum: int = 1) -> None:
 
 
 def _check_values(cfg: TrainConfig) -> None:
+    if not cfg.model.path:
+        raise ConfigError("model.path is empty: give the policy's HF model directory")
+    if not cfg.data.train:
+        raise ConfigError("data.train is empty: give the training parquet file")
+    if not cfg.retrieval.url and not cfg.retrieval.corpus:
+        raise ConfigError("retrieval.corpus is empty and retrieval.url is not set: give one of them")
+    p = cfg.parallelism
     for key in ("tp", "pp", "vpp", "ep"):
-        _positive_int(f"parallelism.{key}", getattr(cfg.parallelism, key))
+        _positive_int(f"parallelism.{key}", getattr(p, key))
+    if p.etp is not None:
+        _positive_int("parallelism.etp", p.etp)
+    if p.vpp > 1 and p.pp == 1:  # the rule of megatron/layout.py validate_layout
+        raise ConfigError(f"parallelism.vpp={p.vpp} needs parallelism.pp > 1 (interleaving splits pipeline stages)")
     s = cfg.schedule
     for key in ("total_steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "critic_epochs"):
         _positive_int(f"schedule.{key}", getattr(s, key))
-    _positive_int("rollout.group_size", cfg.rollout.group_size)
-    _positive_int("rollout.max_turns", cfg.rollout.max_turns)
+    _positive_int("schedule.val_every", s.val_every, minimum=0)
+    r = cfg.rollout
+    for key in ("group_size", "max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "concurrency"):
+        _positive_int(f"rollout.{key}", getattr(r, key))
+    if r.timeout_s <= 0:
+        raise ConfigError(f"rollout.timeout_s must be > 0, got {r.timeout_s}")
     _positive_int("retrieval.topk", cfg.retrieval.topk)
+    _positive_int("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
+    _positive_int("checkpoint.save_every", cfg.checkpoint.save_every, minimum=0)
+    _positive_int("checkpoint.keep_last", cfg.checkpoint.keep_last, minimum=0)
+    _positive_int("optimizer.warmup_steps", cfg.optimizer.warmup_steps, minimum=0)
+    if cfg.optimizer.critic_warmup_steps is not None:
+        _positive_int("optimizer.critic_warmup_steps", cfg.optimizer.critic_warmup_steps, minimum=0)
+    if not 0 <= cfg.reward.format_weight <= 1:
+        raise ConfigError(f"reward.format_weight must be in [0, 1], got {cfg.reward.format_weight}")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.rollout.temperature <= 0:
@@ -227,6 +266,7 @@ def _check_values(cfg: TrainConfig) -> None:
         raise ConfigError(f"schedule.micro_batch_size={s.micro_batch_size} must divide schedule.mini_batch_size={s.mini_batch_size}")
     if cfg.sft.enabled:
         _positive_int("sft.steps", cfg.sft.steps)
+        _positive_int("sft.batch_size", cfg.sft.batch_size)
         if cfg.sft.batch_size % s.micro_batch_size:
             raise ConfigError(f"schedule.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={cfg.sft.batch_size}")
         if not 0 <= cfg.sft.direct_answer_fraction < 1:

@@ -9,6 +9,7 @@ from sorl_megatron.typed_config import build_dataclass
 
 RECIPES = sorted(Path(__file__).resolve().parents[2].joinpath("recipes").rglob("*.yaml"))
 BASE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_search_base.yaml"
+GPU = BASE.parent / "gpu"
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -19,7 +20,8 @@ def test_every_shipped_recipe_validates(recipe):
 
 
 def test_defaults_chain_and_dotted_overrides(tmp_path):
-    (tmp_path / "base.yaml").write_text("schedule:\n  total_steps: 7\nalgorithm:\n  loss:\n    name: ppo\n")
+    (tmp_path / "base.yaml").write_text("schedule:\n  total_steps: 7\nalgorithm:\n  loss:\n    name: ppo\n"
+                                        "model:\n  path: m\ndata:\n  train: t.parquet\nretrieval:\n  corpus: c.jsonl\n")
     (tmp_path / "mid.yaml").write_text("defaults: [base]\nalgorithm:\n  loss:\n    name: so_ppo\n")
     (tmp_path / "top.yaml").write_text("defaults: [mid.yaml]\nrollout:\n  group_size: 2\n")
     cfg = load_recipe(tmp_path / "top.yaml", ["algorithm.loss.clip_bias.mode=scalar", "schedule.batch_size=8"])
@@ -43,6 +45,25 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["rollout.top_p=1.5"], r"rollout.top_p"),
         (["sft.direct_answer_fraction=1.0"], r"sft.direct_answer_fraction must be in \[0, 1\)"),
         (["notakeyvalue"], r"is not key=value"),
+        (["model.path=''"], r"model.path is empty"),
+        (["model.path="], r"model.path must be a string, got None"),
+        (["data.train=''"], r"data.train is empty"),
+        (["retrieval.corpus=''"], r"retrieval.corpus is empty and retrieval.url is not set"),
+        (["rollout.max_turn_tokens=0"], r"rollout.max_turn_tokens must be >= 1, got 0"),
+        (["rollout.max_total_tokens=-5"], r"rollout.max_total_tokens must be >= 1"),
+        (["rollout.max_obs_tokens=0"], r"rollout.max_obs_tokens must be >= 1"),
+        (["rollout.concurrency=0"], r"rollout.concurrency must be >= 1"),
+        (["rollout.timeout_s=0"], r"rollout.timeout_s must be > 0"),
+        (["data.max_prompt_tokens=0"], r"data.max_prompt_tokens must be >= 1"),
+        (["sft.batch_size=0"], r"sft.batch_size must be >= 1"),
+        (["schedule.val_every=-1"], r"schedule.val_every must be >= 0"),
+        (["checkpoint.save_every=-1"], r"checkpoint.save_every must be >= 0"),
+        (["checkpoint.keep_last=-1"], r"checkpoint.keep_last must be >= 0"),
+        (["optimizer.critic_warmup_steps=-1"], r"optimizer.critic_warmup_steps must be >= 0"),
+        (["parallelism.vpp=2"], r"parallelism.vpp=2 needs parallelism.pp > 1"),
+        (["logging.progress=rich"], r"logging.progress: 'rich' is not one of \['tqdm', 'plain', 'none'\]"),
+        (["reward.metric=substring"], r"reward.metric: 'substring' is not one of"),
+        (["reward.format_weight=1.5"], r"reward.format_weight must be in \[0, 1\]"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
@@ -65,12 +86,51 @@ def test_missing_and_cyclic_recipes(tmp_path):
         load_recipe(tmp_path / "bad.yaml")
 
 
+def test_zero_periods_and_a_retrieval_url_without_corpus_are_fine():
+    cfg = load_recipe(BASE, ["schedule.val_every=0", "checkpoint.save_every=0", "checkpoint.keep_last=0",
+                             "retrieval.corpus=''", "retrieval.url=http://localhost:8000/retrieve", "sft.enabled=false",
+                             "sft.batch_size=0", "parallelism.pp=2", "parallelism.vpp=2"])
+    assert cfg.retrieval.corpus == "" and cfg.parallelism.vpp == 2
+
+
+def test_checkpoint_dir_defaults_to_the_run_directory(tmp_path):
+    cfg = load_recipe(BASE)
+    assert cfg.checkpoint.dir == str(Path("runs/tiny_search") / "so_grpo" / "checkpoints")
+    assert f"dir: {cfg.checkpoint.dir}" in dump_config(cfg)
+    # each shipped run gets its own directory: resume=auto never continues another run
+    # (tiny_search_base and tiny_search_so_grpo are the same run, so_grpo)
+    cfgs = [load_recipe(r) for r in RECIPES]
+    for c in cfgs:
+        assert c.checkpoint.dir == str(Path(c.logging.dir) / c.logging.run_name / "checkpoints")
+    assert len({c.checkpoint.dir for c in cfgs}) == len(RECIPES) - 1
+    moved = load_recipe(BASE, ["logging.dir=/tmp/x", "logging.run_name=abc"])
+    assert moved.checkpoint.dir == str(Path("/tmp/x/abc/checkpoints"))
+    assert load_recipe(BASE, ["checkpoint.dir="]).checkpoint.dir == cfg.checkpoint.dir  # null: the default
+    assert load_recipe(BASE, ["checkpoint.dir=''"]).checkpoint.dir == cfg.checkpoint.dir  # empty: the default too
+    assert load_recipe(BASE, [f"checkpoint.dir={tmp_path}"]).checkpoint.dir == str(tmp_path)
+
+
+def test_reward_group():
+    cfg = load_recipe(BASE)
+    assert cfg.reward.metric is None and cfg.reward.format_weight == 0.0
+    cfg = load_recipe(BASE, ["reward.metric=f1", "reward.format_weight=0.1"])
+    assert cfg.reward.metric == "f1" and cfg.reward.format_weight == 0.1
+    assert load_recipe(GPU / "sapo_qwen2.5_3b.yaml").reward.metric == "f1"  # SAPO trains on F1
+    from sorl_megatron.rewards.registry import RewardRegistry
+    from sorl_megatron.trainer.config import RewardConfig
+
+    # every schema value is one the registry takes
+    for metric in (None, "em", "f1"):
+        RewardRegistry(metric_override=RewardConfig(metric=metric).metric).get("nq")
+
+
 def test_layout_checks_against_world_size_and_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "num_experts": 4}
     ))
     def cfg(**par):
-        return build_dataclass(TrainConfig, {"model": {"path": str(tmp_path)}, "parallelism": par,
+        return build_dataclass(TrainConfig, {"model": {"path": str(tmp_path)}, "parallelism": par, "data": {"train": "t"},
+                                             "retrieval": {"corpus": "c"},
                                              "schedule": {"mini_batch_size": 16, "micro_batch_size": 4}})
     validate_layout_for_launch(cfg(tp=2), world_size=2)
     validate_layout_for_launch(cfg(ep=2), world_size=2)
