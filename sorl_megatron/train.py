@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from .trainer.config import CONFIG_GROUPS, ConfigError, load_recipe, validate_layout_for_launch
+from .trainer.config import CONFIG_GROUPS, ConfigError, dump_config, load_recipe, validate_layout_for_launch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, help="recipe YAML (NeMo style, with optional defaults: list)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config after the schema checks and exit (no WORLD_SIZE or model files needed)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. schedule.total_steps=5")
     return parser
 
@@ -32,15 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_recipe(args.config, args.overrides)
+        if args.print_config:
+            # the schema only: the layout checks need the world size and model.path's config.json
+            print(dump_config(cfg))
+            return 0
         validate_layout_for_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, FileNotFoundError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    if args.print_config:
-        from .trainer.config import dump_config
-
-        print(dump_config(cfg))
-        return 0
     from .trainer.rl_loop import RLTrainer
 
     metrics = RLTrainer(cfg).run()

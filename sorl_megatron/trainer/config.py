@@ -9,13 +9,13 @@ did-you-mean), wrong types and impossible layouts or batch sizes are errors nami
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
 from ..algorithms.config import PolicyLossConfig
+from ..megatron.layout import num_experts_of
 from ..typed_config import ConfigError, build_dataclass, to_dict
 
 
@@ -281,14 +281,25 @@ def _check_values(cfg: TrainConfig) -> None:
 
 
 def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need the world size and the model's HF config (heads, experts, layers)."""
+    """Checks that need the world size and the model's HF config (heads, experts, layers).
+
+    Reads ``<model.path>/config.json`` (and ``model.critic_path``'s when set): a missing one is
+    an error. The layout rules are megatron/layout.py's ``validate_layout`` (the ones the
+    engines apply when they build), run here before any process or server starts.
+    """
     p = cfg.parallelism
     mp = p.tp * p.pp
     if world_size % mp:
         raise ConfigError(
             f"parallelism: tp x pp = {p.tp} x {p.pp} = {mp} does not divide the world size {world_size}"
         )
-    _check_model_layout(cfg)
+    models = [("model.path", cfg.model.path)]
+    if cfg.model.critic_path and cfg.algorithm.advantage.estimator == "gae":
+        models.append(("model.critic_path", cfg.model.critic_path))
+    for key, path in models:
+        hf_config = _load_hf_config(key, path)
+        _check_model_layout(cfg, hf_config, key)
+        _check_layout_rules(cfg, hf_config, key, world_size)
     dp = world_size // mp
     s = cfg.schedule
     if s.mini_batch_size % (s.micro_batch_size * dp):
@@ -298,37 +309,55 @@ def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
-def _check_model_layout(cfg: TrainConfig) -> None:
+def _load_hf_config(key: str, path: str):
+    from ..megatron.hf_config import load_hf_config
+
+    try:
+        return load_hf_config(path)
+    except FileNotFoundError as err:
+        raise ConfigError(f"{key}: {err}") from None
+    except (OSError, ValueError) as err:  # unreadable JSON, unknown model_type, rope scaling
+        raise ConfigError(f"{key}: cannot use the HF config of {path} ({err})") from None
+
+
+def _check_model_layout(cfg: TrainConfig, hf_config, key: str) -> None:
+    """The common mistakes, with messages in config keys (validate_layout covers the rest)."""
     p = cfg.parallelism
-    hf_config = _read_hf_config(cfg.model.path)
-    if hf_config is None:
-        return
-    heads = int(hf_config.get("num_attention_heads", 1))
-    kv = int(hf_config.get("num_key_value_heads", heads) or heads)
-    layers = int(hf_config.get("num_hidden_layers", 1))
-    experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    heads = int(hf_config.num_attention_heads)
+    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    layers = int(hf_config.num_hidden_layers)
+    experts = num_experts_of(hf_config)
     if heads % p.tp or kv % p.tp:
-        raise ConfigError(f"parallelism.tp={p.tp} does not divide the model's {heads} attention / {kv} KV heads")
-    vocab = int(hf_config.get("vocab_size") or 0)
+        raise ConfigError(f"parallelism.tp={p.tp} does not divide the model's {heads} attention / {kv} KV heads ({key})")
+    vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
     if vocab % p.tp:
         # megatron shards the (unpadded) embedding and output layer over TP
-        raise ConfigError(f"parallelism.tp={p.tp} does not divide the model's vocab_size {vocab} (pad the vocabulary)")
+        raise ConfigError(f"parallelism.tp={p.tp} does not divide the model's vocab_size {vocab} (pad the vocabulary; {key})")
     if layers % (p.pp * p.vpp):
-        raise ConfigError(f"parallelism.pp x vpp = {p.pp * p.vpp} does not divide the model's {layers} layers")
+        raise ConfigError(f"parallelism.pp x vpp = {p.pp * p.vpp} does not divide the model's {layers} layers ({key})")
     if p.ep > 1 and (experts == 0 or experts % p.ep):
-        raise ConfigError(f"parallelism.ep={p.ep} does not divide the model's {experts} experts")
-    if cfg.algorithm.routing_replay != "off" and experts == 0:
+        raise ConfigError(f"parallelism.ep={p.ep} does not divide the model's {experts} experts ({key})")
+    if key == "model.path" and cfg.algorithm.routing_replay != "off" and experts == 0:
         raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay} needs an MoE model; {cfg.model.path} is dense")
 
 
-def _read_hf_config(path: str) -> Optional[dict]:
-    file = Path(path) / "config.json" if path else None
-    if file is None or not file.is_file():
-        return None
+def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) -> None:
+    """megatron/layout.py's rules (expert layout vs the world size, expert FFN vs ETP, ...)."""
+    from ..megatron.layout import LayoutError, ParallelLayout, UnsupportedModelError, validate_layout
+
+    p = cfg.parallelism
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sequence_parallel=p.sequence_parallel)
+    where = (f"parallelism (tp={p.tp}, pp={p.pp}, vpp={p.vpp}, ep={p.ep}, etp={p.etp}) "
+             f"at world size {world_size} for {key}={getattr(cfg.model, key.split('.')[1])}")
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"model.path: {file} is not valid JSON ({err})") from None
+        validate_layout(layout, hf_config, world_size)
+    except UnsupportedModelError as err:
+        raise ConfigError(f"{key}: {err}") from None
+    except LayoutError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if num_experts_of(hf_config) and layout.tp > 1 and not layout.use_sequence_parallel:
+        # megatron/model.py refuses this when it builds the model
+        raise ConfigError(f"parallelism.sequence_parallel=false with tp={p.tp}: MoE models need sequence parallelism under TP")
 
 
 def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> TrainConfig:

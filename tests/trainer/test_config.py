@@ -124,16 +124,28 @@ def test_reward_group():
         RewardRegistry(metric_override=RewardConfig(metric=metric).metric).get("nq")
 
 
+def _hf_config(directory: Path, **fields) -> Path:
+    """A config.json with a model's shape (no weights): enough for the launch checks."""
+    directory.mkdir(parents=True, exist_ok=True)
+    heads = fields["num_attention_heads"]
+    (directory / "config.json").write_text(json.dumps({"hidden_size": 8 * heads, "rope_theta": 1e6, **fields}))
+    return directory
+
+
+TINY_MOE = dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=64, vocab_size=512)
+
+
 def test_layout_checks_against_world_size_and_model(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "num_experts": 4}
-    ))
+    model = _hf_config(tmp_path / "model", **TINY_MOE)
+
     def cfg(**par):
-        return build_dataclass(TrainConfig, {"model": {"path": str(tmp_path)}, "parallelism": par, "data": {"train": "t"},
+        return build_dataclass(TrainConfig, {"model": {"path": str(model)}, "parallelism": par, "data": {"train": "t"},
                                              "retrieval": {"corpus": "c"},
                                              "schedule": {"mini_batch_size": 16, "micro_batch_size": 4}})
     validate_layout_for_launch(cfg(tp=2), world_size=2)
     validate_layout_for_launch(cfg(ep=2), world_size=2)
+    validate_layout_for_launch(cfg(ep=4, pp=2), world_size=8)
     with pytest.raises(ConfigError, match="does not divide the world size 3"):
         validate_layout_for_launch(cfg(tp=2), world_size=3)
     with pytest.raises(ConfigError, match="parallelism.tp=4 does not divide the model's 4 attention / 2 KV heads"):
@@ -144,3 +156,59 @@ def test_layout_checks_against_world_size_and_model(tmp_path):
         validate_layout_for_launch(cfg(ep=3), world_size=3)
     with pytest.raises(ConfigError, match="micro_batch_size x data-parallel size = 4 x 8"):
         validate_layout_for_launch(cfg(), world_size=8)
+    # the expert layout against the world size (megatron/layout.py's rules): EP 4 x PP 2 needs 8 ranks
+    with pytest.raises(ConfigError, match=r"parallelism \(tp=1, pp=2, vpp=1, ep=4, etp=None\) at world size 4 .*"
+                                          r"ETP x EP x PP = 8"):
+        validate_layout_for_launch(cfg(ep=4, pp=2), world_size=4)
+    with pytest.raises(ConfigError, match=r"parallelism \(tp=2, pp=1, vpp=1, ep=2, etp=None\) at world size 2 .*"
+                                          r"ETP x EP x PP = 4"):  # etp=None: ETP = TP
+        validate_layout_for_launch(cfg(tp=2, ep=2), world_size=2)
+    with pytest.raises(ConfigError, match="ETP=3 does not divide expert ffn size 16"):
+        validate_layout_for_launch(cfg(etp=3), world_size=3)
+    with pytest.raises(ConfigError, match="parallelism.sequence_parallel=false with tp=2"):
+        validate_layout_for_launch(cfg(tp=2, sequence_parallel=False), world_size=2)
+
+
+def test_launch_needs_the_model_config(tmp_path):
+    def cfg(path, **extra):
+        return build_dataclass(TrainConfig, {"model": {"path": str(path), **extra}, "data": {"train": "t"},
+                                             "retrieval": {"corpus": "c"}, "algorithm": {"advantage": {"estimator": "gae"}}})
+    with pytest.raises(ConfigError, match=r"model.path: .*does not exist"):
+        validate_layout_for_launch(cfg(tmp_path / "absent"), world_size=1)
+    with pytest.raises(ConfigError, match=r"model.path: .*config.json not found"):
+        validate_layout_for_launch(cfg(tmp_path), world_size=1)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"model.path: cannot use the HF config"):
+        validate_layout_for_launch(cfg(tmp_path / "bad"), world_size=1)
+    gpt2 = _hf_config(tmp_path / "gpt2", model_type="gpt2", num_attention_heads=4, num_hidden_layers=2)
+    with pytest.raises(ConfigError, match=r"model.path: unsupported architecture model_type='gpt2'"):
+        validate_layout_for_launch(cfg(gpt2), world_size=1)
+    model = _hf_config(tmp_path / "model", **TINY_MOE)
+    validate_layout_for_launch(cfg(model), world_size=1)
+    with pytest.raises(ConfigError, match=r"model.critic_path: .*does not exist"):
+        validate_layout_for_launch(cfg(model, critic_path=str(tmp_path / "no_critic")), world_size=1)
+    dense = dict(TINY_MOE, model_type="qwen2")
+    del dense["num_experts"]
+    with pytest.raises(ConfigError, match="routing_replay=r3 needs an MoE model"):
+        validate_layout_for_launch(build_dataclass(TrainConfig, {
+            "model": {"path": str(_hf_config(tmp_path / "dense", **dense))}, "data": {"train": "t"},
+            "retrieval": {"corpus": "c"}, "algorithm": {"routing_replay": "r3"}}), world_size=1)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_print_config_needs_no_world_size_or_model(recipe, monkeypatch, capsys):
+    from sorl_megatron.train import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--config", str(recipe), "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "algorithm:" in out and "checkpoints" in out
+
+
+def test_launch_without_the_model_files_names_model_path(monkeypatch, capsys):
+    from sorl_megatron.train import main
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert main(["--config", str(GPU / "sorl_qwen2.5_7b_so_ppo.yaml"), "model.path=/no/such/model"]) == 2
+    assert "model.path" in capsys.readouterr().err
