@@ -212,3 +212,58 @@ def test_launch_without_the_model_files_names_model_path(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert main(["--config", str(GPU / "sorl_qwen2.5_7b_so_ppo.yaml"), "model.path=/no/such/model"]) == 2
     assert "model.path" in capsys.readouterr().err
+
+
+# Shapes of the real models (config.json values that the layout checks read; no weights).
+QWEN25_7B = dict(model_type="qwen2", num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28,
+                 intermediate_size=18944, vocab_size=152064)
+QWEN25_3B = dict(model_type="qwen2", num_attention_heads=16, num_key_value_heads=2, num_hidden_layers=36,
+                 intermediate_size=11008, vocab_size=151936)
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=48,
+                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
+                     vocab_size=151936)
+
+# recipe -> (model shape, the world sizes its comment states)
+GPU_LAUNCHES = {
+    "search_r1_base.yaml": (QWEN25_7B, [8]),
+    "sorl_qwen2.5_7b_so_ppo.yaml": (QWEN25_7B, [8]),
+    "sapo_qwen2.5_3b.yaml": (QWEN25_3B, [8]),
+    "pvpo_qwen2.5_7b.yaml": (QWEN25_7B, [8, 16, 32]),
+    "minirl_qwen3_30b_a3b_r3.yaml": (QWEN3_30B_A3B, [32]),
+}
+
+
+def test_every_gpu_recipe_is_covered():
+    assert sorted(GPU_LAUNCHES) == sorted(p.name for p in GPU.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(GPU_LAUNCHES))
+def test_gpu_recipes_fit_their_stated_world_sizes(name, tmp_path):
+    shape, world_sizes = GPU_LAUNCHES[name]
+    model = _hf_config(tmp_path / "model", **shape)
+    cfg = load_recipe(GPU / name, [f"model.path={model}"])
+    for world_size in world_sizes:
+        assert f"{world_size} GPUs" in (GPU / name).read_text() or name == "pvpo_qwen2.5_7b.yaml"
+        validate_layout_for_launch(cfg, world_size)
+
+
+def test_minirl_layout_needs_16_gpus(tmp_path):
+    model = _hf_config(tmp_path / "model", **QWEN3_30B_A3B)
+    cfg = load_recipe(GPU / "minirl_qwen3_30b_a3b_r3.yaml", [f"model.path={model}"])
+    assert cfg.rollout.precision == "fp8" and cfg.algorithm.routing_replay == "r3"
+    with pytest.raises(ConfigError, match=r"parallelism \(tp=2, pp=2, vpp=1, ep=8, etp=1\) at world size 8 .*ETP x EP x PP = 16"):
+        validate_layout_for_launch(cfg, 8)
+
+
+def test_gpu_recipe_paper_settings():
+    sorl = load_recipe(GPU / "sorl_qwen2.5_7b_so_ppo.yaml")
+    s = sorl.schedule
+    optimizer_steps_per_rl_step = s.batch_size * sorl.rollout.group_size // s.mini_batch_size * s.ppo_epochs
+    assert optimizer_steps_per_rl_step == 2
+    # SORL A.4 warm-up ratios 0.285 (policy) / 0.015 (critic) of the RL steps, in optimizer steps
+    assert sorl.optimizer.warmup_steps == int(0.285 * s.total_steps) * optimizer_steps_per_rl_step
+    assert sorl.optimizer.critic_warmup_steps == int(0.015 * s.total_steps) * optimizer_steps_per_rl_step
+    pvpo = load_recipe(GPU / "pvpo_qwen2.5_7b.yaml")
+    assert pvpo.schedule.total_steps == 1439 and pvpo.rollout.max_total_tokens - pvpo.data.max_prompt_tokens == 8192
+    for path in GPU.glob("*.yaml"):
+        assert load_recipe(path).rollout.weight_sync == "disk", path  # real SGLang loads from disk
