@@ -95,19 +95,30 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a metrics.jsonl file (or a run directory containing one)."""
+    """Rows of a metrics.jsonl file (or a run directory containing one).
+
+    A last line without its newline that does not parse is a write torn by a killed run and
+    is left out; any other line that does not parse is an error naming the file and line."""
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics file at {path}")
+    return [row for _, row in _parse_lines(path)]
+
+
+def _parse_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    text = path.read_text()
+    lines = text.splitlines()
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            rows.append((line, json.loads(line)))
         except json.JSONDecodeError as err:
+            if lineno == len(lines) and not text.endswith("\n"):
+                break  # torn last write
             raise ValueError(f"{path}:{lineno}: not a JSON line ({err})") from None
     return rows
 
@@ -115,7 +126,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 def _truncate_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    keep = [line for line, row in _parse_lines(path) if row.get("step", 0) <= step]
     path.write_text("".join(line + "\n" for line in keep))
 
 

@@ -17,7 +17,8 @@ DEFAULT_PANELS: tuple[tuple[str, str], ...] = (
     ("actor/grad_norm", "policy gradient norm"),
     ("actor/clip_bias/norm", "clip-bias norm ||C||"),
     ("actor/is/mismatch_abs_mean", "train/inference mismatch |log pi_old - log mu|"),
-    ("actor/routing/replay_disagreement", "routing replay disagreement"),
+    ("old/routing/replay_mismatch_frac", "R3: trainer vs rollout-engine routing"),
+    ("actor/routing/replay_mismatch_frac", "replayed routes the live router changed"),
     ("rollout/searches", "searches per trajectory"),
     ("rollout/response_length", "response length"),
 )

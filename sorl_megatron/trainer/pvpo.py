@@ -3,7 +3,7 @@
 Before training, ``M`` rollouts per prompt with a reference checkpoint give each prompt's
 accuracy and its static value ``V_static = (1/M) sum_j r_j`` (eq. 10). Prompts the reference
 always solves (accuracy 1) are dropped; the rest are kept; for accuracy-0 prompts a
-ground-truth trajectory may replace one rollout of their group. Its behaviour log-probs are
+ground-truth trajectory may replace one rollout of a group whose rollouts are all incorrect. Its behaviour log-probs are
 those of the policy that produced it (eq. 6: ``r = pi_theta / pi_gt``), not the current
 policy's, so the trainer must use them as that row's ``old_logprobs``.
 """
@@ -64,10 +64,14 @@ def group_sampling(state: PVPOState, drop_solved: bool = True) -> GroupSampling:
 def inject_ground_truth(
     trajectories: list[Trajectory],
     group_ids: torch.Tensor,
+    rewards: torch.Tensor,
     ground_truth: dict[int, Trajectory],
     unsolved: Sequence[int],
 ) -> tuple[list[Trajectory], torch.Tensor]:
-    """Replace the last rollout of each unsolved prompt's group by its ground-truth trajectory.
+    """Replace one rollout of a group by its prompt's ground-truth trajectory where the
+    reference pass never solved the prompt (accuracy 0, ``unsolved``) and none of this step's
+    rollouts solved it either (PVPO Fig. 2: "for samples with all incorrect rollouts, a ground
+    truth trajectory replaces one existing rollout"). The last rollout of the group is replaced.
 
     Returns the new trajectory list and a ``[N]`` bool tensor marking injected rows. The GT
     trajectory keeps its own ``rollout_logprobs`` (the generating policy's, eq. 6) and gets
@@ -75,7 +79,8 @@ def inject_ground_truth(
     """
     out = list(trajectories)
     injected = torch.zeros(len(out), dtype=torch.bool)
-    unsolved_set = set(int(u) for u in unsolved)
+    solved_now = set(group_ids[rewards >= SOLVED].tolist())
+    unsolved_set = set(int(u) for u in unsolved) - solved_now
     last_of_group: dict[int, int] = {}
     for i, g in enumerate(group_ids.tolist()):
         last_of_group[int(g)] = i

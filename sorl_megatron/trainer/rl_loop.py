@@ -103,6 +103,7 @@ class RLTrainer:
         self.run_dir = Path(cfg.logging.dir) / cfg.logging.run_name
         self.ckpt_root = Path(cfg.checkpoint.dir)
         self.pvpo: Optional[PVPOState] = None
+        self._gold_cache: dict[int, Any] = {}  # PVPO ground truth by prompt index (None: none usable)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -232,7 +233,7 @@ class RLTrainer:
 
         fp8 = self.cfg.rollout.precision == "fp8" and bool(self.cfg.rollout.urls)  # embedded servers quantize themselves
         if self.cfg.rollout.weight_sync == "disk":
-            out = str(self.run_dir / "weights_sync")
+            out = str((self.run_dir / "weights_sync").resolve())  # the servers resolve it, not us: absolute
             save_hf_checkpoint(self.actor.model, out, fp8=fp8)
             if _rank() == 0:
                 asyncio.run(self._with_client(lambda c: c.update_weights_from_disk(out)))
@@ -299,8 +300,8 @@ class RLTrainer:
                 injected = torch.zeros(len(res.trajectories), dtype=torch.bool)
                 if self.pvpo is not None and cfg.algorithm.pvpo.inject_ground_truth:
                     unsolved = group_sampling(self.pvpo).unsolved
-                    gold = self.gold_trajectories(sorted(set(indices) & set(unsolved)), complete_only=True)
-                    res.trajectories, injected = inject_ground_truth(res.trajectories, res.group_ids, gold, unsolved)
+                    gold = self.gold_for(sorted(set(indices) & set(unsolved)))
+                    res.trajectories, injected = inject_ground_truth(res.trajectories, res.group_ids, res.rewards, gold, unsolved)
                     res.rewards = torch.where(injected, torch.ones_like(res.rewards), res.rewards)
                 payload = (self._to_batch(res, injected), res.rewards, res.metrics)
             (batch, injected), rewards, rollout_metrics_ = _broadcast(payload)
@@ -312,7 +313,9 @@ class RLTrainer:
             batch = batch.replace(old_logprobs=old)
             if cfg.algorithm.routing_replay == "r2":
                 batch = batch.replace(routed_experts=out.routed_experts)
-            metrics.update({f"actor/{k}": v for k, v in out.metrics.items()})
+            # R3: how often the trainer's own router disagrees with the rollout engine's routes
+            # (the update's actor/routing/* say the same of the replayed routes after each step)
+            metrics.update({f"old/{k}": v for k, v in out.metrics.items()})
         if self.ref is not None:
             with timer("ref_logprobs"):
                 batch = batch.replace(ref_logprobs=self.ref.compute_logprobs(batch).logprobs)
@@ -332,6 +335,12 @@ class RLTrainer:
         metrics.update(timer.times)
         return metrics
 
+    def validate_timed(self) -> dict[str, float]:
+        timer = StepTimer()
+        with timer("validate"):
+            metrics = self.validate()
+        return {**metrics, **timer.times} if metrics else {}
+
     def validate(self) -> dict[str, float]:
         """Exact match of greedy episodes on the validation split (rank 0 rolls out)."""
         if not self.val_rows:
@@ -345,6 +354,15 @@ class RLTrainer:
             payload = {"val/em": float(res.rewards.mean()), **rollout_metrics(res.trajectories, res.rewards, prefix="val")}
             payload.pop("val/reward", None)
         return _broadcast(payload)
+
+    def gold_for(self, indices: list[int]) -> dict[int, Any]:
+        """Complete ground-truth trajectories of these prompts for PVPO injection, played once
+        per prompt and kept (retrieval and gold plans do not change during a run)."""
+        missing = [i for i in indices if i not in self._gold_cache]
+        if missing:
+            found = self.gold_trajectories(missing, complete_only=True)
+            self._gold_cache.update({i: found.get(i) for i in missing})  # None: no usable ground truth
+        return {i: self._gold_cache[i] for i in indices if self._gold_cache[i] is not None}
 
     def gold_trajectories(self, indices: list[int], complete_only: bool = False, plans: dict[int, Any] | None = None) -> dict[int, Any]:
         """Ground-truth trajectories of the given prompts, played through the agent loop.
@@ -393,6 +411,9 @@ class RLTrainer:
         from ..data.qa import read_parquet
         from ..rewards.registry import RewardRegistry
 
+        from ..megatron.parallel import init_distributed
+
+        init_distributed()  # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
         cfg = self.cfg
         self.rows = read_parquet(cfg.data.train)
         self.val_rows = read_parquet(cfg.data.val) if cfg.data.val else []
@@ -419,22 +440,27 @@ class RLTrainer:
                     policy_path, cfg.rollout.precision, cfg.algorithm.routing_replay == "r3", cfg.schedule.seed))]
             if start > 0 or cfg.rollout.urls:
                 self.sync_weights()  # servers hold the initial checkpoint; bring them to the trainer's weights
+            first: dict[str, float] = {}
             if cfg.algorithm.advantage.estimator == "pvpo" and self.pvpo is None:
-                self.pvpo_reference_pass()
+                first = self.pvpo_reference_pass()
             last: dict[str, float] = {}
             if start == 0:
-                logger.log(0, self.validate())
+                logger.log(0, {**first, **self.validate_timed()})
             for step in range(start, cfg.schedule.total_steps):
+                last = {}
                 k = cfg.algorithm.pvpo.refresh_every
                 if self.pvpo is not None and k and step > 0 and step % k == 0 and self.pvpo.refreshed_at_step < step:
-                    self.pvpo_reference_pass(step)  # refresh static V with the current policy
-                last = self.step(step)
+                    last = self.pvpo_reference_pass(step)  # refresh static V with the current policy
+                last.update(self.step(step))
                 done = step + 1
                 if (cfg.schedule.val_every and done % cfg.schedule.val_every == 0) or done == cfg.schedule.total_steps:
-                    last.update(self.validate())
-                logger.log(done, last)
+                    last.update(self.validate_timed())
                 if (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == cfg.schedule.total_steps:
-                    self.save(done)
+                    timer = StepTimer()
+                    with timer("checkpoint"):
+                        self.save(done)
+                    last.update(timer.times)
+                logger.log(done, last)
             return last
 
     def sft_stage(self) -> str:
@@ -468,19 +494,33 @@ class RLTrainer:
         del engine
         return str(out)
 
-    def pvpo_reference_pass(self, step: int = 0) -> None:
+    def pvpo_reference_pass(self, step: int = 0) -> dict[str, float]:
         """M rollouts per prompt with the policy the rollout servers hold: static V and, at step
         0 (the initial policy), group sampling (PVPO). Later calls (``pvpo.refresh_every``)
-        refresh static V and accuracy of the kept prompts without re-filtering them."""
+        refresh static V and accuracy of the kept prompts without re-filtering them. Returns
+        the ``pvpo/*`` metrics of the pass."""
         p = self.cfg.algorithm.pvpo
+        timer = StepTimer()
         payload = None
-        if _rank() == 0:
-            res = self.rollouts(self.stream.indices, p.num_ref_rollouts, seed=self.cfg.schedule.seed + 7 + 1_000_033 * step)
-            payload = reference_statistics(res.rewards, res.group_ids, step=step)
-        self.pvpo = _broadcast(payload)
+        with timer("pvpo_reference"):
+            if _rank() == 0:
+                res = self.rollouts(self.stream.indices, p.num_ref_rollouts, seed=self.cfg.schedule.seed + 7 + 1_000_033 * step)
+                payload = reference_statistics(res.rewards, res.group_ids, step=step)
+            self.pvpo = _broadcast(payload)
+        v = list(self.pvpo.static_v.values())
+        metrics = {"pvpo/static_v_mean": sum(v) / max(len(v), 1)}
         if step > 0:
-            log.info("PVPO: static V refreshed at step %d", step)
-            return
+            log.info("PVPO: static V refreshed at step %d (mean %.3f)", step, metrics["pvpo/static_v_mean"])
+            return {**metrics, **timer.times}
         split = group_sampling(self.pvpo, p.drop_solved)
         self.stream.indices = split.keep
+        metrics.update({"pvpo/kept": len(split.keep), "pvpo/dropped": len(split.dropped), "pvpo/unsolved": len(split.unsolved)})
         log.info("PVPO: %d prompts kept, %d dropped as solved, %d unsolved", len(split.keep), len(split.dropped), len(split.unsolved))
+        if p.inject_ground_truth:
+            have = _broadcast(len(self.gold_for(split.unsolved)) if _rank() == 0 else None)
+            metrics["pvpo/ground_truth_available"] = have
+            if split.unsolved and not have:
+                log.warning("PVPO: algorithm.pvpo.inject_ground_truth is on but none of the %d unsolved prompts has a complete "
+                            "ground-truth trajectory (rows need extra_info.gold_searches that fit the rollout budgets): "
+                            "nothing will be injected", len(split.unsolved))
+        return {**metrics, **timer.times}

@@ -164,6 +164,8 @@ def test_every_loss_trains(tiny_data, shared_servers, length_reward, tmp_path):
             assert "time/ref_logprobs" in m and m["actor/kl_ref"] >= 0, name
         if "routing_replay" in " ".join(extra):
             assert m["actor/routing/replayed_pairs"] > 0, name
+        if "algorithm.routing_replay=r3" in extra:  # the old pass replays the rollout engine's routes
+            assert m["old/routing/replayed_pairs"] > 0 and 0 <= m["old/routing/replay_mismatch_frac"] <= 1, name
         if estimator == "pvpo":
             assert trainer.pvpo is not None and set(trainer.stream.indices) <= set(trainer.pvpo.accuracy)
         assert (tmp_path / name / "ckpt" / "step_1" / "trainer.json").is_file(), name
@@ -193,8 +195,16 @@ def test_layouts_match_world_size_1(tiny_data, shared_servers, tmp_path):
     assert main(["--config", BASE_RECIPE, *run_overrides(tiny_data, tmp_path, "ws1", *common)]) == 0
 
     spec = tmp_path / "launch.json"
-    spec.write_text(json.dumps([["--config", BASE_RECIPE, *run_overrides(tiny_data, tmp_path, name, *common, layout)]
-                                for name, layout in LAYOUTS.items()]))
+    runs = [["--config", BASE_RECIPE, *run_overrides(tiny_data, tmp_path, name, *common, layout)] for name, layout in LAYOUTS.items()]
+    # riding along in the same torchrun, first (before any run has made the process group): the
+    # SFT stage at TP2 with the embedded retrieval server. Rank 0 alone starts it and plays the
+    # gold plans; rank 1 gets them by broadcast.
+    rollout_url = [o for o in shared_servers if o.startswith("rollout.urls=")]
+    runs.insert(0, ["--config", BASE_RECIPE, *run_overrides(tiny_data, tmp_path, "sft_tp2", "parallelism.tp=2", "sft.enabled=true",
+                                                         "sft.steps=2", "sft.batch_size=2", "schedule.total_steps=1", *rollout_url,
+                                                         "rollout.max_turns=3", "rollout.max_turn_tokens=32",
+                                                         "rollout.max_total_tokens=420")])
+    spec.write_text(json.dumps(runs))
     cmd = [os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "trainer" / "e2e_launch.py"), str(spec)]
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=500)
@@ -208,6 +218,12 @@ def test_layouts_match_world_size_1(tiny_data, shared_servers, tmp_path):
         assert_finite(got, name)
         for key in LAYOUT_KEYS:
             assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, got[key], ref[key])
+
+    sft_run = tmp_path / "sft_tp2"
+    assert (sft_run / "sft_model" / "SFT_DONE").is_file() and sorted(read_metrics(sft_run / "sft")) == [1, 2]
+    assert_finite(read_metrics(sft_run)[1], "sft_tp2")
+    retrieval_log = (sft_run / "servers" / "retrieval.log").read_text()
+    assert retrieval_log.count("indexed ") == 1, retrieval_log  # one embedded retrieval server, rank 0's
 
 
 # ------------------------------------------------------------- 3. resume after a SIGKILL
@@ -391,8 +407,9 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
 
     class Spy(RLTrainer):
         def pvpo_reference_pass(self, step=0):
-            super().pvpo_reference_pass(step)
+            metrics = super().pvpo_reference_pass(step)
             seen["passes"].append((step, copy.deepcopy(self.pvpo), list(self.stream.indices)))
+            return metrics
 
         def advantages(self, batch, rewards, values):
             adv, returns = super().advantages(batch, rewards, values)
@@ -417,6 +434,9 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
 
     tokenizer = trainer.tokenizer
     metrics = read_metrics(tmp_path / "pvpo")
+    assert {k: metrics[0][k] for k in ("pvpo/kept", "pvpo/dropped", "pvpo/unsolved", "pvpo/ground_truth_available")} == \
+        {"pvpo/kept": 2, "pvpo/dropped": 1, "pvpo/unsolved": 1, "pvpo/ground_truth_available": 1}
+    assert metrics[0]["pvpo/static_v_mean"] == pytest.approx(0.5) and metrics[2]["time/pvpo_reference"] > 0
     for k, (batch, rewards, adv) in enumerate(seen["steps"]):
         assert metrics[k + 1]["rollout/injected_ground_truth"] == 1.0
         groups = batch.group_ids.tolist()

@@ -34,6 +34,21 @@ def test_logger_writes_jsonl_and_tensorboard(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "a")] == [1, 2, 3]
 
 
+def test_a_torn_last_line_is_dropped_on_read_and_resume(tmp_path):
+    # a run killed in the middle of an append leaves half a line without its newline
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n{"step": 3, "x"')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    log = MetricsLogger(tmp_path, total_steps=4, tensorboard=False, progress="none", start_step=2)
+    log.log(3, {"x": 3.0})
+    log.close()
+    assert [(r["step"], r["x"]) for r in read_metrics(path)] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    # a bad line anywhere else is corruption, not a torn write: an error naming the line
+    path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        MetricsLogger(tmp_path, total_steps=4, tensorboard=False, progress="none", start_step=2)
+
+
 def test_plots_overlay_runs(tmp_path):
     _fake_run(tmp_path / "a", 0.1)
     _fake_run(tmp_path / "b", 0.2)

@@ -90,9 +90,13 @@ def test_pvpo_statistics_filtering_and_gt_injection():
     # a training batch of 2 rollouts per kept prompt; GT replaces the last rollout of prompt 9
     batch = [_traj(5, routed=True, meta={"prompt_index": i // 2, "sample_index": i % 2}) for i in range(4)]
     gt = _traj(6, lp=0.0, meta={"gold": True})  # scripted gold plan: deterministic, log-prob 0
-    out, injected = inject_ground_truth(batch, torch.tensor([8, 8, 9, 9]), {9: gt}, split.unsolved)
+    groups = torch.tensor([8, 8, 9, 9])
+    out, injected = inject_ground_truth(batch, groups, torch.tensor([1.0, 0.0, 0.0, 0.0]), {9: gt}, split.unsolved)
     assert injected.tolist() == [False, False, False, True]
     assert out[3].meta["ground_truth"] and out[3].meta["sample_index"] == 1
     assert (out[3].rollout_logprobs == 0.0).all()  # behaviour log-probs of its generator (eq. 6)
     assert out[3].routed_experts.shape == (6, 2, 1) and (out[3].routed_experts == -1).all()
     assert out[:3] == batch[:3]
+    # PVPO injects only where all of this step's rollouts are incorrect: a solved one stays
+    out, injected = inject_ground_truth(batch, groups, torch.tensor([0.0, 0.0, 1.0, 0.0]), {9: gt}, split.unsolved)
+    assert not injected.any() and out == batch
