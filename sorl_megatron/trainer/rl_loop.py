@@ -142,7 +142,9 @@ class RLTrainer:
                                     trainable=False, model_options=options)
         self.critic = None
         if cfg.algorithm.advantage.estimator in CRITIC_ESTIMATORS:
-            critic_optim = OptimConfig(**{**to_dict(optim), "lr": o.critic_lr, "min_lr": min(o.min_lr, o.critic_lr)})
+            critic_warmup = o.warmup_steps if o.critic_warmup_steps is None else o.critic_warmup_steps
+            critic_optim = OptimConfig(**{**to_dict(optim), "lr": o.critic_lr, "min_lr": min(o.min_lr, o.critic_lr),
+                                          "warmup_steps": critic_warmup})
             critic_batching = BatchingConfig(epochs=s.critic_epochs, mini_batch_size=s.mini_batch_size,
                                              micro_batch_size=s.micro_batch_size, shuffle=True, seed=s.seed + 1)
             self.critic = ValueEngine(cfg.model.critic_path or policy_path, layout, CriticConfig(
@@ -227,8 +229,10 @@ class RLTrainer:
 
         return asyncio.run(go())
 
-    def sync_weights(self) -> None:
-        """Push the actor's weights to the rollout servers (HF names, bucketed)."""
+    def sync_weights(self, step: int) -> None:
+        """Push the actor's weights after ``step`` RL steps to the rollout servers (HF names,
+        bucketed), labelled weight version ``step_<step>``."""
+        version = f"step_{step}"
         from ..megatron.weights import iter_hf_weights, save_hf_checkpoint
 
         fp8 = self.cfg.rollout.precision == "fp8" and bool(self.cfg.rollout.urls)  # embedded servers quantize themselves
@@ -236,7 +240,7 @@ class RLTrainer:
             out = str((self.run_dir / "weights_sync").resolve())  # the servers resolve it, not us: absolute
             save_hf_checkpoint(self.actor.model, out, fp8=fp8)
             if _rank() == 0:
-                asyncio.run(self._with_client(lambda c: c.update_weights_from_disk(out)))
+                asyncio.run(self._with_client(lambda c: c.update_weights_from_disk(out, weight_version=version)))
             return
         tensors = iter_hf_weights(self.actor.model)
         if fp8:
@@ -244,7 +248,7 @@ class RLTrainer:
 
             tensors = (pair for name, t in tensors for pair in quantize_hf_tensor(name, t))
         if _rank() == 0:
-            asyncio.run(self._with_client(lambda c: c.update_weights_from_tensor(tensors)))
+            asyncio.run(self._with_client(lambda c: c.update_weights_from_tensor(tensors, weight_version=version)))
         else:
             for _ in tensors:  # every rank joins the gathers inside the export
                 pass
@@ -331,7 +335,7 @@ class RLTrainer:
             with timer("critic_update"):
                 metrics.update({f"critic/{k}": v for k, v in self.critic.update(batch.replace(returns=returns, values=values)).items()})
         with timer("weight_sync"):
-            self.sync_weights()
+            self.sync_weights(step + 1)
         metrics.update(timer.times)
         return metrics
 
@@ -417,7 +421,7 @@ class RLTrainer:
         cfg = self.cfg
         self.rows = read_parquet(cfg.data.train)
         self.val_rows = read_parquet(cfg.data.val) if cfg.data.val else []
-        self.rewards = RewardRegistry(default="em")
+        self.rewards = RewardRegistry(default="em", metric_override=cfg.reward.metric, format_weight=cfg.reward.format_weight)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stream = DataStream(list(range(len(self.rows))), cfg.schedule.batch_size, cfg.schedule.seed, cfg.data.shuffle)
@@ -439,7 +443,7 @@ class RLTrainer:
                 self.rollout_urls = list(cfg.rollout.urls) or [servers.start(rollout_server_spec(
                     policy_path, cfg.rollout.precision, cfg.algorithm.routing_replay == "r3", cfg.schedule.seed))]
             if start > 0 or cfg.rollout.urls:
-                self.sync_weights()  # servers hold the initial checkpoint; bring them to the trainer's weights
+                self.sync_weights(start)  # servers hold the initial checkpoint; bring them to the trainer's weights
             first: dict[str, float] = {}
             if cfg.algorithm.advantage.estimator == "pvpo" and self.pvpo is None:
                 first = self.pvpo_reference_pass()

@@ -120,14 +120,14 @@ def _assert_reaped(procs):
 # ------------------------------------------------------------------- 1. every loss trains
 
 LOSS_RUNS = [  # (loss, advantage estimator, extra overrides riding along)
-    ("ppo", "gae", []),
+    ("ppo", "gae", ["optimizer.warmup_steps=3", "optimizer.critic_warmup_steps=0"]),
     ("turn_ppo", "gae", []),
     ("s_ppo", "gae", ["schedule.ppo_epochs=2"]),
     ("so_ppo", "gae", ["algorithm.loss.clip_bias.mode=scalar"]),
     ("grpo", "grpo", []),
     ("so_grpo", "grpo", ["algorithm.routing_replay=r2"]),
     ("gspo", "grpo", ["algorithm.routing_replay=r3"]),
-    ("sapo", "grpo", ["algorithm.loss.kl_coef=0.01"]),
+    ("sapo", "grpo", ["algorithm.loss.kl_coef=0.01", "reward.metric=f1"]),
     ("grpo", "pvpo", ["algorithm.pvpo.num_ref_rollouts=2"]),
 ]
 
@@ -166,6 +166,10 @@ def test_every_loss_trains(tiny_data, shared_servers, length_reward, tmp_path):
             assert m["actor/routing/replayed_pairs"] > 0, name
         if "algorithm.routing_replay=r3" in extra:  # the old pass replays the rollout engine's routes
             assert m["old/routing/replayed_pairs"] > 0 and 0 <= m["old/routing/replay_mismatch_frac"] <= 1, name
+        if "reward.metric=f1" in extra:
+            assert trainer.rewards.metric_override == "f1", name
+        if "optimizer.critic_warmup_steps=0" in extra:
+            assert (trainer.actor.scheduler.lr_warmup_steps, trainer.critic.scheduler.lr_warmup_steps) == (3, 0), name
         if estimator == "pvpo":
             assert trainer.pvpo is not None and set(trainer.stream.indices) <= set(trainer.pvpo.accuracy)
         assert (tmp_path / name / "ckpt" / "step_1" / "trainer.json").is_file(), name
@@ -416,6 +420,11 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
             seen["steps"].append((batch, rewards.clone(), adv))
             return adv, returns
 
+        def rollouts(self, indices, n, seed, greedy=False, rows=None, rewards=None):
+            res = super().rollouts(indices, n, seed, greedy, rows, rewards)
+            seen.setdefault("versions", []).append({v for t in res.trajectories for v in t.weight_versions})
+            return res
+
     overrides = run_overrides(tiny_data, tmp_path, "pvpo", f"data.train={tmp_path / 'crafted.parquet'}",
                               "algorithm.loss.name=grpo", "algorithm.advantage.estimator=pvpo",
                               "algorithm.pvpo.num_ref_rollouts=2", "algorithm.pvpo.inject_ground_truth=true",
@@ -432,6 +441,9 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
     # refresh_every=1: static V is refreshed before step 2 on the kept prompts only
     assert step1 == 1 and state1.refreshed_at_step == 1 and set(state1.accuracy) == {1, 2} and keep1 == [1, 2]
 
+    # the servers were labelled with the weights each rollout phase used: reference pass and
+    # step 1 on the start weights (synced at start, external servers), the refresh and step 2 on step 1's
+    assert seen["versions"] == [{"step_0"}, {"step_0"}, {"step_1"}, {"step_1"}]
     tokenizer = trainer.tokenizer
     metrics = read_metrics(tmp_path / "pvpo")
     assert {k: metrics[0][k] for k in ("pvpo/kept", "pvpo/dropped", "pvpo/unsolved", "pvpo/ground_truth_available")} == \
