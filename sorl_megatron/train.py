@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    from .trainer.metrics_log import show_trainer_log
     from .trainer.rl_loop import RLTrainer
 
+    show_trainer_log()
     metrics = RLTrainer(cfg).run()
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         shown = {k: round(v, 4) for k, v in metrics.items() if k in ("rollout/reward", "val/em")}

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from sorl_megatron.data.synthetic import main as make_data
     from sorl_megatron.trainer.config import ConfigError, load_recipe
-    from sorl_megatron.trainer.metrics_log import read_metrics
+    from sorl_megatron.trainer.metrics_log import read_metrics, show_trainer_log
     from sorl_megatron.trainer.plots import plot_runs
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(cfg.logging.dir) / cfg.logging.run_name
     print(f"[demo] training {cfg.algorithm.loss.name} ({args.recipe}); metrics in {run_dir}/metrics.jsonl", flush=True)
+    show_trainer_log()
     RLTrainer(cfg).run()
     written = plot_runs([run_dir], run_dir / "plots")
     rows = [r for r in read_metrics(run_dir) if r.get("val/em") is not None]

@@ -9,10 +9,22 @@ with the metric names the losses and engine produce (``actor/clip_frac``,
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
+
+
+def show_trainer_log(level: int = logging.INFO) -> None:
+    """Print the trainer's own log records (PVPO counts, warnings) on the console, leaving
+    other libraries' loggers as they are; idempotent (entry points call it, not the library)."""
+    logger = logging.getLogger("sorl_megatron")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(name)s] %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(level)
 
 
 class MetricsLogger:

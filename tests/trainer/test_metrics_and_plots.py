@@ -68,3 +68,14 @@ def test_plot_cli_errors_clearly(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "bad"), "--out", str(tmp_path)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "metrics.jsonl:2" in proc.stderr
+
+
+def test_entry_points_show_the_trainer_log_once(tmp_path):
+    # a fresh interpreter: the handler is process-global
+    code = ("import logging\nfrom sorl_megatron.trainer.metrics_log import show_trainer_log\n"
+            "logging.getLogger('sorl_megatron.trainer').info('hidden')\n"
+            "show_trainer_log(); show_trainer_log()\n"
+            "logging.getLogger('sorl_megatron.trainer').info('PVPO: 3 prompts kept')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("PVPO: 3 prompts kept") == 1 and "hidden" not in proc.stderr
