@@ -56,6 +56,11 @@ class PVPOConfig:
 
     num_ref_rollouts: int = 5  # M
     refresh_every: int = 0  # refresh static V every K steps (0 = never)
+    refresh_at: list[int] = field(default_factory=list)  # and/or at these steps (PVPO table 2: [500])
+
+    def refresh_due(self, step: int) -> bool:
+        """Whether static V is refreshed before RL step ``step`` (0-based; never before step 1)."""
+        return step > 0 and (step in self.refresh_at or (self.refresh_every > 0 and step % self.refresh_every == 0))
     drop_solved: bool = True  # drop prompts with reference accuracy 1
     inject_ground_truth: bool = False  # replace one rollout of accuracy-0 prompts by a GT trajectory
 
@@ -276,6 +281,9 @@ def _check_values(cfg: TrainConfig) -> None:
         raise ConfigError("algorithm.advantage.estimator=grpo needs rollout.group_size >= 2")
     if a.advantage.estimator == "pvpo":
         _positive_int("algorithm.pvpo.num_ref_rollouts", a.pvpo.num_ref_rollouts)
+        _positive_int("algorithm.pvpo.refresh_every", a.pvpo.refresh_every, minimum=0)
+        if any(k < 1 for k in a.pvpo.refresh_at):
+            raise ConfigError(f"algorithm.pvpo.refresh_at steps must be >= 1, got {a.pvpo.refresh_at}")
     if a.value_clip is not None and a.value_clip <= 0:
         raise ConfigError(f"algorithm.value_clip must be > 0 or null, got {a.value_clip}")
 

@@ -452,8 +452,7 @@ class RLTrainer:
                 logger.log(0, {**first, **self.validate_timed()})
             for step in range(start, cfg.schedule.total_steps):
                 last = {}
-                k = cfg.algorithm.pvpo.refresh_every
-                if self.pvpo is not None and k and step > 0 and step % k == 0 and self.pvpo.refreshed_at_step < step:
+                if self.pvpo is not None and cfg.algorithm.pvpo.refresh_due(step) and self.pvpo.refreshed_at_step < step:
                     last = self.pvpo_reference_pass(step)  # refresh static V with the current policy
                 last.update(self.step(step))
                 done = step + 1
@@ -500,7 +499,7 @@ class RLTrainer:
 
     def pvpo_reference_pass(self, step: int = 0) -> dict[str, float]:
         """M rollouts per prompt with the policy the rollout servers hold: static V and, at step
-        0 (the initial policy), group sampling (PVPO). Later calls (``pvpo.refresh_every``)
+        0 (the initial policy), group sampling (PVPO). Later calls (``pvpo.refresh_every`` / ``refresh_at``)
         refresh static V and accuracy of the kept prompts without re-filtering them. Returns
         the ``pvpo/*`` metrics of the pass."""
         p = self.cfg.algorithm.pvpo

@@ -60,6 +60,7 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["checkpoint.save_every=-1"], r"checkpoint.save_every must be >= 0"),
         (["checkpoint.keep_last=-1"], r"checkpoint.keep_last must be >= 0"),
         (["optimizer.critic_warmup_steps=-1"], r"optimizer.critic_warmup_steps must be >= 0"),
+        (["algorithm.advantage.estimator=pvpo", "algorithm.pvpo.refresh_at=[0,5]"], r"algorithm.pvpo.refresh_at steps must be >= 1"),
         (["parallelism.vpp=2"], r"parallelism.vpp=2 needs parallelism.pp > 1"),
         (["logging.progress=rich"], r"logging.progress: 'rich' is not one of \['tqdm', 'plain', 'none'\]"),
         (["reward.metric=substring"], r"reward.metric: 'substring' is not one of"),
@@ -267,3 +268,16 @@ def test_gpu_recipe_paper_settings():
     assert pvpo.schedule.total_steps == 1439 and pvpo.rollout.max_total_tokens - pvpo.data.max_prompt_tokens == 8192
     for path in GPU.glob("*.yaml"):
         assert load_recipe(path).rollout.weight_sync == "disk", path  # real SGLang loads from disk
+
+
+def test_pvpo_static_v_refresh_schedule():
+    from sorl_megatron.trainer.config import PVPOConfig
+
+    due = lambda cfg: [k for k in range(1, 12) if cfg.refresh_due(k)]  # noqa: E731
+    assert due(PVPOConfig()) == [] and not PVPOConfig(refresh_every=1).refresh_due(0)
+    assert due(PVPOConfig(refresh_every=5)) == [5, 10]
+    assert due(PVPOConfig(refresh_at=[3, 7])) == [3, 7]
+    assert due(PVPOConfig(refresh_every=5, refresh_at=[3])) == [3, 5, 10]
+    # the PVPO recipe refreshes once, at table 2's step 500
+    pvpo = load_recipe(GPU / "pvpo_qwen2.5_7b.yaml").algorithm.pvpo
+    assert [k for k in range(1, 1440) if pvpo.refresh_due(k)] == [500]
