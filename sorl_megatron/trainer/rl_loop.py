@@ -232,8 +232,9 @@ class RLTrainer:
     def sync_weights(self, step: int) -> None:
         """Push the actor's weights after ``step`` RL steps to the rollout servers (HF names,
         bucketed), labelled weight version ``step_<step>``."""
-        version = f"step_{step}"
         from ..megatron.weights import iter_hf_weights, save_hf_checkpoint
+
+        version = f"step_{step}"
 
         fp8 = self.cfg.rollout.precision == "fp8" and bool(self.cfg.rollout.urls)  # embedded servers quantize themselves
         if self.cfg.rollout.weight_sync == "disk":
@@ -413,9 +414,8 @@ class RLTrainer:
         from transformers import AutoTokenizer
 
         from ..data.qa import read_parquet
-        from ..rewards.registry import RewardRegistry
-
         from ..megatron.parallel import init_distributed
+        from ..rewards.registry import RewardRegistry
 
         init_distributed()  # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
         cfg = self.cfg
