@@ -38,6 +38,13 @@ class ParallelismConfig:
     sequence_parallel: Optional[bool] = None  # None: on whenever tp > 1
     use_distributed_optimizer: bool = False
 
+    def layout(self):
+        """The megatron ParallelLayout these keys describe (the launch checks and the engines use it)."""
+        from ..megatron.layout import ParallelLayout
+
+        return ParallelLayout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp,
+                              sequence_parallel=self.sequence_parallel)
+
 
 @dataclass
 class AdvantageConfig:
@@ -351,10 +358,10 @@ def _check_model_layout(cfg: TrainConfig, hf_config, key: str) -> None:
 
 def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) -> None:
     """megatron/layout.py's rules (expert layout vs the world size, expert FFN vs ETP, ...)."""
-    from ..megatron.layout import LayoutError, ParallelLayout, UnsupportedModelError, validate_layout
+    from ..megatron.layout import LayoutError, UnsupportedModelError, validate_layout
 
     p = cfg.parallelism
-    layout = ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sequence_parallel=p.sequence_parallel)
+    layout = p.layout()
     where = (f"parallelism (tp={p.tp}, pp={p.pp}, vpp={p.vpp}, ep={p.ep}, etp={p.etp}) "
              f"at world size {world_size} for {key}={getattr(cfg.model, key.split('.')[1])}")
     try:

@@ -107,12 +107,6 @@ class RLTrainer:
 
     # -- set-up ------------------------------------------------------------------------
 
-    def _layout(self):
-        from ..megatron.layout import ParallelLayout
-
-        p = self.cfg.parallelism
-        return ParallelLayout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, sequence_parallel=p.sequence_parallel)
-
     def _model_options(self):
         from ..megatron.model import ModelOptions
 
@@ -131,7 +125,7 @@ class RLTrainer:
                             use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer, **decay)
         batching = BatchingConfig(epochs=s.ppo_epochs, mini_batch_size=s.mini_batch_size, micro_batch_size=s.micro_batch_size,
                                   shuffle=True, seed=s.seed)
-        layout, options = self._layout(), self._model_options()
+        layout, options = self.cfg.parallelism.layout(), self._model_options()
         self.actor = PolicyEngine(policy_path, layout, ActorConfig(
             loss=cfg.algorithm.loss, optim=optim, batching=batching, routing_replay=cfg.algorithm.routing_replay,
             temperature=cfg.rollout.temperature), model_options=options)
@@ -483,7 +477,7 @@ class RLTrainer:
             gold = self.gold_trajectories(sorted(plans), plans=plans)
             payload = [gold[i] for i in sorted(gold)]
         trajs = _broadcast(payload)
-        engine = PolicyEngine(cfg.model.path, self._layout(), ActorConfig(
+        engine = PolicyEngine(cfg.model.path, cfg.parallelism.layout(), ActorConfig(
             loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
             batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size)),
             model_options=self._model_options())
