@@ -173,6 +173,7 @@ def test_every_loss_trains(tiny_data, shared_servers, length_reward, tmp_path):
         if estimator == "pvpo":
             assert trainer.pvpo is not None and set(trainer.stream.indices) <= set(trainer.pvpo.accuracy)
         assert (tmp_path / name / "ckpt" / "step_1" / "trainer.json").is_file(), name
+        assert m["time/checkpoint"] > 0 and m["time/weight_sync"] > 0, name
         assert not (tmp_path / name / "servers").exists(), f"{name} started embedded servers despite URLs"
     assert not failures, "\n".join(failures)
 
