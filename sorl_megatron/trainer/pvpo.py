@@ -3,9 +3,10 @@
 Before training, ``M`` rollouts per prompt with a reference checkpoint give each prompt's
 accuracy and its static value ``V_static = (1/M) sum_j r_j`` (eq. 10). Prompts the reference
 always solves (accuracy 1) are dropped; the rest are kept; for accuracy-0 prompts a
-ground-truth trajectory may replace one rollout of a group whose rollouts are all incorrect. Its behaviour log-probs are
-those of the policy that produced it (eq. 6: ``r = pi_theta / pi_gt``), not the current
-policy's, so the trainer must use them as that row's ``old_logprobs``.
+ground-truth trajectory may replace one rollout of a group whose rollouts are all incorrect.
+Its behaviour log-probs are those of the policy that produced it (eq. 6:
+``r = pi_theta / pi_gt``), not the current policy's, so the trainer must use them as that
+row's ``old_logprobs``.
 """
 
 from __future__ import annotations

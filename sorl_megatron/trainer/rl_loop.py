@@ -334,25 +334,22 @@ class RLTrainer:
         metrics.update(timer.times)
         return metrics
 
-    def validate_timed(self) -> dict[str, float]:
-        timer = StepTimer()
-        with timer("validate"):
-            metrics = self.validate()
-        return {**metrics, **timer.times} if metrics else {}
-
     def validate(self) -> dict[str, float]:
-        """Exact match of greedy episodes on the validation split (rank 0 rolls out)."""
+        """Exact match of greedy episodes on the validation split (rank 0 rolls out), timed."""
         if not self.val_rows:
             return {}
+        timer = StepTimer()
         payload = None
-        if _rank() == 0:
-            from ..rewards.registry import RewardRegistry
+        with timer("validate"):
+            if _rank() == 0:
+                from ..rewards.registry import RewardRegistry
 
-            res = self.rollouts(list(range(len(self.val_rows))), 1, seed=0, greedy=True, rows=self.val_rows,
-                                rewards=RewardRegistry(metric_override="em", default="em"))
-            payload = {"val/em": float(res.rewards.mean()), **rollout_metrics(res.trajectories, res.rewards, prefix="val")}
-            payload.pop("val/reward", None)
-        return _broadcast(payload)
+                res = self.rollouts(list(range(len(self.val_rows))), 1, seed=0, greedy=True, rows=self.val_rows,
+                                    rewards=RewardRegistry(metric_override="em", default="em"))
+                payload = {"val/em": float(res.rewards.mean()), **rollout_metrics(res.trajectories, res.rewards, prefix="val")}
+                payload.pop("val/reward", None)
+            payload = _broadcast(payload)
+        return {**payload, **timer.times}
 
     def gold_for(self, indices: list[int]) -> dict[int, Any]:
         """Complete ground-truth trajectories of these prompts for PVPO injection, played once
@@ -443,7 +440,7 @@ class RLTrainer:
                 first = self.pvpo_reference_pass()
             last: dict[str, float] = {}
             if start == 0:
-                logger.log(0, {**first, **self.validate_timed()})
+                logger.log(0, {**first, **self.validate()})
             for step in range(start, cfg.schedule.total_steps):
                 last = {}
                 if self.pvpo is not None and cfg.algorithm.pvpo.refresh_due(step) and self.pvpo.refreshed_at_step < step:
@@ -451,7 +448,7 @@ class RLTrainer:
                 last.update(self.step(step))
                 done = step + 1
                 if (cfg.schedule.val_every and done % cfg.schedule.val_every == 0) or done == cfg.schedule.total_steps:
-                    last.update(self.validate_timed())
+                    last.update(self.validate())
                 if (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == cfg.schedule.total_steps:
                     timer = StepTimer()
                     with timer("checkpoint"):
