@@ -27,6 +27,7 @@ toy-demo: setup
 	$(PY) -m sorl_megatron.demo
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
 clean:

@@ -8,7 +8,8 @@ inputs exist, so it counts every tensor the path allocates: saved activations, f
 temporaries and the bf16 ``logits.grad`` itself (``T x V x 2`` bytes, needed by any path).
 ``tracemalloc`` cannot see torch's allocator, hence the kernel counter.
 
-    .venv/bin/python benchmarks/bench_logprob_memory.py [--vocab 152064 --tokens 1024 2048 8192 --baseline-max-tokens 2048]
+    .venv/bin/python benchmarks/bench_logprob_memory.py \
+        [--vocab 152064 --tokens 1024 2048 8192 --baseline-max-tokens 2048]
 
 ``log_softmax`` runs only up to ``--baseline-max-tokens`` (at T = 8k it needs tens of GB);
 its peak is linear in T (every tensor it allocates is ``[T, V]``), so larger T are
@@ -102,7 +103,10 @@ def main() -> None:
                   f"{row['grad_bytes'] / MIB:>14.0f} {tokens * args.vocab * 4 / MIB:>10.0f}{note}")
         if len(rows) == 2:
             c, b = rows[0][0], rows[1][0]
-            print(f"{'':>6} {'ratio':>12} {b['fwd_peak'] / c['fwd_peak']:>9.1f}x {b['fwd_bwd_peak'] / c['fwd_bwd_peak']:>12.1f}x  (log_softmax / chunked)")
+            print(
+                f"{'':>6} {'ratio':>12} {b['fwd_peak'] / c['fwd_peak']:>9.1f}x "
+                f"{b['fwd_bwd_peak'] / c['fwd_bwd_peak']:>12.1f}x  (log_softmax / chunked)"
+            )
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from common import best_of, multi_turn_batch
+
 from sorl_megatron.algorithms import PolicyLossConfig, compute_policy_loss
 
 
@@ -39,8 +39,11 @@ def main() -> None:
 
         metrics[name] = step()
         times[name] = best_of(step, args.repeats)
-        print(f"{name:7s} fwd+bwd: {times[name] * 1e3:8.1f} ms   clip_frac={float(metrics[name]['clip_frac']):.4f} "
-              f"clip_bias/norm={float(metrics[name].get('clip_bias/norm', 0.0)):.4f} factor={float(metrics[name]['clip_bias/factor']):.4f}")
+        print(
+            f"{name:7s} fwd+bwd: {times[name] * 1e3:8.1f} ms   clip_frac={float(metrics[name]['clip_frac']):.4f} "
+            f"clip_bias/norm={float(metrics[name].get('clip_bias/norm', 0.0)):.4f} "
+            f"factor={float(metrics[name]['clip_bias/factor']):.4f}"
+        )
     assert float(metrics["so_ppo"]["clip_bias/norm"]) > 0  # the SO-PPO extras really ran
     print(f"so_ppo / ppo time ratio: {times['so_ppo'] / times['ppo']:.2f}x")
 

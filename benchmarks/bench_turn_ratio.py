@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from common import best_of, multi_turn_batch
+
 from sorl_megatron.algorithms import segment_mean_broadcast, segment_turns
 
 

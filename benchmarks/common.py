@@ -9,7 +9,9 @@ from typing import Callable
 import torch
 
 
-def multi_turn_batch(batch: int, seq: int, turns: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def multi_turn_batch(
+    batch: int, seq: int, turns: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logprobs, old_logprobs, advantages, loss_mask)`` of agent trajectories: a prompt, then
     ``turns`` assistant turns separated by tool observations, then padding; lengths random.
 

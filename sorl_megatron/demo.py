@@ -68,7 +68,9 @@ def rollout(task: ToyTask, policy: ToyPolicy, targets: torch.Tensor, g: torch.Ge
     with torch.no_grad():
         # the "rollout engine": same weights, perturbed logits (like FP8 inference)
         mu_logits = policy.logits[prompt] + noise * torch.randn(prompt.numel(), task.seq, task.vocab, generator=g)
-        tokens = torch.multinomial(torch.softmax(mu_logits, -1).reshape(-1, task.vocab), 1, generator=g).reshape(prompt.numel(), -1)
+        tokens = torch.multinomial(torch.softmax(mu_logits, -1).reshape(-1, task.vocab), 1, generator=g).reshape(
+            prompt.numel(), -1
+        )
         mu = torch.log_softmax(mu_logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     first = torch.arange(task.turns) * (task.turn_len + task.obs_len)
     reward = (tokens[:, first] == targets[prompt]).float().mean(-1)
@@ -166,15 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"toy multi-turn task: {task.prompts} prompts x {task.group} samples, {task.turns} turns of "
           f"{task.turn_len} tokens with {task.obs_len}-token observations; 2 epochs x 4 mini-batches per step; "
           f"rollouts from a perturbed policy with TIS correction\n")
-    header = f"{'loss':<9} {'adv':<5} {'reward start':>12} {'reward end':>10} {'clip frac':>9} {'||C|| logprob':>13} {'delta*factor':>12} {'time s':>6}"
+    header = (
+        f"{'loss':<9} {'adv':<5} {'reward start':>12} {'reward end':>10} {'clip frac':>9} "
+        f"{'||C|| logprob':>13} {'delta*factor':>12} {'time s':>6}"
+    )
     print(header)
     print("-" * len(header))
     for name, estimator in runs:
         start = time.perf_counter()
         s = train(name, estimator, task, args.steps, args.delta)
-        print(f"{name:<9} {estimator:<5} {s['reward_start']:>12.3f} {s['reward_end']:>10.3f} {s['clip_frac']:>9.3f} "
-              f"{s['clip_bias/logprob_norm']:>13.4f} {args.delta * s['clip_bias/factor'] if name in NORMALIZED else 1.0:>12.3f} "
-              f"{time.perf_counter() - start:>6.1f}", flush=True)
+        print(
+            f"{name:<9} {estimator:<5} {s['reward_start']:>12.3f} {s['reward_end']:>10.3f} {s['clip_frac']:>9.3f} "
+            f"{s['clip_bias/logprob_norm']:>13.4f} "
+            f"{args.delta * s['clip_bias/factor'] if name in NORMALIZED else 1.0:>12.3f} "
+            f"{time.perf_counter() - start:>6.1f}",
+            flush=True,
+        )
     print(
         f"\ndelta*factor = delta/max(||C||, delta) with delta={args.delta:g}: how much s_ppo / so_ppo / so_grpo "
         "down-weighted their mini-batches on average (1.000 = never). The constant 1/delta itself is cancelled by "

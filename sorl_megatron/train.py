@@ -23,8 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, help="recipe YAML (NeMo style, with optional defaults: list)")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config after the schema checks and exit (no WORLD_SIZE or model files needed)")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config after the schema checks and exit (no WORLD_SIZE or model files needed)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. schedule.total_steps=5")
     return parser
 

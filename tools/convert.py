@@ -7,12 +7,12 @@
     python tools/convert.py megatron-to-hf --ckpt CKPT --out HF_OUT [--dtype bfloat16] [--fp8]
     python tools/convert.py verify --hf HF_DIR [--ckpt CKPT] --layout tp=2
 
-See docs/conversion.md. The implementation is sorl_megatron.megatron.convert_cli.
+See docs/conversion.md. The implementation is sorl_megatron.bridge.convert_cli.
 """
 
 import sys
 
-from sorl_megatron.megatron.convert_cli import main
+from sorl_megatron.bridge.convert_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

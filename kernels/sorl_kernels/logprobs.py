@@ -89,7 +89,11 @@ def _check(logits: torch.Tensor) -> None:
 
 
 def vocab_partials(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int = 0, temperature: float = 1.0, chunk_size: int = BLOCK_V
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int = 0,
+    temperature: float = 1.0,
+    chunk_size: int = BLOCK_V,
 ) -> Partials:
     """Per-row ``(max, sum_exp, sum_exp_shift, target)`` fp32 partials of a ``[N, V_local]`` shard.
 

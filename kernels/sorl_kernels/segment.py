@@ -84,7 +84,9 @@ class SegmentMeanBroadcast(torch.autograd.Function):
         return _apply(grad_out, segment_index, segment_length), None, None
 
 
-def segment_mean_broadcast(values: torch.Tensor, segment_index: torch.Tensor, segment_length: torch.Tensor) -> torch.Tensor:
+def segment_mean_broadcast(
+    values: torch.Tensor, segment_index: torch.Tensor, segment_length: torch.Tensor
+) -> torch.Tensor:
     """Triton segmented mean + broadcast with autograd.
 
     Args:

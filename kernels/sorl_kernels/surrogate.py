@@ -1,6 +1,6 @@
 """Fused clipped surrogate: per-token loss, clip indicators and the gradient, one pass.
 
-Reference: ``sorl_megatron.algorithms.policy_loss.clipped_surrogate_torch`` (PPO / SORL eq.
+Reference: ``sorl_megatron.algorithms.reference.clipped_surrogate_torch`` (PPO / SORL eq.
 1 and 3 with asymmetric and dual clip). With ``w`` the loss ratio (token, turn or sequence
 level, already broadcast to tokens) and ``A`` the (detached) advantage::
 

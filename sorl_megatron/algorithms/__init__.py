@@ -1,6 +1,6 @@
 """Pure tensor math of the RL objectives: turns, ratios, policy losses, clip bias, advantages.
 
-No distributed or Megatron imports here: the engine (``sorl_megatron.megatron``) calls these
+No distributed or Megatron imports here: the RL engine (``sorl_megatron.engine``) calls these
 functions per micro-batch and owns all cross-rank reduction. Equation numbers refer to the
 papers in ``shared/papers`` (SORL/ST-PPO, SAPO, MiniRL, PVPO); see ``docs/algorithms.md``.
 """
@@ -18,9 +18,47 @@ from .clip_bias import ClipBiasTerms, clip_bias_norm, normalization_factor, para
 from .config import ClipBiasConfig, ISCorrectionConfig, PolicyLossConfig, SAPOConfig
 from .is_correction import ISCorrection, is_correction_weights
 from .kl import kl_penalty
-from .policy_loss import POLICY_LOSSES, PolicyLossSpec, clip_bias_surrogate, compute_policy_loss, register_policy_loss
+from .loss_registry import POLICY_LOSSES, PolicyLossSpec, register_policy_loss
+from .policy_loss import clip_bias_surrogate, compute_policy_loss
 from .ratios import level_log_ratio, masked_log_ratio
 from .sft import sft_loss
 from .turns import TurnSegments, broadcast_segments, row_segments, segment_mean_broadcast, segment_sum, segment_turns
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = [
+    "aggregation_denominator",
+    "broadcast_segments",
+    "broadcast_to_tokens",
+    "clip_bias_norm",
+    "clip_bias_surrogate",
+    "ClipBiasConfig",
+    "ClipBiasTerms",
+    "compute_gae",
+    "compute_grpo_advantages",
+    "compute_policy_loss",
+    "compute_pvpo_advantages",
+    "is_correction_weights",
+    "ISCorrection",
+    "ISCorrectionConfig",
+    "kl_penalty",
+    "level_log_ratio",
+    "LOSS_AGG_MODES",
+    "masked_log_ratio",
+    "masked_mean",
+    "masked_sum",
+    "normalization_factor",
+    "param_grad_clip_bias_norm",
+    "POLICY_LOSSES",
+    "PolicyLossConfig",
+    "PolicyLossSpec",
+    "register_policy_loss",
+    "row_segments",
+    "SAPOConfig",
+    "segment_mean_broadcast",
+    "segment_sum",
+    "segment_turns",
+    "sft_loss",
+    "static_values_from_rollouts",
+    "token_weights",
+    "TurnSegments",
+    "whiten_advantages",
+]

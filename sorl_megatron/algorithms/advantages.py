@@ -40,7 +40,8 @@ def compute_gae(
     """
     if not (rewards.shape == values.shape == loss_mask.shape) or rewards.dim() != 2:
         raise ValueError(
-            f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and loss_mask {tuple(loss_mask.shape)} must be equal [batch, seq] shapes"
+            f"rewards {tuple(rewards.shape)}, values {tuple(values.shape)} and loss_mask "
+            f"{tuple(loss_mask.shape)} must be equal [batch, seq] shapes"
         )
     mask = loss_mask.bool()
     batch, seq = mask.shape
@@ -71,14 +72,20 @@ def _discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor
     idx = torch.arange(chunk, device=x.device, dtype=torch.float64)
     # within[j, i] = discount^(j - i) for j >= i: y_i = sum_j x_j * within[j, i]
     power = idx.unsqueeze(1) - idx.unsqueeze(0)
-    within = torch.where(power >= 0, torch.pow(torch.tensor(discount, dtype=torch.float64), power.clamp(min=0)), torch.zeros((), dtype=torch.float64))
+    within = torch.where(
+        power >= 0,
+        torch.pow(torch.tensor(discount, dtype=torch.float64), power.clamp(min=0)),
+        torch.zeros((), dtype=torch.float64),
+    )
     out = torch.empty_like(x)
     carry = x.new_zeros(batch)  # y at the first position of the following chunk
     for end in range(seq, 0, -chunk):  # loop over chunks (seq / 256 iterations), not tokens
         start = max(0, end - chunk)
         n = end - start
         block = x[:, start:end] @ within[:n, :n]
-        tail = torch.pow(torch.tensor(discount, dtype=torch.float64), torch.arange(n, 0, -1, device=x.device, dtype=torch.float64))
+        tail = torch.pow(
+            torch.tensor(discount, dtype=torch.float64), torch.arange(n, 0, -1, device=x.device, dtype=torch.float64)
+        )
         block = block + carry.unsqueeze(1) * tail
         out[:, start:end] = block
         carry = block[:, 0]
@@ -114,7 +121,9 @@ def compute_pvpo_advantages(scores: torch.Tensor, static_values: torch.Tensor) -
     reference (static) policy, ``(1/M) sum_j r_{sta, j}``.
     """
     if scores.shape != static_values.shape or scores.dim() != 1:
-        raise ValueError(f"scores {tuple(scores.shape)} and static_values {tuple(static_values.shape)} must be equal 1-D shapes")
+        raise ValueError(
+            f"scores {tuple(scores.shape)} and static_values {tuple(static_values.shape)} must be equal 1-D shapes"
+        )
     return (scores.float() - static_values.float())
 
 
@@ -141,7 +150,9 @@ def whiten_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor, shift_m
 
 def _check_group_inputs(scores: torch.Tensor, group_ids: torch.Tensor, name: str) -> None:
     if scores.dim() != 1 or group_ids.shape != scores.shape:
-        raise ValueError(f"{name} {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D shapes")
+        raise ValueError(
+            f"{name} {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D shapes"
+        )
     if not torch.isfinite(scores.double()).all():
         bad = int((~torch.isfinite(scores.double())).nonzero()[0].item())
         raise ValueError(f"{name}[{bad}] is not finite ({scores[bad].item()})")

@@ -82,7 +82,9 @@ def clip_bias_terms(
             length = broadcast_segments(segments.segment_length.to(ratio.dtype), segments, fill=1.0)
             vector = unit_coef * ratio * live / length
         vector = torch.where(loss_mask.bool(), vector, torch.zeros_like(vector))
-    return ClipBiasTerms(surrogate=surrogate, scalar=surrogate.detach(), sq_sum=(vector * vector).sum(), token_vector=vector)
+    return ClipBiasTerms(
+        surrogate=surrogate, scalar=surrogate.detach(), sq_sum=(vector * vector).sum(), token_vector=vector
+    )
 
 
 def clip_bias_norm(scalar: torch.Tensor, sq_sum: torch.Tensor, mode: str) -> torch.Tensor:

@@ -10,7 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from ..common.typed_config import build_dataclass
 from .aggregation import LOSS_AGG_MODES
+from .loss_registry import POLICY_LOSSES
 
 ClipBiasMode = Literal["logprob", "scalar", "param_grad"]
 ClipBiasApply = Literal["grad", "lr"]
@@ -161,13 +163,13 @@ class PolicyLossConfig:
         return 1.0 + float(self.eps_high)
 
     def validate(self, prefix: str = "loss") -> None:
-        from .policy_loss import POLICY_LOSSES  # late import: the registry imports this module
-
         if self.name not in POLICY_LOSSES:
             raise ValueError(f"{prefix}.name: unknown policy loss {self.name!r}; registered: {sorted(POLICY_LOSSES)}")
         _positive(prefix, "eps_low", self.eps_low)
         if self.eps_low >= 1.0:
-            raise ValueError(f"{prefix}.eps_low must be < 1 (the lower clip bound 1 - eps_low must stay > 0), got {self.eps_low}")
+            raise ValueError(
+                f"{prefix}.eps_low must be < 1 (the lower clip bound 1 - eps_low must stay > 0), got {self.eps_low}"
+            )
         _positive(prefix, "eps_high", self.eps_high)
         if self.dual_clip is not None:
             _positive(prefix, "dual_clip", self.dual_clip)
@@ -186,6 +188,4 @@ class PolicyLossConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any], prefix: str = "loss") -> "PolicyLossConfig":
         """Build from a plain mapping (e.g. a recipe section); unknown keys are errors."""
-        from ..typed_config import build_dataclass
-
         return build_dataclass(cls, values, prefix)

@@ -21,14 +21,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import Iterator, Literal
 
 import torch
 
 from . import logprobs as _logprobs
-
-if TYPE_CHECKING:
-    from .turns import TurnSegments
+from .reference import clipped_surrogate_torch, segment_mean_broadcast_torch
 
 Backend = Literal["auto", "torch", "triton"]
 _ENV = "SORL_KERNELS"
@@ -39,8 +37,9 @@ _override: Backend | None = None
 def triton_available() -> bool:
     """Whether ``triton`` and the ``sorl_kernels`` package import."""
     try:
-        import sorl_kernels  # noqa: F401
         import triton  # noqa: F401
+
+        import sorl_kernels  # noqa: F401
     except ImportError:
         return False
     return True
@@ -83,15 +82,16 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return all(on_triton_device(t) for t in tensors)
 
 
-def segment_mean_broadcast(values: torch.Tensor, segments: "TurnSegments") -> torch.Tensor:
-    """Mean of ``values`` over each token's segment, broadcast back (SORL eq. 4 in log space)."""
+def segment_mean_broadcast(
+    values: torch.Tensor, segment_index: torch.Tensor, segment_length: torch.Tensor
+) -> torch.Tensor:
+    """Mean of ``values`` over each token's segment, broadcast back (SORL eq. 4 in log space);
+    segments as in :class:`.turns.TurnSegments`."""
     if use_triton(values):
         from sorl_kernels.segment import segment_mean_broadcast as kernel
 
-        return kernel(values, segments.segment_index, segments.segment_length)
-    from .turns import segment_mean_broadcast_torch
-
-    return segment_mean_broadcast_torch(values, segments)
+        return kernel(values, segment_index, segment_length)
+    return segment_mean_broadcast_torch(values, segment_index, segment_length)
 
 
 def token_logprobs_entropy(
@@ -120,11 +120,9 @@ def clipped_surrogate(
     ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
     clip_low: float, clip_high: float, dual_clip: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(per_token, clip_high, clip_low, dual)`` of :func:`.policy_loss.clipped_surrogate_torch`."""
+    """``(per_token, clip_high, clip_low, dual)`` of :func:`.reference.clipped_surrogate_torch`."""
     if use_triton(ratio):
         from sorl_kernels.surrogate import clipped_surrogate as kernel
 
         return kernel(ratio, advantages, mask, clip_low, clip_high, dual_clip)
-    from .policy_loss import clipped_surrogate_torch
-
     return clipped_surrogate_torch(ratio, advantages, mask, clip_low, clip_high, dual_clip)

@@ -50,7 +50,9 @@ class VocabPartials(NamedTuple):
 class LogProbKernels(Protocol):
     """The two kernels a backend supplies (torch reference below, Triton in ``sorl_kernels``)."""
 
-    def partials(self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float, chunk_size: int) -> VocabPartials: ...
+    def partials(
+        self, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, temperature: float, chunk_size: int
+    ) -> VocabPartials: ...
 
     def grad(
         self, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
@@ -77,7 +79,11 @@ def _pick(z: torch.Tensor, local_target: torch.Tensor, start: int) -> tuple[torc
 
 
 def vocab_partials_torch(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int = 0, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int = 0,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK,
 ) -> VocabPartials:
     """Partials of a ``[N, V_local]`` shard with ``[N, chunk]`` temporaries only.
 
@@ -107,7 +113,9 @@ def vocab_partials_torch(
     return VocabPartials(m, s, u, target)
 
 
-def combine_partials(partials: VocabPartials, all_reduce: AllReduce | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def combine_partials(
+    partials: VocabPartials, all_reduce: AllReduce | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global ``(lse, entropy, target_logit)`` per row from each shard's partials.
 
     With ``M = max_r m_r`` and ``b_r = exp(m_r - M)``: ``S = sum_r b_r s_r``,
@@ -214,7 +222,10 @@ def token_logprobs_entropy(
         with respect to ``logits``.
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"targets shape {tuple(targets.shape)} must be logits shape without the vocab dim {tuple(logits.shape[:-1])}")
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must be logits shape without the vocab dim "
+            f"{tuple(logits.shape[:-1])}"
+        )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size <= 0:
@@ -224,12 +235,20 @@ def token_logprobs_entropy(
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     lp, ent = _LogProbEntropy.apply(
-        flat, targets.reshape(-1), kernels or TorchLogProbKernels, vocab_start, float(temperature), chunk_size, all_reduce
+        flat,
+        targets.reshape(-1),
+        kernels or TorchLogProbKernels,
+        vocab_start,
+        float(temperature),
+        chunk_size,
+        all_reduce,
     )
     return lp.reshape(lead), ent.reshape(lead)
 
 
-def log_softmax_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def log_softmax_logprobs_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The materializing baseline (full ``[..., V]`` fp32 log-softmax): tests and benchmarks only."""
     logp = torch.log_softmax(logits.to(_acc_dtype(logits)) / temperature, dim=-1)
     lp = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)

@@ -29,51 +29,9 @@ from .clip_bias import ClipBiasTerms, clip_bias_norm, clip_bias_terms, normaliza
 from .config import PolicyLossConfig
 from .is_correction import is_correction_weights
 from .kl import kl_penalty
-from .ratios import RatioLevel, level_log_ratio, masked_log_ratio, segments_for_level
+from .loss_registry import POLICY_LOSSES, PolicyLossSpec
+from .ratios import level_log_ratio, masked_log_ratio, segments_for_level
 from .turns import segment_turns
-
-
-@dataclass(frozen=True)
-class PolicyLossSpec:
-    """A registered policy loss.
-
-    Attributes:
-        name: config name.
-        ratio_level: ``token``, ``turn`` or ``sequence`` importance ratio.
-        clip_normalized: scale by ``1 / max(||C||, delta)`` (SORL clipping-triggered norm).
-        sapo_penalty: add SAPO's conditional KL term.
-        reference: paper and equations.
-    """
-
-    name: str
-    ratio_level: RatioLevel
-    clip_normalized: bool = False
-    sapo_penalty: bool = False
-    reference: str = ""
-
-
-POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
-
-
-def register_policy_loss(spec: PolicyLossSpec) -> PolicyLossSpec:
-    """Add a loss to the registry (names are unique)."""
-    if spec.name in POLICY_LOSSES:
-        raise ValueError(f"policy loss {spec.name!r} is already registered")
-    POLICY_LOSSES[spec.name] = spec
-    return spec
-
-
-for _spec in (
-    PolicyLossSpec("ppo", "token", reference="PPO; SORL eq. 1-2"),
-    PolicyLossSpec("turn_ppo", "turn", reference="SORL eq. 3-4 (Turn-PPO), Lemma 4.1"),
-    PolicyLossSpec("s_ppo", "token", clip_normalized=True, reference="SORL S-PPO: eq. 1 + clipping-triggered normalization (eq. 7, 12)"),
-    PolicyLossSpec("so_ppo", "turn", clip_normalized=True, reference="SORL SO-PPO / ST-PPO: eq. 3-4, 8, 9, 12"),
-    PolicyLossSpec("grpo", "token", reference="GRPO; SORL eq. 13"),
-    PolicyLossSpec("so_grpo", "token", clip_normalized=True, reference="SORL SO-GRPO: eq. 13-15"),
-    PolicyLossSpec("gspo", "sequence", reference="GSPO: sequence ratio exp(mean log w_t)"),
-    PolicyLossSpec("sapo", "token", sapo_penalty=True, reference="SAPO eq. 9-11 (GRPO surrogate + conditional KL)"),
-):
-    register_policy_loss(_spec)
 
 
 def compute_policy_loss(
@@ -128,7 +86,9 @@ def compute_policy_loss(
             norm = clip_bias_norm(terms.bias.scalar, terms.bias.sq_sum, mode)
         elif normalize:
             if params is None:
-                raise ValueError("loss.clip_bias.mode='param_grad' needs params here (or normalize=False and an engine)")
+                raise ValueError(
+                    "loss.clip_bias.mode='param_grad' needs params here (or normalize=False and an engine)"
+                )
             norm = param_grad_clip_bias_norm(terms.bias.surrogate, params)
         if normalize:
             factor = normalization_factor(norm.to(logprobs.device), config.clip_bias.delta)
@@ -173,7 +133,9 @@ def _policy_terms(
     spec = POLICY_LOSSES.get(config.name)
     if spec is None:
         raise ValueError(f"loss.name: unknown policy loss {config.name!r}; registered: {sorted(POLICY_LOSSES)}")
-    advantages = _check_inputs(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy, turn_ids)
+    advantages = _check_inputs(
+        logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy, turn_ids
+    )
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("loss.kl_coef > 0 needs ref_logprobs")
     if config.entropy_coef > 0 and entropy is None:
@@ -204,7 +166,12 @@ def _policy_terms(
     clipped = clip_high | clip_low | dual
 
     is_corr = is_correction_weights(
-        old_logprobs, rollout_logprobs if rollout_logprobs is not None else old_logprobs, mask, config.is_correction, turns, clamp
+        old_logprobs,
+        rollout_logprobs if rollout_logprobs is not None else old_logprobs,
+        mask,
+        config.is_correction,
+        turns,
+        clamp,
     )
     pg_loss = aggregate(per_token * is_corr.weights, weights)
     loss = pg_loss
@@ -212,8 +179,12 @@ def _policy_terms(
     # Clip bias (SORL eq. 7/8/14): indicators from the loss ratio, or token ratios on request.
     indicator = clipped
     if config.clip_bias.indicator == "token_ratio" and spec.ratio_level != "token":
-        indicator = (((advantages > 0) & (token_ratio > config.clip_high)) | ((advantages < 0) & (token_ratio < config.clip_low))) & mask
-    bias = clip_bias_terms(ratio, level_lr_raw, clamp, indicator, advantages, is_corr.weights, weights, level_segments, mask)
+        indicator = (
+            ((advantages > 0) & (token_ratio > config.clip_high)) | ((advantages < 0) & (token_ratio < config.clip_low))
+        ) & mask
+    bias = clip_bias_terms(
+        ratio, level_lr_raw, clamp, indicator, advantages, is_corr.weights, weights, level_segments, mask
+    )
 
     metrics: dict[str, torch.Tensor] = {}
     if spec.sapo_penalty:
@@ -262,26 +233,9 @@ def _policy_terms(
     return _PolicyTerms(spec=spec, loss=loss, bias=bias, metrics=metrics)
 
 
-def clipped_surrogate_torch(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    clip_low: float, clip_high: float, dual_clip: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate (module docstring; SORL eq. 1/3) and the indicators of
-    ``B^c``, the tokens whose gradient the clip removed: ``(per_token, clip_high, clip_low,
-    dual)``. The reference of ``sorl_kernels.surrogate``."""
-    pg_unclipped = -advantages * ratio
-    pg_clipped = -advantages * ratio.clamp(clip_low, clip_high)
-    per_token = torch.maximum(pg_unclipped, pg_clipped)
-    high = (advantages > 0) & (ratio > clip_high) & mask
-    low = (advantages < 0) & (ratio < clip_low) & mask
-    dual = torch.zeros_like(mask)
-    if dual_clip is not None:
-        dual = (advantages < 0) & (ratio > dual_clip) & mask
-        per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * dual_clip), per_token)
-    return per_token, high, low, dual
-
-
-def _check_inputs(logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy, turn_ids) -> torch.Tensor:
+def _check_inputs(
+    logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy, turn_ids
+) -> torch.Tensor:
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [batch, seq], got shape {tuple(logprobs.shape)}")
     shape = logprobs.shape

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import dispatch
+
 
 @dataclass(frozen=True)
 class TurnSegments:
@@ -102,7 +104,11 @@ def segment_turns(loss_mask: torch.Tensor, turn_ids: torch.Tensor | None = None)
     segment_index = torch.where(mask, global_id, torch.full_like(global_id, num_segments))
     counts = torch.zeros(num_segments + 1, device=device, dtype=torch.float32)
     counts.index_add_(0, segment_index.reshape(-1), mask.reshape(-1).to(torch.float32))
-    turns_per_row = torch.bincount(segment_row, minlength=batch) if num_segments else torch.zeros(batch, dtype=torch.long, device=device)
+    turns_per_row = (
+        torch.bincount(segment_row, minlength=batch)
+        if num_segments
+        else torch.zeros(batch, dtype=torch.long, device=device)
+    )
     first = torch.cumsum(turns_per_row, 0) - turns_per_row
     turn_index = torch.where(mask, global_id - first[rows], torch.full_like(global_id, -1))
     return TurnSegments(
@@ -139,14 +145,6 @@ def segment_mean_broadcast(values: torch.Tensor, segments: TurnSegments) -> torc
 
     This is the turn-ratio hot path (SORL eq. 4: ``log w_k = mean_{t in k} log r_t``).
     Gradients flow to every token of the turn with weight ``1 / |y^k|``. Routed through
-    ``dispatch``: the Triton kernel on CUDA, :func:`segment_mean_broadcast_torch` otherwise.
+    ``dispatch``: the Triton kernel on CUDA, :func:`.reference.segment_mean_broadcast_torch` otherwise.
     """
-    from .dispatch import segment_mean_broadcast as dispatched  # late: dispatch calls back here
-
-    return dispatched(values, segments)
-
-
-def segment_mean_broadcast_torch(values: torch.Tensor, segments: TurnSegments) -> torch.Tensor:
-    """The pure-torch :func:`segment_mean_broadcast` (vectorized, one ``index_add`` + gather)."""
-    means = segment_sum(values, segments) / segments.segment_length.to(values.dtype)
-    return broadcast_segments(means, segments)
+    return dispatch.segment_mean_broadcast(values, segments.segment_index, segments.segment_length)

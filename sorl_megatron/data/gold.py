@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from ..rollout.protocol import GenerateOutput, SamplingParams
+from ..common.protocol import GenerateOutput, SamplingParams
 from .synthetic import GoldPlan
 
 
@@ -50,7 +50,9 @@ class GoldPolicy:
         ]
 
 
-async def gold_trajectory(agent_factory, tokenizer: Any, prompt_ids: Sequence[int], plan: GoldPlan, meta: dict | None = None):
+async def gold_trajectory(
+    agent_factory, tokenizer: Any, prompt_ids: Sequence[int], plan: GoldPlan, meta: dict | None = None
+):
     """Play ``plan``; ``agent_factory(policy)`` builds a SearchAgent around the gold policy."""
     agent = agent_factory(GoldPolicy(tokenizer, plan))
     return await agent.run(prompt_ids, meta={**(meta or {}), "gold": True})

@@ -80,7 +80,11 @@ def read_parquet(path: str | Path) -> list[QARow]:
     for i, rec in enumerate(table.to_pylist()):
         where = f"{path} row {i}"
         prompt = rec["prompt"]
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) and "content" in m for m in prompt):
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(isinstance(m, dict) and "content" in m for m in prompt)
+        ):
             raise ValueError(f"{where}: column 'prompt' must be a non-empty list of chat messages")
         rows.append(
             QARow(

@@ -20,7 +20,26 @@ from pathlib import Path
 
 from .qa import QARow, make_row, write_parquet
 
-_SYLLABLES = ["ka", "lo", "mi", "ra", "to", "ve", "su", "ni", "do", "be", "ar", "el", "on", "ur", "is", "ta", "po", "ze"]
+_SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "ra",
+    "to",
+    "ve",
+    "su",
+    "ni",
+    "do",
+    "be",
+    "ar",
+    "el",
+    "on",
+    "ur",
+    "is",
+    "ta",
+    "po",
+    "ze",
+]
 OCCUPATIONS = ["painter", "engineer", "chemist", "poet", "architect", "pilot", "botanist", "composer"]
 
 
@@ -58,7 +77,9 @@ def _name(rng: random.Random, used: set[str], parts: int) -> str:
             return name
 
 
-def make_kb(num_people: int = 200, num_cities: int = 24, num_countries: int = 6, num_companies: int = 16, seed: int = 0) -> KnowledgeBase:
+def make_kb(
+    num_people: int = 200, num_cities: int = 24, num_countries: int = 6, num_companies: int = 16, seed: int = 0
+) -> KnowledgeBase:
     rng = random.Random(seed)
     used: set[str] = set()
     countries = [_name(rng, used, 3) + "ia" for _ in range(num_countries)]
@@ -103,14 +124,25 @@ def questions(kb: KnowledgeBase, seed: int = 0) -> list[tuple[str, str, GoldPlan
             (
                 f"In which country was {person} born?",
                 "synthetic_multi",
-                GoldPlan([person, city], kb.cities[city], [f"I need to find where {person} was born.", f"{person} was born in {city}; which country is it in?"]),
+                GoldPlan(
+                    [person, city],
+                    kb.cities[city],
+                    [
+                        f"I need to find where {person} was born.",
+                        f"{person} was born in {city}; which country is it in?",
+                    ],
+                ),
             )
         )
         out.append(
             (
                 f"In which city is the employer of {person} headquartered?",
                 "synthetic_multi",
-                GoldPlan([person, company], kb.companies[company], [f"I need {person}'s employer.", f"{person} works for {company}; where is it headquartered?"]),
+                GoldPlan(
+                    [person, company],
+                    kb.companies[company],
+                    [f"I need {person}'s employer.", f"{person} works for {company}; where is it headquartered?"],
+                ),
             )
         )
     rng.shuffle(out)
@@ -130,8 +162,15 @@ def split_rows(items: list[tuple[str, str, GoldPlan]], fractions=(0.8, 0.1, 0.1)
     }
 
 
-def write_dataset(out_dir: str | Path, num_people: int = 200, seed: int = 0, make_model: bool = False, vocab_size: int = 2048,
-                  hidden_size: int = 64, tie_embeddings: bool = False) -> dict[str, Path]:
+def write_dataset(
+    out_dir: str | Path,
+    num_people: int = 200,
+    seed: int = 0,
+    make_model: bool = False,
+    vocab_size: int = 2048,
+    hidden_size: int = 64,
+    tie_embeddings: bool = False,
+) -> dict[str, Path]:
     """Write corpus.jsonl, kb.json, {train,validation,test}.parquet, gold.jsonl (and model/:
     a Qwen3-MoE with ``hidden_size / 16`` heads of 16 and experts of ``hidden_size``)."""
     if hidden_size <= 0 or hidden_size % 16:
@@ -161,9 +200,17 @@ def write_dataset(out_dir: str | Path, num_people: int = 200, seed: int = 0, mak
         # observations render them, and the gold turns; a tokenizer that never saw the
         # instruction spells it out byte by byte (a 269-token prompt instead of ~105).
         chat = jinja2.Template(CHATML_TEMPLATE)
-        texts = ([chat.render(messages=[{"role": "user", "content": SEARCH_INSTRUCTION.format(question=q)}], add_generation_prompt=True)
-                  for q, _, _ in items] + [format_passages([Passage(r["id"], r["contents"])]) for r in rows]
-                 + [t for _, _, p in items for t in p.turns()])
+        texts = (
+            [
+                chat.render(
+                    messages=[{"role": "user", "content": SEARCH_INSTRUCTION.format(question=q)}],
+                    add_generation_prompt=True,
+                )
+                for q, _, _ in items
+            ]
+            + [format_passages([Passage(r["id"], r["contents"])]) for r in rows]
+            + [t for _, _, p in items for t in p.turns()]
+        )
         tok = train_tokenizer(texts, vocab_size=vocab_size)
         model = TinyModelConfig(arch="qwen3_moe", hidden_size=hidden_size, num_heads=hidden_size // 16, head_dim=16,
                                 intermediate_size=2 * hidden_size, tie_embeddings=tie_embeddings, seed=seed)
@@ -174,14 +221,20 @@ def write_dataset(out_dir: str | Path, num_people: int = 200, seed: int = 0, mak
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sorl_megatron.data.synthetic", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--num-people", type=int, default=200, help="people in the knowledge base (4 questions each; default 200)")
+    p.add_argument(
+        "--num-people", type=int, default=200, help="people in the knowledge base (4 questions each; default 200)"
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--make-model", action="store_true", help="also train a tokenizer and save a tiny random Qwen3-MoE in OUT/model")
+    p.add_argument(
+        "--make-model", action="store_true", help="also train a tokenizer and save a tiny random Qwen3-MoE in OUT/model"
+    )
     p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size with --make-model (default 2048)")
     p.add_argument("--hidden-size", type=int, default=64, help="tiny model hidden size, a multiple of 16 (default 64)")
     p.add_argument("--tie-embeddings", action="store_true", help="tie the tiny model's input and output embeddings")
     args = p.parse_args(argv)
-    paths = write_dataset(args.out, args.num_people, args.seed, args.make_model, args.vocab_size, args.hidden_size, args.tie_embeddings)
+    paths = write_dataset(
+        args.out, args.num_people, args.seed, args.make_model, args.vocab_size, args.hidden_size, args.tie_embeddings
+    )
     for name, path in paths.items():
         print(f"{name}: {path}")
 

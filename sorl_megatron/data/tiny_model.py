@@ -38,7 +38,9 @@ class TinyModelConfig:
     seed: int = 0
 
 
-def hf_config(cfg: TinyModelConfig, eos_token_id: int | None = None, pad_token_id: int | None = None) -> PretrainedConfig:
+def hf_config(
+    cfg: TinyModelConfig, eos_token_id: int | None = None, pad_token_id: int | None = None
+) -> PretrainedConfig:
     common = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,

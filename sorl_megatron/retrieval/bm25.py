@@ -46,5 +46,8 @@ class BM25Index:
             ids, scores = self._bm25.retrieve([q_tokens[i] for i in known], k=k, show_progress=False, n_threads=1)
             ids, scores = np.asarray(ids), np.asarray(scores, dtype=np.float64)
             for i, row_ids, row_scores in zip(known, ids.tolist(), scores.tolist()):
-                out[i] = [Passage(self.passages[j].id, self.passages[j].contents, float(s)) for j, s in zip(row_ids, row_scores)]
+                out[i] = [
+                    Passage(self.passages[j].id, self.passages[j].contents, float(s))
+                    for j, s in zip(row_ids, row_scores)
+                ]
         return out

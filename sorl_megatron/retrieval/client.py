@@ -7,16 +7,20 @@ from typing import Any
 
 import aiohttp
 
-from ..rollout.http import BadResponseError, RetryPolicy, request
+from ..common.http import BadResponseError, RetryPolicy, request
 from .corpus import Passage
 
 
 def _passage(item: Any, url: str) -> Passage:
     # With return_scores the item is {"document": {...}, "score": s}; without, the document.
-    doc, score = (item["document"], item.get("score")) if isinstance(item, dict) and "document" in item else (item, None)
+    doc, score = (
+        (item["document"], item.get("score")) if isinstance(item, dict) and "document" in item else (item, None)
+    )
     if not isinstance(doc, dict) or "contents" not in doc:
         raise BadResponseError(f"{url}/retrieve returned an item without 'contents': {str(item)[:200]}")
-    return Passage(id=str(doc.get("id", "")), contents=str(doc["contents"]), score=None if score is None else float(score))
+    return Passage(
+        id=str(doc.get("id", "")), contents=str(doc["contents"]), score=None if score is None else float(score)
+    )
 
 
 class RetrievalClient:
@@ -38,7 +42,9 @@ class RetrievalClient:
         data = await request(self._sess(), "POST", f"{self.url}/retrieve", payload, self.policy)
         result = data.get("result") if isinstance(data, dict) else None
         if not isinstance(result, list) or len(result) != len(queries):
-            raise BadResponseError(f"{self.url}/retrieve: expected 'result' with {len(queries)} lists, got {str(data)[:200]}")
+            raise BadResponseError(
+                f"{self.url}/retrieve: expected 'result' with {len(queries)} lists, got {str(data)[:200]}"
+            )
         return [[_passage(item, self.url) for item in row] for row in result]
 
     async def close(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..rollout.background import BackgroundServer
+from ..common.background import BackgroundServer
 from .bm25 import BM25Index
 
 log = logging.getLogger("sorl_megatron.retrieval.server")
@@ -111,7 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m sorl_megatron.retrieval.server",
         description="Search-R1-compatible BM25 retrieval server (POST /retrieve, GET /health).",
     )
-    p.add_argument("--corpus", required=True, help='JSONL corpus, one {"id", "contents"} per line; contents = title line, then text')
+    p.add_argument(
+        "--corpus",
+        required=True,
+        help='JSONL corpus, one {"id", "contents"} per line; contents = title line, then text',
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--topk", type=int, default=3, help="passages per query when a request gives no topk (default 3)")

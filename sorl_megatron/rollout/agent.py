@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..common.protocol import GenerateOutput, SamplingParams
 from ..retrieval.corpus import Passage, format_passages
-from .protocol import GenerateOutput, SamplingParams
 from .trajectory import Trajectory
 
 log = logging.getLogger("sorl_megatron.rollout.agent")
@@ -172,7 +172,9 @@ class SearchAgent:
             sampling_seed=seed,
         )
 
-    async def run(self, prompt_ids: Sequence[int], seed: int | None = None, meta: dict[str, Any] | None = None) -> Trajectory:
+    async def run(
+        self, prompt_ids: Sequence[int], seed: int | None = None, meta: dict[str, Any] | None = None
+    ) -> Trajectory:
         """One episode from a tokenized prompt."""
         c = self.cfg
         b = _Builder(prompt_ids, c.return_routed_experts)

@@ -18,8 +18,8 @@ from typing import Any, Literal
 import aiohttp
 import torch
 
-from .http import RequestRejectedError, RetryPolicy, ServerError, ServerUnavailableError, request
-from .protocol import GenerateOutput, ProtocolError, SamplingParams, parse_generate_output
+from ..common.http import RequestRejectedError, RetryPolicy, ServerError, ServerUnavailableError, request
+from ..common.protocol import GenerateOutput, ProtocolError, SamplingParams, parse_generate_output
 from .weights import serialize_named_tensors
 
 
@@ -164,7 +164,9 @@ class RolloutClient:
         if not sampling.no_stop_trim:
             sampling = SamplingParams(**{**sampling.__dict__, "no_stop_trim": True})
         shape = await self.routing_shape() if return_routed_experts else None
-        body = self.build_request(input_ids, sampling, return_logprob, return_routed_experts, routed_experts_start_len, rid)
+        body = self.build_request(
+            input_ids, sampling, return_logprob, return_routed_experts, routed_experts_start_len, rid
+        )
         data, url = await self._post_generate(body)
         objs = data if isinstance(data, list) else [data]
         if len(objs) != sampling.n:
@@ -174,7 +176,10 @@ class RolloutClient:
             if return_logprob and o.output_logprobs is None:
                 raise ProtocolError(f"{url}/generate answered without output_token_logprobs")
             if return_routed_experts and o.routed_experts is None:
-                raise ProtocolError(f"{url}/generate answered without routed_experts (start the server with --enable-return-routed-experts)")
+                raise ProtocolError(
+                    f"{url}/generate answered without routed_experts "
+                    "(start the server with --enable-return-routed-experts)"
+                )
         return outs
 
     async def _post_generate(self, body: dict[str, Any]) -> tuple[Any, str]:
@@ -208,7 +213,10 @@ class RolloutClient:
         if errors:
             rejected = [r for r in results if isinstance(r, RequestRejectedError)]
             if rejected:
-                raise RequestRejectedError(f"{path} rejected by {len(rejected)}/{len(self.cfg.urls)} server(s): " + "; ".join(errors), rejected[0].status)
+                raise RequestRejectedError(
+                    f"{path} rejected by {len(rejected)}/{len(self.cfg.urls)} server(s): " + "; ".join(errors),
+                    rejected[0].status,
+                )
             raise ServerError(f"{path} failed on {len(errors)}/{len(self.cfg.urls)} server(s): " + "; ".join(errors))
         for u, r in zip(self.cfg.urls, results):
             if isinstance(r, dict) and r.get("success") is False:
@@ -221,11 +229,15 @@ class RolloutClient:
         self._version_counter += 1
         return str(self._version_counter)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> str:
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
+    ) -> str:
         """Every server reloads the HF checkpoint at ``model_path``; returns the new version."""
         version = self._next_version(weight_version)
         await self._all(
-            "POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": version, "flush_cache": flush_cache}
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": model_path, "weight_version": version, "flush_cache": flush_cache},
         )
         return version
 

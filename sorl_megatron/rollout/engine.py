@@ -30,8 +30,8 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from ..common.protocol import GenRequest, encode_routed_experts
 from .precision import Precision, apply_precision
-from .protocol import GenRequest, encode_routed_experts
 from .weights import check_compatible, read_checkpoint
 
 log = logging.getLogger("sorl_megatron.rollout.engine")
@@ -115,7 +115,9 @@ class Engine:
         self.model_path = cfg.model_path
         self.weight_version = cfg.weight_version
         self.hf_config = AutoConfig.from_pretrained(cfg.model_path)
-        self.tokenizer = None if cfg.skip_tokenizer_init else AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
+        self.tokenizer = (
+            None if cfg.skip_tokenizer_init else AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)
+        )
         try:
             gen_cfg = transformers.GenerationConfig.from_pretrained(cfg.model_path)
         except OSError:
@@ -412,7 +414,12 @@ class Engine:
             top = torch.log_softmax(logits / t, dim=-1).topk(s.req.top_logprobs_num)
             s.top.append([[v, i, None] for v, i in zip(top.values.tolist(), top.indices.tolist())])
         if s.req.rid in self._aborted:
-            s.finish = {"type": "abort", "message": "aborted by /abort_request", "status_code": 499, "err_type": "Abort"}
+            s.finish = {
+                "type": "abort",
+                "message": "aborted by /abort_request",
+                "status_code": 499,
+                "err_type": "Abort",
+            }
         elif tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
             if len(s.out) > p.min_new_tokens or tok in p.stop_token_ids:
                 s.finish = {"type": "stop", "matched": tok}

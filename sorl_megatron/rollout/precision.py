@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from .protocol import PRECISIONS
+from ..common.protocol import PRECISIONS
 
 Precision = Literal["fp32", "bf16", "fp8"]
 
@@ -22,10 +22,10 @@ def fp8_block_roundtrip(weight: torch.Tensor, block: int = 128) -> torch.Tensor:
 
     Works on 2-D linear weights and on 3-D fused expert weights ``[E, out, in]`` alike (one
     2-D quantization per expert); the quantizer is the one the FP8 checkpoint export uses
-    (``sorl_megatron.megatron.fp8``), so the embedded server sees exactly the weights an FP8
+    (``sorl_megatron.common.fp8``), so the embedded server sees exactly the weights an FP8
     server would load from that export.
     """
-    from ..megatron.fp8 import dequantize_block_fp8, quantize_block_fp8
+    from ..common.fp8 import dequantize_block_fp8, quantize_block_fp8
 
     tiles = (block, block)
     mats = weight.detach().reshape(-1, *weight.shape[-2:])

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from .background import BackgroundServer
-from .protocol import PRECISIONS, GenRequest, ProtocolError, SamplingParams, _is_int
+from ..common.background import BackgroundServer
+from ..common.protocol import PRECISIONS, GenRequest, ProtocolError, SamplingParams, _is_int
 
 if TYPE_CHECKING:  # torch/transformers load lazily so that --help answers at once
     from .engine import Engine, EngineConfig
@@ -93,7 +93,9 @@ def parse_generate(body: Any, engine: Engine) -> tuple[list[GenRequest], bool]:
     for i, p in enumerate(prompts):
         sp = SamplingParams.from_json(sps[i], "sampling_params" + (f"[{i}]" if is_batch else ""))
         if sp.stop and engine.tokenizer is None:
-            raise ProtocolError("stop strings need a tokenizer (server started with --skip-tokenizer-init); use stop_token_ids")
+            raise ProtocolError(
+                "stop strings need a tokenizer (server started with --skip-tokenizer-init); use stop_token_ids"
+            )
         if not isinstance(ret_lp[i], bool):
             raise ProtocolError("return_logprob must be a boolean")
         if not _is_int(starts[i]) or not -1 <= starts[i] < len(p):
@@ -303,7 +305,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rollout numerics: fp32, bf16, or fp8 (e4m3 128x128 block-quantized weights, bf16 compute); "
         "default fp32, or what --dtype/--quantization imply",
     )
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="SGLang-style alias: bfloat16 = --precision bf16")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="SGLang-style alias: bfloat16 = --precision bf16",
+    )
     p.add_argument("--quantization", choices=["fp8"], default=None, help="SGLang-style alias: fp8 = --precision fp8")
     p.add_argument("--fp8-block-size", type=int, default=128, help="block edge of the FP8 weight scales (default 128)")
     p.add_argument(
@@ -311,13 +318,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="allow return_routed_experts in /generate (MoE models; R3 routing replay)",
     )
-    p.add_argument("--skip-tokenizer-init", action="store_true", help="tokens in, tokens out: no tokenizer, no text field")
-    p.add_argument("--max-running-requests", type=int, default=32, help="most sequences decoded together in one batch (default 32)")
-    p.add_argument("--context-length", type=int, default=None, help="max prompt+completion tokens (default: max_position_embeddings)")
-    p.add_argument("--random-seed", type=int, default=0, help="seed of the sampler for requests without sampling_seed (default 0)")
-    p.add_argument("--weight-version", default="default", help="initial weight_version reported in meta_info (default 'default')")
+    p.add_argument(
+        "--skip-tokenizer-init", action="store_true", help="tokens in, tokens out: no tokenizer, no text field"
+    )
+    p.add_argument(
+        "--max-running-requests", type=int, default=32, help="most sequences decoded together in one batch (default 32)"
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="max prompt+completion tokens (default: max_position_embeddings)",
+    )
+    p.add_argument(
+        "--random-seed", type=int, default=0, help="seed of the sampler for requests without sampling_seed (default 0)"
+    )
+    p.add_argument(
+        "--weight-version", default="default", help="initial weight_version reported in meta_info (default 'default')"
+    )
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
-    p.add_argument("--disable-radix-cache", action="store_true", help="accepted for SGLang compatibility; no prefix cache is kept anyway")
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="accepted for SGLang compatibility; no prefix cache is kept anyway",
+    )
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)
     if args.precision is None:
@@ -347,7 +371,9 @@ def main(argv: list[str] | None = None) -> None:
         weight_version=args.weight_version,
     )
     engine = Engine(cfg).start()
-    log.info("serving %s (%s, moe=%s) on http://%s:%d", args.model_path, args.precision, engine.is_moe, args.host, args.port)
+    log.info(
+        "serving %s (%s, moe=%s) on http://%s:%d", args.model_path, args.precision, engine.is_moe, args.host, args.port
+    )
     try:
         web.run_app(build_app(engine), host=args.host, port=args.port, print=lambda s: log.info("%s", s))
     finally:

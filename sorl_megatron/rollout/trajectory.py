@@ -42,7 +42,9 @@ class Trajectory:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"trajectory.{name} has length {len(getattr(self, name))}, token_ids has {n}")
         if self.routed_experts is not None and self.routed_experts.shape[0] != n:
-            raise ValueError(f"trajectory.routed_experts covers {self.routed_experts.shape[0]} tokens, token_ids has {n}")
+            raise ValueError(
+                f"trajectory.routed_experts covers {self.routed_experts.shape[0]} tokens, token_ids has {n}"
+            )
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -56,7 +58,9 @@ class Trajectory:
         return int(self.loss_mask.sum())
 
 
-def collate(trajectories: Sequence[Trajectory], pad_token_id: int, pad_to_multiple_of: int = 1) -> dict[str, torch.Tensor]:
+def collate(
+    trajectories: Sequence[Trajectory], pad_token_id: int, pad_to_multiple_of: int = 1
+) -> dict[str, torch.Tensor]:
     """Right-pad trajectories into a batch.
 
     Returns ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask`` (long),

@@ -45,7 +45,10 @@ def check_compatible(current: dict[str, torch.Tensor], update: dict[str, torch.T
     """Every updated name must exist with the same shape; a full update must cover all names."""
     unknown = sorted(set(update) - set(current))
     if unknown:
-        raise WeightError(f"unknown weight name(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; expected HF checkpoint names like {next(iter(current))!r}")
+        raise WeightError(
+            f"unknown weight name(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; "
+            f"expected HF checkpoint names like {next(iter(current))!r}"
+        )
     for k, v in update.items():
         if tuple(v.shape) != tuple(current[k].shape):
             raise WeightError(f"weight {k}: shape {tuple(v.shape)} does not match the served {tuple(current[k].shape)}")
@@ -92,7 +95,12 @@ def deserialize_named_tensors(payload: str, load_format: str | None) -> dict[str
     items: Iterator = iter(obj.items()) if isinstance(obj, dict) else iter(obj)
     out = {}
     for item in items:
-        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
+        if not (
+            isinstance(item, (tuple, list))
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+        ):
             raise WeightError("torch payload must be a list of (name, tensor) pairs or a dict")
         out[item[0]] = item[1]
     return out

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Literal, Optional, Sequence
 
 from ..algorithms.config import PolicyLossConfig
-from ..megatron.layout import num_experts_of
-from ..typed_config import ConfigError, build_dataclass, to_dict
+from ..bridge.layout import num_experts_of
+from ..common.typed_config import ConfigError, build_dataclass, to_dict
 
 
 @dataclass
@@ -40,7 +40,7 @@ class ParallelismConfig:
 
     def layout(self):
         """The megatron ParallelLayout these keys describe (the launch checks and the engines use it)."""
-        from ..megatron.layout import ParallelLayout
+        from ..bridge.layout import ParallelLayout
 
         return ParallelLayout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp,
                               sequence_parallel=self.sequence_parallel)
@@ -212,7 +212,10 @@ class TrainConfig:
 CONFIG_GROUPS: dict[str, str] = {
     "model": "HF checkpoint of the policy / critic and dtype",
     "parallelism": "tp, pp, vpp, ep, etp, sequence_parallel, distributed optimizer",
-    "algorithm": "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, routing_replay, value_clip, pvpo",
+    "algorithm": (
+        "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, "
+        "routing_replay, value_clip, pvpo"
+    ),
     "rollout": "SGLang URLs (or embedded), precision, group size, sampling, turns and lengths",
     "retrieval": "retrieval URL (or embedded BM25 corpus), top-k",
     "data": "train / val files (Search-R1 / verl parquet), prompt length",
@@ -272,15 +275,20 @@ def _check_values(cfg: TrainConfig) -> None:
     trajectories = s.batch_size * cfg.rollout.group_size
     if trajectories % s.mini_batch_size:
         raise ConfigError(
-            f"schedule.mini_batch_size={s.mini_batch_size} must divide schedule.batch_size x rollout.group_size = {trajectories}"
+            f"schedule.mini_batch_size={s.mini_batch_size} must divide "
+            f"schedule.batch_size x rollout.group_size = {trajectories}"
         )
     if s.mini_batch_size % s.micro_batch_size:
-        raise ConfigError(f"schedule.micro_batch_size={s.micro_batch_size} must divide schedule.mini_batch_size={s.mini_batch_size}")
+        raise ConfigError(
+            f"schedule.micro_batch_size={s.micro_batch_size} must divide schedule.mini_batch_size={s.mini_batch_size}"
+        )
     if cfg.sft.enabled:
         _positive_int("sft.steps", cfg.sft.steps)
         _positive_int("sft.batch_size", cfg.sft.batch_size)
         if cfg.sft.batch_size % s.micro_batch_size:
-            raise ConfigError(f"schedule.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={cfg.sft.batch_size}")
+            raise ConfigError(
+                f"schedule.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={cfg.sft.batch_size}"
+            )
         if not 0 <= cfg.sft.direct_answer_fraction < 1:
             raise ConfigError(f"sft.direct_answer_fraction must be in [0, 1), got {cfg.sft.direct_answer_fraction}")
     a = cfg.algorithm
@@ -319,13 +327,14 @@ def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
     s = cfg.schedule
     if s.mini_batch_size % (s.micro_batch_size * dp):
         raise ConfigError(
-            f"schedule.mini_batch_size={s.mini_batch_size} must be a multiple of schedule.micro_batch_size x data-parallel size "
+            f"schedule.mini_batch_size={s.mini_batch_size} must be a multiple of "
+            "schedule.micro_batch_size x data-parallel size "
             f"= {s.micro_batch_size} x {dp}"
         )
 
 
 def _load_hf_config(key: str, path: str):
-    from ..megatron.hf_config import load_hf_config
+    from ..bridge.hf_config import load_hf_config
 
     try:
         return load_hf_config(path)
@@ -343,22 +352,28 @@ def _check_model_layout(cfg: TrainConfig, hf_config, key: str) -> None:
     layers = int(hf_config.num_hidden_layers)
     experts = num_experts_of(hf_config)
     if heads % p.tp or kv % p.tp:
-        raise ConfigError(f"parallelism.tp={p.tp} does not divide the model's {heads} attention / {kv} KV heads ({key})")
+        raise ConfigError(
+            f"parallelism.tp={p.tp} does not divide the model's {heads} attention / {kv} KV heads ({key})"
+        )
     vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
     if vocab % p.tp:
         # megatron shards the (unpadded) embedding and output layer over TP
-        raise ConfigError(f"parallelism.tp={p.tp} does not divide the model's vocab_size {vocab} (pad the vocabulary; {key})")
+        raise ConfigError(
+            f"parallelism.tp={p.tp} does not divide the model's vocab_size {vocab} (pad the vocabulary; {key})"
+        )
     if layers % (p.pp * p.vpp):
         raise ConfigError(f"parallelism.pp x vpp = {p.pp * p.vpp} does not divide the model's {layers} layers ({key})")
     if p.ep > 1 and (experts == 0 or experts % p.ep):
         raise ConfigError(f"parallelism.ep={p.ep} does not divide the model's {experts} experts ({key})")
     if key == "model.path" and cfg.algorithm.routing_replay != "off" and experts == 0:
-        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay} needs an MoE model; {cfg.model.path} is dense")
+        raise ConfigError(
+            f"algorithm.routing_replay={cfg.algorithm.routing_replay} needs an MoE model; {cfg.model.path} is dense"
+        )
 
 
 def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) -> None:
     """megatron/layout.py's rules (expert layout vs the world size, expert FFN vs ETP, ...)."""
-    from ..megatron.layout import LayoutError, UnsupportedModelError, validate_layout
+    from ..bridge.layout import LayoutError, UnsupportedModelError, validate_layout
 
     p = cfg.parallelism
     layout = p.layout()
@@ -372,7 +387,9 @@ def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) 
         raise ConfigError(f"{where}: {err}") from None
     if num_experts_of(hf_config) and layout.tp > 1 and not layout.use_sequence_parallel:
         # megatron/model.py refuses this when it builds the model
-        raise ConfigError(f"parallelism.sequence_parallel=false with tp={p.tp}: MoE models need sequence parallelism under TP")
+        raise ConfigError(
+            f"parallelism.sequence_parallel=false with tp={p.tp}: MoE models need sequence parallelism under TP"
+        )
 
 
 def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> TrainConfig:

@@ -88,7 +88,18 @@ class MetricsLogger:
         self._show(step, row)
 
     def _show(self, step: int, row: Mapping[str, Any]) -> None:
-        keys = [k for k in ("sft/nll", "rollout/reward", "val/em", "actor/clip_frac", "actor/clip_bias/norm", "actor/grad_norm") if row.get(k) is not None]
+        keys = [
+            k
+            for k in (
+                "sft/nll",
+                "rollout/reward",
+                "val/em",
+                "actor/clip_frac",
+                "actor/clip_bias/norm",
+                "actor/grad_norm",
+            )
+            if row.get(k) is not None
+        ]
         summary = " ".join(f"{k.split('/', 1)[-1]}={row[k]:.4g}" for k in keys)
         if self._bar is not None:
             self._bar.set_postfix_str(summary, refresh=False)

@@ -35,7 +35,9 @@ class PVPOState:
         """``V_static`` of each trajectory's prompt (a clear error for an unknown prompt)."""
         missing = sorted({int(g) for g in group_ids.tolist()} - set(self.static_v))
         if missing:
-            raise KeyError(f"PVPO static V has no entry for prompt(s) {missing[:10]}: run the reference pass on them first")
+            raise KeyError(
+                f"PVPO static V has no entry for prompt(s) {missing[:10]}: run the reference pass on them first"
+            )
         return torch.tensor([self.static_v[int(g)] for g in group_ids.tolist()], dtype=torch.float32)
 
 
@@ -91,7 +93,11 @@ def inject_ground_truth(
             if out[i].routed_experts is not None and gt.routed_experts is None:
                 # keep the batch's routing layout: GT tokens have no routes (live router fallback)
                 gt = _with_empty_routes(gt, out[i].routed_experts.shape[1:])
-            gt.meta = {**gt.meta, **{k: v for k, v in out[i].meta.items() if k in ("prompt_index", "sample_index")}, "ground_truth": True}
+            gt.meta = {
+                **gt.meta,
+                **{k: v for k, v in out[i].meta.items() if k in ("prompt_index", "sample_index")},
+                "ground_truth": True,
+            }
             out[i] = gt
             injected[i] = True
     return out, injected

@@ -30,7 +30,7 @@ from ..algorithms import (
     compute_pvpo_advantages,
     whiten_advantages,
 )
-from ..typed_config import to_dict
+from ..common.typed_config import to_dict
 from .config import TrainConfig, dump_config
 from .metrics_log import MetricsLogger
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
@@ -108,23 +108,44 @@ class RLTrainer:
     # -- set-up ------------------------------------------------------------------------
 
     def _model_options(self):
-        from ..megatron.model import ModelOptions
+        from ..bridge.model import ModelOptions
 
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.model.dtype]
         return ModelOptions(dtype=dtype)
 
     def build_engines(self, policy_path: str) -> None:
-        from ..megatron.actor import ActorConfig, PolicyEngine
-        from ..megatron.critic import CriticConfig, ValueEngine
-        from ..megatron.engine import BatchingConfig, OptimConfig
+        from ..engine.actor import ActorConfig, PolicyEngine
+        from ..engine.base import BatchingConfig, OptimConfig
+        from ..engine.critic import CriticConfig, ValueEngine
 
         cfg, s, o = self.cfg, self.cfg.schedule, self.cfg.optimizer
-        decay = {"decay_style": o.lr_schedule, "decay_steps": (s.total_steps * max(1, s.batch_size * cfg.rollout.group_size // s.mini_batch_size) * s.ppo_epochs) if o.lr_schedule != "constant" else None}
-        optim = OptimConfig(lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, weight_decay=o.weight_decay,
-                            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-                            use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer, **decay)
-        batching = BatchingConfig(epochs=s.ppo_epochs, mini_batch_size=s.mini_batch_size, micro_batch_size=s.micro_batch_size,
-                                  shuffle=True, seed=s.seed)
+        decay = {
+            "decay_style": o.lr_schedule,
+            "decay_steps": (
+                s.total_steps * max(1, s.batch_size * cfg.rollout.group_size // s.mini_batch_size) * s.ppo_epochs
+            )
+            if o.lr_schedule != "constant"
+            else None,
+        }
+        optim = OptimConfig(
+            lr=o.lr,
+            min_lr=o.min_lr,
+            warmup_steps=o.warmup_steps,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer,
+            **decay,
+        )
+        batching = BatchingConfig(
+            epochs=s.ppo_epochs,
+            mini_batch_size=s.mini_batch_size,
+            micro_batch_size=s.micro_batch_size,
+            shuffle=True,
+            seed=s.seed,
+        )
         layout, options = self.cfg.parallelism.layout(), self._model_options()
         self.actor = PolicyEngine(policy_path, layout, ActorConfig(
             loss=cfg.algorithm.loss, optim=optim, batching=batching, routing_replay=cfg.algorithm.routing_replay,
@@ -165,7 +186,7 @@ class RLTrainer:
         return sorted(done, key=lambda d: int(d.name[5:]))
 
     def save(self, step: int) -> None:
-        from ..megatron.engine_checkpoint import save_engine_checkpoint
+        from ..engine.checkpoint import save_engine_checkpoint
 
         extra = {"step": step}
         if self.pvpo is not None:
@@ -177,23 +198,26 @@ class RLTrainer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def restore(self, path: Path) -> int:
-        from ..megatron.engine_checkpoint import load_engine_checkpoint
+        from ..engine.checkpoint import load_engine_checkpoint
 
         extra = load_engine_checkpoint(str(path), self.actor, self.critic)
         if "pvpo" in extra:
             p = extra["pvpo"]
-            self.pvpo = PVPOState({int(k): v for k, v in p["static_v"].items()}, {int(k): v for k, v in p["accuracy"].items()},
-                                  p["refreshed_at_step"])
+            self.pvpo = PVPOState(
+                {int(k): v for k, v in p["static_v"].items()},
+                {int(k): v for k, v in p["accuracy"].items()},
+                p["refreshed_at_step"],
+            )
             self.stream.indices = list(p["keep"])
         return int(extra["step"])
 
     # -- rollouts ----------------------------------------------------------------------
 
     def _agent(self, greedy: bool = False):
+        from ..common.http import RetryPolicy
         from ..retrieval.client import RetrievalClient
         from ..rollout.agent import AgentConfig, SearchAgent
         from ..rollout.client import RolloutClient, RolloutClientConfig
-        from ..rollout.http import RetryPolicy
 
         r = self.cfg.rollout
         policy = RolloutClient(RolloutClientConfig(urls=tuple(self.rollout_urls), max_concurrency=r.concurrency,
@@ -207,7 +231,9 @@ class RLTrainer:
         )
         return SearchAgent(policy, retriever, self.tokenizer, agent_cfg), policy, retriever
 
-    def rollouts(self, indices: list[int], n: int, seed: int, greedy: bool = False, rows=None, rewards=None) -> RolloutResult:
+    def rollouts(
+        self, indices: list[int], n: int, seed: int, greedy: bool = False, rows=None, rewards=None
+    ) -> RolloutResult:
         """``n`` episodes for each of ``rows[i]`` (default: the training rows and rewards)."""
         rows = self.rows if rows is None else rows
         rewards = self.rewards if rewards is None else rewards
@@ -215,8 +241,16 @@ class RLTrainer:
         async def go():
             agent, policy, retriever = self._agent(greedy)
             try:
-                return await collect_rollouts(agent, self.tokenizer, [rows[i] for i in indices], indices, n, rewards, seed=seed,
-                                              max_prompt_tokens=self.cfg.data.max_prompt_tokens)
+                return await collect_rollouts(
+                    agent,
+                    self.tokenizer,
+                    [rows[i] for i in indices],
+                    indices,
+                    n,
+                    rewards,
+                    seed=seed,
+                    max_prompt_tokens=self.cfg.data.max_prompt_tokens,
+                )
             finally:
                 await policy.close()
                 await retriever.close()
@@ -226,11 +260,13 @@ class RLTrainer:
     def sync_weights(self, step: int) -> None:
         """Push the actor's weights after ``step`` RL steps to the rollout servers (HF names,
         bucketed), labelled weight version ``step_<step>``."""
-        from ..megatron.weights import iter_hf_weights, save_hf_checkpoint
+        from ..bridge.weights import iter_hf_weights, save_hf_checkpoint
 
         version = f"step_{step}"
 
-        fp8 = self.cfg.rollout.precision == "fp8" and bool(self.cfg.rollout.urls)  # embedded servers quantize themselves
+        fp8 = self.cfg.rollout.precision == "fp8" and bool(
+            self.cfg.rollout.urls
+        )  # embedded servers quantize themselves
         if self.cfg.rollout.weight_sync == "disk":
             out = str((self.run_dir / "weights_sync").resolve())  # the servers resolve it, not us: absolute
             save_hf_checkpoint(self.actor.model, out, fp8=fp8)
@@ -239,7 +275,7 @@ class RLTrainer:
             return
         tensors = iter_hf_weights(self.actor.model)
         if fp8:
-            from ..megatron.fp8 import quantize_hf_tensor
+            from ..common.fp8 import quantize_hf_tensor
 
             tensors = (pair for name, t in tensors for pair in quantize_hf_tensor(name, t))
         if _rank() == 0:
@@ -260,7 +296,7 @@ class RLTrainer:
     # -- the step ----------------------------------------------------------------------
 
     def _to_batch(self, res: RolloutResult, injected: torch.Tensor):
-        from ..megatron.rl_batch import RLBatch
+        from ..engine.rl_batch import RLBatch
         from ..rollout.trajectory import collate
 
         t = collate(res.trajectories, pad_token_id=self.pad_id)
@@ -300,7 +336,9 @@ class RLTrainer:
                 if self.pvpo is not None and cfg.algorithm.pvpo.inject_ground_truth:
                     unsolved = group_sampling(self.pvpo).unsolved
                     gold = self.gold_for(sorted(set(indices) & set(unsolved)))
-                    res.trajectories, injected = inject_ground_truth(res.trajectories, res.group_ids, res.rewards, gold, unsolved)
+                    res.trajectories, injected = inject_ground_truth(
+                        res.trajectories, res.group_ids, res.rewards, gold, unsolved
+                    )
                     res.rewards = torch.where(injected, torch.ones_like(res.rewards), res.rewards)
                 payload = (self._to_batch(res, injected), res.rewards, res.metrics)
             (batch, injected), rewards, rollout_metrics_ = _broadcast(payload)
@@ -328,7 +366,12 @@ class RLTrainer:
             metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch).items()})
         if self.critic is not None:
             with timer("critic_update"):
-                metrics.update({f"critic/{k}": v for k, v in self.critic.update(batch.replace(returns=returns, values=values)).items()})
+                metrics.update(
+                    {
+                        f"critic/{k}": v
+                        for k, v in self.critic.update(batch.replace(returns=returns, values=values)).items()
+                    }
+                )
         with timer("weight_sync"):
             self.sync_weights(step + 1)
         metrics.update(timer.times)
@@ -346,7 +389,10 @@ class RLTrainer:
 
                 res = self.rollouts(list(range(len(self.val_rows))), 1, seed=0, greedy=True, rows=self.val_rows,
                                     rewards=RewardRegistry(metric_override="em", default="em"))
-                payload = {"val/em": float(res.rewards.mean()), **rollout_metrics(res.trajectories, res.rewards, prefix="val")}
+                payload = {
+                    "val/em": float(res.rewards.mean()),
+                    **rollout_metrics(res.trajectories, res.rewards, prefix="val"),
+                }
                 payload.pop("val/reward", None)
             payload = _broadcast(payload)
         return {**payload, **timer.times}
@@ -360,7 +406,9 @@ class RLTrainer:
             self._gold_cache.update({i: found.get(i) for i in missing})  # None: no usable ground truth
         return {i: self._gold_cache[i] for i in indices if self._gold_cache[i] is not None}
 
-    def gold_trajectories(self, indices: list[int], complete_only: bool = False, plans: dict[int, Any] | None = None) -> dict[int, Any]:
+    def gold_trajectories(
+        self, indices: list[int], complete_only: bool = False, plans: dict[int, Any] | None = None
+    ) -> dict[int, Any]:
         """Ground-truth trajectories of the given prompts, played through the agent loop.
 
         ``plans`` (index -> GoldPlan) replaces the rows' own gold plans (the SFT cold start's
@@ -386,8 +434,12 @@ class RLTrainer:
                     plan = plans.get(i) if plans is not None else gold_plan(row)
                     if plan is None or i in out:
                         continue  # rows without a gold plan get no injection
-                    out[i] = await gold_trajectory(lambda pol: SearchAgent(pol, retriever, self.tokenizer, cfg), self.tokenizer,
-                                                   encode_prompt(self.tokenizer, row), plan)
+                    out[i] = await gold_trajectory(
+                        lambda pol: SearchAgent(pol, retriever, self.tokenizer, cfg),
+                        self.tokenizer,
+                        encode_prompt(self.tokenizer, row),
+                        plan,
+                    )
             finally:
                 await retriever.close()
 
@@ -395,7 +447,10 @@ class RLTrainer:
         if complete_only:
             cut = sorted(i for i, t in out.items() if t.finish_reason != "answer")
             if cut:
-                log.warning("ground truth of prompt(s) %s does not reach its answer within the rollout budgets; not injected", cut)
+                log.warning(
+                    "ground truth of prompt(s) %s does not reach its answer within the rollout budgets; not injected",
+                    cut,
+                )
             out = {i: t for i, t in out.items() if i not in set(cut)}
         return out
 
@@ -404,31 +459,43 @@ class RLTrainer:
     def run(self) -> dict[str, float]:
         from transformers import AutoTokenizer
 
+        from ..bridge.parallel import init_distributed
         from ..data.qa import read_parquet
-        from ..megatron.parallel import init_distributed
         from ..rewards.registry import RewardRegistry
 
         init_distributed()  # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
         cfg = self.cfg
         self.rows = read_parquet(cfg.data.train)
         self.val_rows = read_parquet(cfg.data.val) if cfg.data.val else []
-        self.rewards = RewardRegistry(default="em", metric_override=cfg.reward.metric, format_weight=cfg.reward.format_weight)
+        self.rewards = RewardRegistry(
+            default="em", metric_override=cfg.reward.metric, format_weight=cfg.reward.format_weight
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.stream = DataStream(list(range(len(self.rows))), cfg.schedule.batch_size, cfg.schedule.seed, cfg.data.shuffle)
+        self.stream = DataStream(
+            list(range(len(self.rows))), cfg.schedule.batch_size, cfg.schedule.seed, cfg.data.shuffle
+        )
         with ExitStack() as stack:
             servers = stack.enter_context(EmbeddedServers(self.run_dir))
             if _rank() == 0:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-                self.retrieval_url = cfg.retrieval.url or servers.start(retrieval_server_spec(cfg.retrieval.corpus, cfg.retrieval.topk))
+                self.retrieval_url = cfg.retrieval.url or servers.start(
+                    retrieval_server_spec(cfg.retrieval.corpus, cfg.retrieval.topk)
+                )
             policy_path = self.sft_stage() if cfg.sft.enabled else cfg.model.path
             self.build_engines(policy_path)
             resume = self.latest_checkpoint()
             start = self.restore(resume) if resume is not None else 0
             # only now: a logger opened at step 0 deletes metrics.jsonl, which a resumed run continues
-            logger = MetricsLogger(self.run_dir, cfg.schedule.total_steps, cfg.logging.tensorboard, cfg.logging.progress,
-                                   enabled=_rank() == 0, start_step=start)
+            logger = MetricsLogger(
+                self.run_dir,
+                cfg.schedule.total_steps,
+                cfg.logging.tensorboard,
+                cfg.logging.progress,
+                enabled=_rank() == 0,
+                start_step=start,
+            )
             stack.callback(logger.close)
             if _rank() == 0:
                 self.rollout_urls = list(cfg.rollout.urls) or [servers.start(rollout_server_spec(
@@ -443,13 +510,19 @@ class RLTrainer:
                 logger.log(0, {**first, **self.validate()})
             for step in range(start, cfg.schedule.total_steps):
                 last = {}
-                if self.pvpo is not None and cfg.algorithm.pvpo.refresh_due(step) and self.pvpo.refreshed_at_step < step:
+                if (
+                    self.pvpo is not None
+                    and cfg.algorithm.pvpo.refresh_due(step)
+                    and self.pvpo.refreshed_at_step < step
+                ):
                     last = self.pvpo_reference_pass(step)  # refresh static V with the current policy
                 last.update(self.step(step))
                 done = step + 1
                 if (cfg.schedule.val_every and done % cfg.schedule.val_every == 0) or done == cfg.schedule.total_steps:
                     last.update(self.validate())
-                if (cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0) or done == cfg.schedule.total_steps:
+                if (
+                    cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0
+                ) or done == cfg.schedule.total_steps:
                     timer = StepTimer()
                     with timer("checkpoint"):
                         self.save(done)
@@ -460,8 +533,8 @@ class RLTrainer:
     def sft_stage(self) -> str:
         """Cold-start SFT on gold trajectories; returns the HF directory RL starts from."""
         from ..data.gold import cold_start_plans
-        from ..megatron.actor import ActorConfig, PolicyEngine
-        from ..megatron.engine import BatchingConfig, OptimConfig
+        from ..engine.actor import ActorConfig, PolicyEngine
+        from ..engine.base import BatchingConfig, OptimConfig
         from .sft import run_sft
 
         cfg, sft = self.cfg, self.cfg.sft
@@ -478,11 +551,27 @@ class RLTrainer:
             loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
             batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size)),
             model_options=self._model_options())
-        sft_log = MetricsLogger(self.run_dir / "sft", sft.steps, cfg.logging.tensorboard, cfg.logging.progress, enabled=_rank() == 0,
-                                name="sft")
+        sft_log = MetricsLogger(
+            self.run_dir / "sft",
+            sft.steps,
+            cfg.logging.tensorboard,
+            cfg.logging.progress,
+            enabled=_rank() == 0,
+            name="sft",
+        )
         try:
-            run_sft(engine, trajs, sft.steps, sft.batch_size, cfg.schedule.seed, self.pad_id, out,
-                    on_step=lambda step, m: sft_log.log(step, {f"sft/{k}" if not k.startswith("sft/") else k: v for k, v in m.items()}))
+            run_sft(
+                engine,
+                trajs,
+                sft.steps,
+                sft.batch_size,
+                cfg.schedule.seed,
+                self.pad_id,
+                out,
+                on_step=lambda step, m: sft_log.log(
+                    step, {f"sft/{k}" if not k.startswith("sft/") else k: v for k, v in m.items()}
+                ),
+            )
         finally:
             sft_log.close()
         del engine
@@ -498,7 +587,9 @@ class RLTrainer:
         payload = None
         with timer("pvpo_reference"):
             if _rank() == 0:
-                res = self.rollouts(self.stream.indices, p.num_ref_rollouts, seed=self.cfg.schedule.seed + 7 + 1_000_033 * step)
+                res = self.rollouts(
+                    self.stream.indices, p.num_ref_rollouts, seed=self.cfg.schedule.seed + 7 + 1_000_033 * step
+                )
                 payload = reference_statistics(res.rewards, res.group_ids, step=step)
             self.pvpo = _broadcast(payload)
         v = list(self.pvpo.static_v.values())
@@ -508,13 +599,23 @@ class RLTrainer:
             return {**metrics, **timer.times}
         split = group_sampling(self.pvpo, p.drop_solved)
         self.stream.indices = split.keep
-        metrics.update({"pvpo/kept": len(split.keep), "pvpo/dropped": len(split.dropped), "pvpo/unsolved": len(split.unsolved)})
-        log.info("PVPO: %d prompts kept, %d dropped as solved, %d unsolved", len(split.keep), len(split.dropped), len(split.unsolved))
+        metrics.update(
+            {"pvpo/kept": len(split.keep), "pvpo/dropped": len(split.dropped), "pvpo/unsolved": len(split.unsolved)}
+        )
+        log.info(
+            "PVPO: %d prompts kept, %d dropped as solved, %d unsolved",
+            len(split.keep),
+            len(split.dropped),
+            len(split.unsolved),
+        )
         if p.inject_ground_truth:
             have = _broadcast(len(self.gold_for(split.unsolved)) if _rank() == 0 else None)
             metrics["pvpo/ground_truth_available"] = have
             if split.unsolved and not have:
-                log.warning("PVPO: algorithm.pvpo.inject_ground_truth is on but none of the %d unsolved prompts has a complete "
-                            "ground-truth trajectory (rows need extra_info.gold_searches that fit the rollout budgets): "
-                            "nothing will be injected", len(split.unsolved))
+                log.warning(
+                    "PVPO: algorithm.pvpo.inject_ground_truth is on but none of the %d unsolved prompts has a complete "
+                    "ground-truth trajectory (rows need extra_info.gold_searches that fit the rollout budgets): "
+                    "nothing will be injected",
+                    len(split.unsolved),
+                )
         return {**metrics, **timer.times}

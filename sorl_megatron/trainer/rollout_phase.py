@@ -49,7 +49,9 @@ async def collect_rollouts(
     if max_prompt_tokens is not None:
         for ids, row_id in zip(prompts, prompt_ids):
             if len(ids) > max_prompt_tokens:
-                raise ValueError(f"data row {row_id}: prompt has {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}")
+                raise ValueError(
+                    f"data row {row_id}: prompt has {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}"
+                )
     trajs = await agent.run_many(prompts, n=n, seed=seed, progress=progress)
     traj_rows = [rows[i] for i in range(len(rows)) for _ in range(n)]
     scores = score_trajectories(trajs, traj_rows, rewards)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..rollout.background import free_port, wait_healthy
+from ..common.background import free_port, wait_healthy
 
 
 @dataclass
@@ -50,8 +50,14 @@ class EmbeddedServers:
         log = open(log_dir / f"{spec.name}.log", "ab")
         self._logs.append(log)
         cmd = [sys.executable, "-m", spec.module, *spec.args, "--host", self.host, "--port", str(port)]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with_parent_fn())
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent_fn(),
+        )
         self.procs[spec.name] = proc
         if len(self.procs) == 1:
             atexit.register(self.stop)
@@ -110,7 +116,9 @@ def rollout_server_spec(model_path: str, precision: str, routed_experts: bool, s
 def retrieval_server_spec(corpus: str, topk: int) -> ServerSpec:
     if not corpus or not Path(corpus).is_file():
         raise FileNotFoundError(f"retrieval.corpus: {corpus!r} is not a file (and no retrieval.url was given)")
-    return ServerSpec("retrieval", "sorl_megatron.retrieval.server", ["--corpus", corpus, "--topk", str(topk)], health_timeout_s=120.0)
+    return ServerSpec(
+        "retrieval", "sorl_megatron.retrieval.server", ["--corpus", corpus, "--topk", str(topk)], health_timeout_s=120.0
+    )
 
 
 def _die_with_parent_fn():

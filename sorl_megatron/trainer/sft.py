@@ -45,12 +45,14 @@ def run_sft(
     on_step: Callable[[int, dict], None] | None = None,
 ) -> Path:
     """Train ``engine`` (a PolicyEngine) ``steps`` times on gold batches; save an HF checkpoint."""
-    from ..megatron.rl_batch import RLBatch
-    from ..megatron.weights import save_hf_checkpoint
+    from ..bridge.weights import save_hf_checkpoint
+    from ..engine.rl_batch import RLBatch
 
     for step, idx in enumerate(sft_batches(trajs, batch_size, steps, seed), 1):
         t = collate([trajs[i] for i in idx], pad_token_id=pad_id)
-        metrics = engine.sft_update(RLBatch(input_ids=t["input_ids"], attention_mask=t["attention_mask"], loss_mask=t["loss_mask"]))
+        metrics = engine.sft_update(
+            RLBatch(input_ids=t["input_ids"], attention_mask=t["attention_mask"], loss_mask=t["loss_mask"])
+        )
         if on_step is not None:
             on_step(step, metrics)
     save_hf_checkpoint(engine.model, str(out_dir))

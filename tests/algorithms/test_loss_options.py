@@ -28,7 +28,9 @@ def _batch(ratios, adv):
 
 def test_sapo_hand_example():
     lp, old, adv, mask = _batch([0.5, 2.0, 0.8, 1.0], [1.0, 1.0, -1.0, 1.0])
-    loss, m = compute_policy_loss(lp, old, adv, mask, PolicyLossConfig(name="sapo", sapo=SAPOConfig(gamma=0.1, tau=1.0)))
+    loss, m = compute_policy_loss(
+        lp, old, adv, mask, PolicyLossConfig(name="sapo", sapo=SAPOConfig(gamma=0.1, tau=1.0))
+    )
     # clipped surrogate per token: -0.5 (r=0.5<0.8 but A>0: unclipped), -1.2, 0.8, -1.0
     pg = (-0.5 - 1.2 + 0.8 - 1.0) / 4
     # only token 0 has r < tau with A > 0: penalty -log(0.5), token-mean over 4 tokens
@@ -43,7 +45,9 @@ def test_sapo_hand_example():
 def test_sapo_advantage_condition_zero_advantage():
     lp, old, adv, mask = _batch([0.5, 0.5], [0.0, 1.0])
     _, strict = compute_policy_loss(lp, old, adv, mask, PolicyLossConfig(name="sapo"))
-    _, listing = compute_policy_loss(lp, old, adv, mask, PolicyLossConfig(name="sapo", sapo=SAPOConfig(adv_condition="nonnegative")))
+    _, listing = compute_policy_loss(
+        lp, old, adv, mask, PolicyLossConfig(name="sapo", sapo=SAPOConfig(adv_condition="nonnegative"))
+    )
     assert strict["sapo/penalty_frac"].item() == pytest.approx(0.5)
     assert listing["sapo/penalty_frac"].item() == pytest.approx(1.0)
 
@@ -72,7 +76,12 @@ def test_asymmetric_clip():
         ("mis", "token", False, [0.0, 0.0, 1.5, 1.0]),
         ("tis", "sequence", False, [1.125] * 4),  # product 3 * 0.25 * 1 * 1.5
         ("tis", "turn", False, [0.75, 0.75, 1.5, 1.5]),  # turns {0,1} and {2,3}: 0.75, 1.5
-        ("mis", "turn", True, [0.0, 0.0, 1.2247449, 1.2247449]),  # geometric: sqrt(0.75) < low is masked, sqrt(1.5) kept
+        (
+            "mis",
+            "turn",
+            True,
+            [0.0, 0.0, 1.2247449, 1.2247449],
+        ),  # geometric: sqrt(0.75) < low is masked, sqrt(1.5) kept
     ],
 )
 def test_minirl_is_correction_hand_example(mode, level, geometric, expected):
@@ -83,7 +92,9 @@ def test_minirl_is_correction_hand_example(mode, level, geometric, expected):
     cfg = ISCorrectionConfig(mode=mode, level=level, geometric=geometric, cap=2.0, low=0.9, high=2.0)
     lp = old.clone().requires_grad_()
     adv = torch.ones(1, 5)
-    loss, m = compute_policy_loss(lp, old, adv, mask, PolicyLossConfig(name="ppo", is_correction=cfg), rollout_logprobs=mu)
+    loss, m = compute_policy_loss(
+        lp, old, adv, mask, PolicyLossConfig(name="ppo", is_correction=cfg), rollout_logprobs=mu
+    )
     # at lp == old the surrogate is -A * 1 per token, so the loss is -mean(weights)
     w = torch.tensor(expected)
     assert loss.item() == pytest.approx(-w.mean().item(), abs=1e-5)

@@ -61,11 +61,17 @@ def test_gradient_is_policy_gradient_minus_clip_bias_lemma_4_2(name, agg):
     from sorl_megatron.algorithms.ratios import level_log_ratio, masked_log_ratio, segments_for_level
 
     level = {"ppo": "token", "turn_ppo": "turn", "gspo": "sequence"}[name]
-    ratio = torch.exp(level_log_ratio(masked_log_ratio(lp2, old, mask), level, segments_for_level(level, mask, seg), cfg.log_ratio_clamp))
+    ratio = torch.exp(
+        level_log_ratio(
+            masked_log_ratio(lp2, old, mask), level, segments_for_level(level, mask, seg), cfg.log_ratio_clamp
+        )
+    )
     (g_pg,) = torch.autograd.grad(-(weights * ratio * adv * mask).sum(), lp2)
     # Clipping bias C: gradient of the clip-bias surrogate (objective sign).
     lp3 = lp.detach().requires_grad_()
-    (c,) = torch.autograd.grad(clip_bias_surrogate(lp3, old, adv, mask, PolicyLossConfig(name=name, loss_agg=agg, dual_clip=3.0)), lp3)
+    (c,) = torch.autograd.grad(
+        clip_bias_surrogate(lp3, old, adv, mask, PolicyLossConfig(name=name, loss_agg=agg, dual_clip=3.0)), lp3
+    )
     # grad(loss) = -(PG - C)
     assert torch.allclose(g, g_pg + c, atol=1e-6)
     # the closed-form logprob-space norm equals the autograd one
@@ -107,7 +113,9 @@ def test_param_grad_mode_uses_parameter_space_norm():
     (gs,) = torch.autograd.grad(clip_bias_surrogate(logprobs(), old, adv, mask, cfg), w)
     norm = gs.norm()
     assert norm > 1e-3
-    (g_base,) = torch.autograd.grad(compute_policy_loss(logprobs(), old, adv, mask, PolicyLossConfig(name="turn_ppo"))[0], w)
+    (g_base,) = torch.autograd.grad(
+        compute_policy_loss(logprobs(), old, adv, mask, PolicyLossConfig(name="turn_ppo"))[0], w
+    )
     loss, metrics = compute_policy_loss(logprobs(), old, adv, mask, cfg, params=[w])
     (g_so,) = torch.autograd.grad(loss, w)
     assert torch.allclose(metrics["clip_bias/norm"], norm, rtol=1e-5)
@@ -116,7 +124,9 @@ def test_param_grad_mode_uses_parameter_space_norm():
         compute_policy_loss(logprobs(), old, adv, mask, cfg)
     # an engine defers normalization and gets the unnormalized loss
     deferred, _ = compute_policy_loss(logprobs(), old, adv, mask, cfg, normalize=False)
-    assert torch.allclose(deferred, compute_policy_loss(logprobs(), old, adv, mask, PolicyLossConfig(name="turn_ppo"))[0])
+    assert torch.allclose(
+        deferred, compute_policy_loss(logprobs(), old, adv, mask, PolicyLossConfig(name="turn_ppo"))[0]
+    )
 
 
 def test_one_turn_per_row_gives_sequence_ratio():

@@ -84,8 +84,8 @@ def test_segmentation_matches_python_reference(rows):
     seg = segment_turns(mask)
     ref_index, ref_lengths = reference_turns(mask)
     assert seg.turn_index.tolist() == ref_index
-    assert seg.turns_per_row.tolist() == [len(l) for l in ref_lengths]
-    assert seg.segment_length.tolist() == [float(x) for l in ref_lengths for x in l]
+    assert seg.turns_per_row.tolist() == [len(lengths) for lengths in ref_lengths]
+    assert seg.segment_length.tolist() == [float(x) for lengths in ref_lengths for x in lengths]
     # explicit ids equal to the derived ones give the same segments
     again = segment_turns(mask, seg.turn_index.clamp(min=0))
     assert torch.equal(again.segment_index, seg.segment_index)

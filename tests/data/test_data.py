@@ -47,12 +47,23 @@ def test_reads_search_r1_file_as_is(tmp_path):
 
 
 def test_bad_files_name_row_and_column(tmp_path):
-    pq.write_table(pa.Table.from_pylist([{"data_source": "nq", "prompt": [{"role": "user", "content": "q"}]}]), tmp_path / "a.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"data_source": "nq", "prompt": [{"role": "user", "content": "q"}]}]),
+        tmp_path / "a.parquet",
+    )
     with pytest.raises(ValueError, match=r"a.parquet: missing column\(s\) \['reward_model'\]"):
         read_parquet(tmp_path / "a.parquet")
     bad = [
-        {"data_source": "nq", "prompt": [{"role": "user", "content": "q"}], "reward_model": {"style": "rule", "ground_truth": {"target": ["x"]}}},
-        {"data_source": "nq", "prompt": [{"role": "user", "content": "q"}], "reward_model": {"style": "rule", "ground_truth": {"target": []}}},
+        {
+            "data_source": "nq",
+            "prompt": [{"role": "user", "content": "q"}],
+            "reward_model": {"style": "rule", "ground_truth": {"target": ["x"]}},
+        },
+        {
+            "data_source": "nq",
+            "prompt": [{"role": "user", "content": "q"}],
+            "reward_model": {"style": "rule", "ground_truth": {"target": []}},
+        },
     ]
     pq.write_table(pa.Table.from_pylist(bad), tmp_path / "b.parquet")
     with pytest.raises(ValueError, match="b.parquet row 1"):
@@ -111,12 +122,15 @@ def test_cli_writes_everything_and_gold_trajectories_score_1(tmp_path):
     for g in gold[:12]:
         row = make_row(g["question"], [g["answer"]], g["data_source"], "train", 0)
         plan = GoldPlan(g["searches"], g["answer"], g["thoughts"])
-        factory = lambda policy: SearchAgent(policy, LocalRetriever(), tok, AgentConfig(max_turns=4))
+
+        def factory(policy):
+            return SearchAgent(policy, LocalRetriever(), tok, AgentConfig(max_turns=4))
+
         traj = asyncio.run(gold_trajectory(factory, tok, encode_prompt(tok, row), plan))
         assert traj.finish_reason == "answer" and traj.num_searches == len(plan.searches)
         assert traj.num_turns == len(plan.searches) + 1 and traj.meta["gold"]
         assert registry.score(row.data_source, traj.response_text, {"target": row.targets}) == 1.0
-        assert f"<information>Doc 1(Title:" in traj.response_text and (traj.rollout_logprobs == 0).all()
+        assert "<information>Doc 1(Title:" in traj.response_text and (traj.rollout_logprobs == 0).all()
 
 
 def test_tools_wrapper_writes_the_data_set(tmp_path):
@@ -146,7 +160,20 @@ def test_tiny_model_vocabulary_is_padded_for_tensor_parallelism(tmp_path):
 
 
 def test_cli_model_size_and_tied_embeddings(tmp_path):
-    main(["--out", str(tmp_path), "--num-people", "8", "--make-model", "--vocab-size", "512", "--hidden-size", "32", "--tie-embeddings"])
+    main(
+        [
+            "--out",
+            str(tmp_path),
+            "--num-people",
+            "8",
+            "--make-model",
+            "--vocab-size",
+            "512",
+            "--hidden-size",
+            "32",
+            "--tie-embeddings",
+        ]
+    )
     cfg = json.loads((tmp_path / "model" / "config.json").read_text())
     assert cfg["hidden_size"] == 32 and cfg["num_attention_heads"] == 2 and cfg["tie_word_embeddings"] is True
     with pytest.raises(ValueError, match="hidden_size must be a positive multiple of 16"):
@@ -163,8 +190,11 @@ def test_cold_start_plans_mix_seeded_direct_guesses_into_the_gold_plans():
     direct = [i for i, p in mixed.items() if not p.searches]
     assert 0.4 < len(direct) / len(mixed) < 0.6
     targets = {r.targets[0] for r in rows}
-    assert all(mixed[i].answer in targets and mixed[i].turns() == [f"<think> I have the answer. </think>\n<answer> {mixed[i].answer} </answer>"]
-               for i in direct)
+    assert all(
+        mixed[i].answer in targets
+        and mixed[i].turns() == [f"<think> I have the answer. </think>\n<answer> {mixed[i].answer} </answer>"]
+        for i in direct
+    )
     assert sum(mixed[i].answer != rows[i].targets[0] for i in direct) > 0.8 * len(direct)  # guesses are mostly wrong
     assert all(mixed[i] == gold[i] for i in mixed if i not in direct)
     assert cold_start_plans(rows, 0.5, seed=3) == mixed and cold_start_plans(rows, 0.5, seed=4) != mixed

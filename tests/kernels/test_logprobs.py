@@ -91,7 +91,9 @@ def test_one_sided_backward_and_strided_rows():
         torch.testing.assert_close(ge, gr, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter evaluates both tl.where branches
+@pytest.mark.filterwarnings(
+    "ignore:invalid value encountered:RuntimeWarning"
+)  # interpreter evaluates both tl.where branches
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_minus_inf_logits_are_excluded(backend):
     """Banned tokens (-inf logits) behave as if absent, with zero gradient and no NaN."""

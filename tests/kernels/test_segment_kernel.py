@@ -7,7 +7,8 @@ import torch
 
 from sorl_kernels.segment import segment_mean_broadcast as triton_smb
 from sorl_megatron.algorithms import PolicyLossConfig, compute_policy_loss, dispatch
-from sorl_megatron.algorithms.turns import segment_mean_broadcast_torch, segment_turns
+from sorl_megatron.algorithms.reference import segment_mean_broadcast_torch
+from sorl_megatron.algorithms.turns import segment_turns
 
 from .batches import explicit_turn_ids, ragged_mask
 
@@ -31,7 +32,10 @@ def test_forward_backward_match_torch(kind, dtype):
     x = torch.where(seg.mask, x, torch.full_like(x, float("nan")))  # padding garbage must not leak
     a = x.clone().requires_grad_()
     b = x.clone().requires_grad_()
-    ya, yb = triton_smb(a, seg.segment_index, seg.segment_length), segment_mean_broadcast_torch(b, seg)
+    ya, yb = (
+        triton_smb(a, seg.segment_index, seg.segment_length),
+        segment_mean_broadcast_torch(b, seg.segment_index, seg.segment_length),
+    )
     assert ya.dtype == dtype and ya.shape == x.shape
     # The torch path returns 0 off the mask; so must the kernel (NaN inputs there included).
     assert torch.equal(ya[~seg.mask], torch.zeros_like(ya[~seg.mask]))

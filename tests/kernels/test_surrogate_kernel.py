@@ -7,7 +7,7 @@ import torch
 
 from sorl_kernels.surrogate import clipped_surrogate as triton_surrogate
 from sorl_megatron.algorithms import PolicyLossConfig, compute_policy_loss, dispatch
-from sorl_megatron.algorithms.policy_loss import clipped_surrogate_torch
+from sorl_megatron.algorithms.reference import clipped_surrogate_torch
 
 from .batches import ragged_mask
 

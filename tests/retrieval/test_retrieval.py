@@ -6,9 +6,9 @@ import sys
 import aiohttp
 import pytest
 
+from sorl_megatron.common.http import RequestRejectedError, RetryPolicy
 from sorl_megatron.retrieval import BM25Index, RetrievalClient, format_passages, read_corpus
 from sorl_megatron.retrieval.server import RetrievalServerConfig, start_retrieval_server
-from sorl_megatron.rollout.http import RequestRejectedError, RetryPolicy
 
 CORPUS = [
     {"id": "0", "contents": '"Paris"\nParis is the capital and largest city of France.'},
@@ -132,7 +132,7 @@ def test_cli_help_documents_flags():
 
 
 def test_cli_server_subprocess(corpus_file):
-    from sorl_megatron.rollout.background import free_port, wait_healthy
+    from sorl_megatron.common.background import free_port, wait_healthy
 
     port = free_port()
     proc = subprocess.Popen(

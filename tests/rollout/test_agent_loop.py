@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from sorl_megatron.common.protocol import GenerateOutput
 from sorl_megatron.retrieval import BM25Index, Passage
-from sorl_megatron.retrieval.server import start_retrieval_server
 from sorl_megatron.retrieval.client import RetrievalClient
+from sorl_megatron.retrieval.server import start_retrieval_server
 from sorl_megatron.rollout.agent import INVALID_ACTION_MESSAGE, AgentConfig, SearchAgent, parse_action
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
-from sorl_megatron.rollout.protocol import GenerateOutput
 from sorl_megatron.rollout.trajectory import collate
 
 LAYERS, TOPK = 2, 2
@@ -24,7 +24,9 @@ def fake_logprob(pos: np.ndarray) -> np.ndarray:
 
 
 def fake_routing(pos: np.ndarray) -> np.ndarray:
-    return (pos[:, None, None] * 10 + np.arange(LAYERS)[None, :, None] * 2 + np.arange(TOPK)[None, None, :]).astype(np.int32)
+    return (pos[:, None, None] * 10 + np.arange(LAYERS)[None, :, None] * 2 + np.arange(TOPK)[None, None, :]).astype(
+        np.int32
+    )
 
 
 class ScriptedPolicy:
@@ -35,7 +37,15 @@ class ScriptedPolicy:
         self.calls: list[dict] = []
         self.active = self.max_active = 0
 
-    async def generate(self, input_ids, sampling, return_logprob=True, return_routed_experts=False, routed_experts_start_len=0, rid=None):
+    async def generate(
+        self,
+        input_ids,
+        sampling,
+        return_logprob=True,
+        return_routed_experts=False,
+        routed_experts_start_len=0,
+        rid=None,
+    ):
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         await asyncio.sleep(self.delay)
@@ -80,12 +90,17 @@ class FakeRetriever:
 
     async def retrieve(self, queries, topk=None):
         self.queries.extend(queries)
-        return [[Passage(str(i), f'"T{i}"\npassage {i} about {q}', 1.0 / (i + 1)) for i in range(topk or 3)] for q in queries]
+        return [
+            [Passage(str(i), f'"T{i}"\npassage {i} about {q}', 1.0 / (i + 1)) for i in range(topk or 3)]
+            for q in queries
+        ]
 
 
 @pytest.fixture
 def prompt(tokenizer):
-    return tokenizer.apply_chat_template([{"role": "user", "content": "Question: capital of France?"}], add_generation_prompt=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Question: capital of France?"}], add_generation_prompt=True, return_dict=False
+    )
 
 
 def run_agent(tokenizer, script, prompt, **cfg):
@@ -148,7 +163,9 @@ def test_search_then_answer(tokenizer, prompt):
 
 
 def test_invalid_action_gets_correction(tokenizer, prompt):
-    traj, policy, retriever, _ = run_agent(tokenizer, ["I am not sure.", "<answer> x </answer>"], prompt, max_turn_tokens=50)
+    traj, policy, retriever, _ = run_agent(
+        tokenizer, ["I am not sure.", "<answer> x </answer>"], prompt, max_turn_tokens=50
+    )
     assert traj.finish_reason == "answer" and traj.num_searches == 0 and retriever.queries == []
     segs = segments(traj)
     assert tokenizer.decode(traj.token_ids[segs[2][2] : segs[2][3]].tolist()) == INVALID_ACTION_MESSAGE
@@ -170,7 +187,9 @@ def test_eos_ends_episode(tokenizer, prompt):
 
 def test_turn_budget_and_total_length_truncation(tokenizer, prompt):
     long_text = "the quick brown fox " * 40
-    traj, policy, _, _ = run_agent(tokenizer, [long_text], prompt, max_turn_tokens=16, max_total_tokens=len(prompt) + 80, max_turns=10)
+    traj, policy, _, _ = run_agent(
+        tokenizer, [long_text], prompt, max_turn_tokens=16, max_total_tokens=len(prompt) + 80, max_turns=10
+    )
     assert traj.finish_reason == "max_length" and len(traj) <= len(prompt) + 80
     budgets = [c["sampling"].max_new_tokens for c in policy.calls]
     assert budgets[0] == 16 and all(b <= 16 for b in budgets)
@@ -193,7 +212,9 @@ def test_run_many_concurrent_and_collate(tokenizer, prompt):
     prompts = [prompt, prompt[:-3] + prompt[-3:], tokenizer.encode("short")]
     trajs = asyncio.run(agent.run_many(prompts, n=2, seed=1, metas=[{"i": 0}, {"i": 1}, {"i": 2}]))
     assert len(trajs) == 6 and policy.max_active > 1
-    assert [(t.meta["prompt_index"], t.meta["sample_index"]) for t in trajs] == [(i, j) for i in range(3) for j in range(2)]
+    assert [(t.meta["prompt_index"], t.meta["sample_index"]) for t in trajs] == [
+        (i, j) for i in range(3) for j in range(2)
+    ]
     batch = collate(trajs, pad_token_id=tokenizer.pad_token_id)
     width = max(len(t) for t in trajs)
     assert batch["input_ids"].shape == (6, width) and batch["routed_experts"].shape == (6, width, LAYERS, TOPK)
@@ -209,12 +230,22 @@ def test_run_many_concurrent_and_collate(tokenizer, prompt):
 
 def test_end_to_end_on_embedded_servers(moe_server, moe_model, tokenizer, prompt, teacher_forced):
     """Real HTTP: tiny MoE server + BM25 server; log-probs and routing align with a forward pass."""
-    index = BM25Index([Passage("0", '"Paris"\nParis is the capital of France.'), Passage("1", '"Rome"\nRome is in Italy.')])
+    index = BM25Index(
+        [Passage("0", '"Paris"\nParis is the capital of France.'), Passage("1", '"Rome"\nRome is in Italy.')]
+    )
     retrieval = start_retrieval_server(index)
 
     async def go():
-        async with RolloutClient(RolloutClientConfig(urls=(moe_server.url,))) as policy, RetrievalClient(retrieval.url) as retr:
-            agent = SearchAgent(policy, retr, tokenizer, AgentConfig(max_turns=3, max_turn_tokens=12, topk=2, return_routed_experts=True))
+        async with (
+            RolloutClient(RolloutClientConfig(urls=(moe_server.url,))) as policy,
+            RetrievalClient(retrieval.url) as retr,
+        ):
+            agent = SearchAgent(
+                policy,
+                retr,
+                tokenizer,
+                AgentConfig(max_turns=3, max_turn_tokens=12, topk=2, return_routed_experts=True),
+            )
             return await agent.run_many([prompt, prompt[:5]], n=2, seed=3)
 
     try:

@@ -8,16 +8,16 @@ import time
 import pytest
 from aiohttp import web
 
-from sorl_megatron.rollout.background import BackgroundServer, free_port
-from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
-from sorl_megatron.rollout.http import (
+from sorl_megatron.common.background import BackgroundServer, free_port
+from sorl_megatron.common.http import (
     BadResponseError,
     RequestRejectedError,
     RetryPolicy,
     ServerTimeoutError,
     ServerUnavailableError,
 )
-from sorl_megatron.rollout.protocol import ProtocolError, SamplingParams
+from sorl_megatron.common.protocol import ProtocolError, SamplingParams
+from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 
 FAST = RetryPolicy(timeout_s=2.0, connect_timeout_s=1.0, retries=2, backoff_s=0.05)
 SP = SamplingParams(max_new_tokens=2)

@@ -7,9 +7,9 @@ import re
 import subprocess
 import sys
 
-from sorl_megatron.rollout.background import free_port, wait_healthy
+from sorl_megatron.common.background import free_port, wait_healthy
+from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient
-from sorl_megatron.rollout.protocol import SamplingParams
 from sorl_megatron.rollout.server import parse_args
 
 FLAGS = [
@@ -34,7 +34,9 @@ FLAGS = [
 
 
 def test_help_documents_every_flag():
-    out = subprocess.run([sys.executable, "-m", "sorl_megatron.rollout.server", "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "sorl_megatron.rollout.server", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0
     for flag in FLAGS:
         assert flag in out.stdout, flag
@@ -69,7 +71,9 @@ def test_subprocess_server_skip_tokenizer_init(moe_dir):
 
         async def go():
             async with RolloutClient(url) as c:
-                return await c.generate([4, 5, 6], SamplingParams(max_new_tokens=5, ignore_eos=True, n=2), return_routed_experts=True)
+                return await c.generate(
+                    [4, 5, 6], SamplingParams(max_new_tokens=5, ignore_eos=True, n=2), return_routed_experts=True
+                )
 
         outs = asyncio.run(asyncio.wait_for(go(), 60))
         assert len(outs) == 2

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from sorl_megatron.common.http import RequestRejectedError
+from sorl_megatron.common.protocol import SamplingParams, decode_routed_experts
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.rollout.engine import EngineConfig
-from sorl_megatron.rollout.http import RequestRejectedError
-from sorl_megatron.rollout.protocol import SamplingParams, decode_routed_experts
 from sorl_megatron.rollout.server import start_rollout_server
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [3]]
@@ -107,7 +107,15 @@ def test_batch_n_seed_and_stops(moe_server, tokenizer):
     _, g = run(post({"input_ids": PROMPTS[2], "sampling_params": greedy}))
     tok = g["output_ids"][2]
     first = g["output_ids"].index(tok)
-    _, s1 = run(post({"input_ids": PROMPTS[2], "sampling_params": {**greedy, "stop_token_ids": [tok], "no_stop_trim": True}, "return_logprob": True}))
+    _, s1 = run(
+        post(
+            {
+                "input_ids": PROMPTS[2],
+                "sampling_params": {**greedy, "stop_token_ids": [tok], "no_stop_trim": True},
+                "return_logprob": True,
+            }
+        )
+    )
     assert s1["output_ids"] == g["output_ids"][: first + 1]
     assert s1["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
     assert len(s1["meta_info"]["output_token_logprobs"]) == first + 1
@@ -119,7 +127,9 @@ def test_batch_n_seed_and_stops(moe_server, tokenizer):
     assert s3["meta_info"]["finish_reason"] == {"type": "stop", "matched": text}
     assert text in s3["text"] and s3["output_ids"] == g["output_ids"][: len(s3["output_ids"])]
     # top_k=1 sampling is greedy
-    _, s4 = run(post({"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 8, "top_k": 1, "ignore_eos": True}}))
+    _, s4 = run(
+        post({"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 8, "top_k": 1, "ignore_eos": True}})
+    )
     assert s4["output_ids"] == g["output_ids"]
 
 
@@ -132,7 +142,10 @@ def test_batch_n_seed_and_stops(moe_server, tokenizer):
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "max_new_tokens"),
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
         ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "1 entries for 2 prompts"),
-        ({"input_ids": [1, 2], "routed_experts_start_len": 5, "return_routed_experts": True}, "routed_experts_start_len"),
+        (
+            {"input_ids": [1, 2], "routed_experts_start_len": 5, "return_routed_experts": True},
+            "routed_experts_start_len",
+        ),
         ({"input_ids": [1], "stream": True}, "stream"),
     ],
 )
@@ -149,7 +162,9 @@ def test_bad_generate_requests_get_400(moe_server, body, msg):
 def test_malformed_json_body_is_400_and_server_survives(moe_server):
     async def go():
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"{moe_server.url}/generate", data=b"{oops", headers={"Content-Type": "application/json"}) as r:
+            async with s.post(
+                f"{moe_server.url}/generate", data=b"{oops", headers={"Content-Type": "application/json"}
+            ) as r:
                 assert r.status == 400 and "JSON" in (await r.json())["error"]["message"]
             async with s.get(f"{moe_server.url}/health") as r:
                 assert r.status == 200
@@ -165,7 +180,9 @@ def test_precision_mismatch_is_real_and_reported(moe_dir, moe_model, teacher_for
     sp = SamplingParams(max_new_tokens=32, sampling_seed=5, ignore_eos=True)
     report = {}
     for precision in ("bf16", "fp8"):
-        srv = start_rollout_server(EngineConfig(model_path=str(moe_dir), precision=precision, enable_return_routed_experts=True))
+        srv = start_rollout_server(
+            EngineConfig(model_path=str(moe_dir), precision=precision, enable_return_routed_experts=True)
+        )
         try:
             outs = run(_generate_all(srv.url, PROMPTS, sp, routed=True))
         finally:
@@ -179,7 +196,10 @@ def test_precision_mismatch_is_real_and_reported(moe_dir, moe_model, teacher_for
         d = torch.cat(diffs)
         report[precision] = (d.max().item(), d.mean().item(), flips / total)
     for p, (mx, mean, flip) in report.items():
-        print(f"\n[{p} vs fp32 trainer] logprob |diff| max={mx:.3e} mean={mean:.3e}; routing flips {flip:.1%} of token-layers")
+        print(
+            f"\n[{p} vs fp32 trainer] logprob |diff| max={mx:.3e} mean={mean:.3e}; "
+            f"routing flips {flip:.1%} of token-layers"
+        )
     assert report["bf16"][0] > 1e-4 and report["fp8"][0] > 1e-4
     assert report["fp8"][1] > report["bf16"][1]  # coarser weights, larger mismatch
 
@@ -188,7 +208,9 @@ def test_dense_model_logprobs_and_no_routing(dense_dir, teacher_forced):
     srv = start_rollout_server(EngineConfig(model_path=str(dense_dir), enable_return_routed_experts=True))
     model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
     try:
-        outs = run(_generate_all(srv.url, PROMPTS[:2], SamplingParams(max_new_tokens=12, sampling_seed=1, ignore_eos=True)))
+        outs = run(
+            _generate_all(srv.url, PROMPTS[:2], SamplingParams(max_new_tokens=12, sampling_seed=1, ignore_eos=True))
+        )
         for prompt, out in zip(PROMPTS, outs):
             ref, _ = teacher_forced(model, prompt + out.output_ids)
             assert (ref[len(prompt) - 1 :] - torch.tensor(out.output_logprobs)).abs().max() <= 1e-5

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from sorl_megatron.common.http import RequestRejectedError
+from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.rollout.engine import EngineConfig
-from sorl_megatron.rollout.http import RequestRejectedError
-from sorl_megatron.rollout.protocol import SamplingParams
 from sorl_megatron.rollout.server import start_rollout_server
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -44,7 +44,13 @@ def perturbed_checkpoint(src, dst, scale: float, seed: int):
 
 async def sample(url, routed=True):
     async with RolloutClient(RolloutClientConfig(urls=(url,))) as c:
-        return (await c.generate(PROMPT, SamplingParams(max_new_tokens=16, sampling_seed=2, ignore_eos=True), return_routed_experts=routed))[0]
+        return (
+            await c.generate(
+                PROMPT,
+                SamplingParams(max_new_tokens=16, sampling_seed=2, ignore_eos=True),
+                return_routed_experts=routed,
+            )
+        )[0]
 
 
 def max_diff(model, out, teacher_forced):
@@ -105,7 +111,9 @@ def test_torch_weights_only_format(server):
 
     async def go():
         async with RolloutClient(server.url) as c:
-            return await c.update_weights_from_tensor([(name, state[name] * 1.5)], weight_version="step-3", load_format="torch")
+            return await c.update_weights_from_tensor(
+                [(name, state[name] * 1.5)], weight_version="step-3", load_format="torch"
+            )
 
     old = state[name].clone()
     assert run(go()) == "step-3"
@@ -122,10 +130,14 @@ async def post(url, path, body):
 def test_bad_updates_rejected_and_server_keeps_serving(server, tmp_path):
     version = server.engine.weight_version
     evil = base64.b64encode(pickle.dumps([("model.norm.weight", torch.ones(64))])).decode()
-    status, res = run(post(server.url, "/update_weights_from_tensor", {"serialized_named_tensors": [evil], "load_format": "pickle"}))
+    status, res = run(
+        post(server.url, "/update_weights_from_tensor", {"serialized_named_tensors": [evil], "load_format": "pickle"})
+    )
     assert status == 400 and res["success"] is False and "not accepted" in res["message"]
     # plain pickle bytes declared as torch format: the weights-only unpickler decodes only tensors
-    status, res = run(post(server.url, "/update_weights_from_tensor", {"serialized_named_tensors": ["@@@"], "load_format": "torch"}))
+    status, res = run(
+        post(server.url, "/update_weights_from_tensor", {"serialized_named_tensors": ["@@@"], "load_format": "torch"})
+    )
     assert status == 400 and "base64" in res["message"]
 
     async def wrong(named, fmt="safetensors"):

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from sorl_megatron.algorithms import POLICY_LOSSES
+from sorl_megatron.common.typed_config import build_dataclass
 from sorl_megatron.trainer.config import ConfigError, TrainConfig, dump_config, load_recipe, validate_layout_for_launch
-from sorl_megatron.typed_config import build_dataclass
 
 RECIPES = sorted(Path(__file__).resolve().parents[2].joinpath("recipes").rglob("*.yaml"))
 BASE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_search_base.yaml"
@@ -60,7 +60,10 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["checkpoint.save_every=-1"], r"checkpoint.save_every must be >= 0"),
         (["checkpoint.keep_last=-1"], r"checkpoint.keep_last must be >= 0"),
         (["optimizer.critic_warmup_steps=-1"], r"optimizer.critic_warmup_steps must be >= 0"),
-        (["algorithm.advantage.estimator=pvpo", "algorithm.pvpo.refresh_at=[0,5]"], r"algorithm.pvpo.refresh_at steps must be >= 1"),
+        (
+            ["algorithm.advantage.estimator=pvpo", "algorithm.pvpo.refresh_at=[0,5]"],
+            r"algorithm.pvpo.refresh_at steps must be >= 1",
+        ),
         (["parallelism.vpp=2"], r"parallelism.vpp=2 needs parallelism.pp > 1"),
         (["logging.progress=rich"], r"logging.progress: 'rich' is not one of \['tqdm', 'plain', 'none'\]"),
         (["reward.metric=substring"], r"reward.metric: 'substring' is not one of"),
@@ -133,8 +136,17 @@ def _hf_config(directory: Path, **fields) -> Path:
     return directory
 
 
-TINY_MOE = dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, num_experts=4,
-                num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=64, vocab_size=512)
+TINY_MOE = dict(
+    model_type="qwen3_moe",
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    intermediate_size=64,
+    vocab_size=512,
+)
 
 
 def test_layout_checks_against_world_size_and_model(tmp_path):
@@ -172,8 +184,16 @@ def test_layout_checks_against_world_size_and_model(tmp_path):
 
 def test_launch_needs_the_model_config(tmp_path):
     def cfg(path, **extra):
-        return build_dataclass(TrainConfig, {"model": {"path": str(path), **extra}, "data": {"train": "t"},
-                                             "retrieval": {"corpus": "c"}, "algorithm": {"advantage": {"estimator": "gae"}}})
+        return build_dataclass(
+            TrainConfig,
+            {
+                "model": {"path": str(path), **extra},
+                "data": {"train": "t"},
+                "retrieval": {"corpus": "c"},
+                "algorithm": {"advantage": {"estimator": "gae"}},
+            },
+        )
+
     with pytest.raises(ConfigError, match=r"model.path: .*does not exist"):
         validate_layout_for_launch(cfg(tmp_path / "absent"), world_size=1)
     with pytest.raises(ConfigError, match=r"model.path: .*config.json not found"):
@@ -252,7 +272,9 @@ def test_minirl_layout_needs_16_gpus(tmp_path):
     model = _hf_config(tmp_path / "model", **QWEN3_30B_A3B)
     cfg = load_recipe(GPU / "minirl_qwen3_30b_a3b_r3.yaml", [f"model.path={model}"])
     assert cfg.rollout.precision == "fp8" and cfg.algorithm.routing_replay == "r3"
-    with pytest.raises(ConfigError, match=r"parallelism \(tp=2, pp=2, vpp=1, ep=8, etp=1\) at world size 8 .*ETP x EP x PP = 16"):
+    with pytest.raises(
+        ConfigError, match=r"parallelism \(tp=2, pp=2, vpp=1, ep=8, etp=1\) at world size 8 .*ETP x EP x PP = 16"
+    ):
         validate_layout_for_launch(cfg, 8)
 
 

@@ -37,14 +37,13 @@ from .e2e_helpers import (
     VENV_BIN,
     assert_finite,
     children,
-    server_children,
     comparable,
     read_metrics,
     run_overrides,
+    server_children,
     subprocess_env,
     wait_dead,
 )
-
 
 # ------------------------------------------------------------------------------- fixtures
 
@@ -52,8 +51,24 @@ from .e2e_helpers import (
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("e2e_data")
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_data.py"), "--out", str(out), "--num-people", "8",
-                    "--make-model", "--vocab-size", "512", "--tie-embeddings"], check=True, capture_output=True, env=subprocess_env(), cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "make_synthetic_data.py"),
+            "--out",
+            str(out),
+            "--num-people",
+            "8",
+            "--make-model",
+            "--vocab-size",
+            "512",
+            "--tie-embeddings",
+        ],
+        check=True,
+        capture_output=True,
+        env=subprocess_env(),
+        cwd=ROOT,
+    )
     assert json.loads((out / "model" / "config.json").read_text())["vocab_size"] % 2 == 0
     return out
 
@@ -195,20 +210,45 @@ def test_layouts_match_world_size_1(tiny_data, shared_servers, tmp_path):
     same rollouts (sampling is seeded per request) and only the Megatron side differs."""
     from sorl_megatron.train import main
 
-    common = ["algorithm.loss.name=so_ppo", "algorithm.advantage.estimator=gae", "schedule.total_steps=1", "schedule.ppo_epochs=2",
-              *shared_servers]
+    common = [
+        "algorithm.loss.name=so_ppo",
+        "algorithm.advantage.estimator=gae",
+        "schedule.total_steps=1",
+        "schedule.ppo_epochs=2",
+        *shared_servers,
+    ]
     assert main(["--config", BASE_RECIPE, *run_overrides(tiny_data, tmp_path, "ws1", *common)]) == 0
 
     spec = tmp_path / "launch.json"
-    runs = [["--config", BASE_RECIPE, *run_overrides(tiny_data, tmp_path, name, *common, layout)] for name, layout in LAYOUTS.items()]
+    runs = [
+        ["--config", BASE_RECIPE, *run_overrides(tiny_data, tmp_path, name, *common, layout)]
+        for name, layout in LAYOUTS.items()
+    ]
     # riding along in the same torchrun, first (before any run has made the process group): the
     # SFT stage at TP2 with the embedded retrieval server. Rank 0 alone starts it and plays the
     # gold plans; rank 1 gets them by broadcast.
     rollout_url = [o for o in shared_servers if o.startswith("rollout.urls=")]
-    runs.insert(0, ["--config", BASE_RECIPE, *run_overrides(tiny_data, tmp_path, "sft_tp2", "parallelism.tp=2", "sft.enabled=true",
-                                                         "sft.steps=2", "sft.batch_size=2", "schedule.total_steps=1", *rollout_url,
-                                                         "rollout.max_turns=3", "rollout.max_turn_tokens=32",
-                                                         "rollout.max_total_tokens=420")])
+    runs.insert(
+        0,
+        [
+            "--config",
+            BASE_RECIPE,
+            *run_overrides(
+                tiny_data,
+                tmp_path,
+                "sft_tp2",
+                "parallelism.tp=2",
+                "sft.enabled=true",
+                "sft.steps=2",
+                "sft.batch_size=2",
+                "schedule.total_steps=1",
+                *rollout_url,
+                "rollout.max_turns=3",
+                "rollout.max_turn_tokens=32",
+                "rollout.max_total_tokens=420",
+            ),
+        ],
+    )
     spec.write_text(json.dumps(runs))
     cmd = [os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "trainer" / "e2e_launch.py"), str(spec)]
@@ -257,8 +297,14 @@ def test_resume_after_kill_equals_uninterrupted(tiny_data, shared_servers, serve
 
     killed = run_overrides(tiny_data, tmp_path, "killed", *common)
     ckpt = tmp_path / "killed" / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *killed], cwd=ROOT,
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *killed],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     servers: list[int] = []
     try:
         deadline = time.monotonic() + 300
@@ -327,8 +373,14 @@ def test_cli_config_errors_exit_2_naming_the_key(tiny_data, tmp_path, monkeypatc
     from sorl_megatron.train import main
 
     data = run_overrides(tiny_data, tmp_path, "bad")
-    proc = subprocess.run([sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *data, "algorithm.loss.nme=ppo"],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *data, "algorithm.loss.nme=ppo"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "algorithm.loss.nme" in proc.stderr and "did you mean algorithm.loss.name" in proc.stderr
 
@@ -339,8 +391,12 @@ def test_cli_config_errors_exit_2_naming_the_key(tiny_data, tmp_path, monkeypatc
 
     assert "schedule.total_steps must be an integer" in error("schedule.total_steps=abc")
     assert "rollout.group_size" in error("rollout.group_size=zero")
-    assert "parallelism: tp x pp = 2 x 1 = 2 does not divide the world size 3" in error("parallelism.tp=2", world_size="3")
-    assert "parallelism.tp=4 does not divide the model's 4 attention / 2 KV heads" in error("parallelism.tp=4", world_size="4")
+    assert "parallelism: tp x pp = 2 x 1 = 2 does not divide the world size 3" in error(
+        "parallelism.tp=2", world_size="3"
+    )
+    assert "parallelism.tp=4 does not divide the model's 4 attention / 2 KV heads" in error(
+        "parallelism.tp=4", world_size="4"
+    )
     assert "parallelism.ep=3 does not divide the model's 4 experts" in error("parallelism.ep=3", world_size="3")
     assert "parallelism.pp x vpp = 4 does not divide the model's 2 layers" in error("parallelism.pp=4", world_size="4")
     msg = error("schedule.micro_batch_size=2", world_size="2")  # DP=2: micro 2 x DP 2 does not divide mini 2
@@ -349,8 +405,9 @@ def test_cli_config_errors_exit_2_naming_the_key(tiny_data, tmp_path, monkeypatc
     odd.mkdir()
     hf = json.loads((tiny_data / "model" / "config.json").read_text())
     (odd / "config.json").write_text(json.dumps({**hf, "vocab_size": 521}))
-    assert "parallelism.tp=2 does not divide the model's vocab_size 521" in error(f"model.path={odd}", "parallelism.tp=2",
-                                                                                 world_size="2")
+    assert "parallelism.tp=2 does not divide the model's vocab_size 521" in error(
+        f"model.path={odd}", "parallelism.tp=2", world_size="2"
+    )
 
 
 # ---------------------------------------------------- 5. servers are stopped after failures
@@ -447,8 +504,9 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
     assert seen["versions"] == [{"step_0"}, {"step_0"}, {"step_1"}, {"step_1"}]
     tokenizer = trainer.tokenizer
     metrics = read_metrics(tmp_path / "pvpo")
-    assert {k: metrics[0][k] for k in ("pvpo/kept", "pvpo/dropped", "pvpo/unsolved", "pvpo/ground_truth_available")} == \
-        {"pvpo/kept": 2, "pvpo/dropped": 1, "pvpo/unsolved": 1, "pvpo/ground_truth_available": 1}
+    assert {
+        k: metrics[0][k] for k in ("pvpo/kept", "pvpo/dropped", "pvpo/unsolved", "pvpo/ground_truth_available")
+    } == {"pvpo/kept": 2, "pvpo/dropped": 1, "pvpo/unsolved": 1, "pvpo/ground_truth_available": 1}
     assert metrics[0]["pvpo/static_v_mean"] == pytest.approx(0.5) and metrics[2]["time/pvpo_reference"] > 0
     for k, (batch, rewards, adv) in enumerate(seen["steps"]):
         assert metrics[k + 1]["rollout/injected_ground_truth"] == 1.0
@@ -457,7 +515,9 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
         gt = max(i for i, g in enumerate(groups) if g == 1)  # the last rollout of the unsolved group
         text = tokenizer.decode(batch.input_ids[gt][batch.attention_mask[gt].bool()].tolist())
         assert f"<answer> {rows[1].targets[0]} </answer>" in text
-        assert rewards.tolist() == [1.0 if i == gt else (0.0 if g == 1 else rewards[i].item()) for i, g in enumerate(groups)]
+        assert rewards.tolist() == [
+            1.0 if i == gt else (0.0 if g == 1 else rewards[i].item()) for i, g in enumerate(groups)
+        ]
         assert sorted(rewards[[i for i, g in enumerate(groups) if g == 2]].tolist()) == [0.0, 1.0]
         # PVPO eq. 6: the GT row's old log-probs are its generating policy's, not the current policy's
         assert torch.equal(batch.old_logprobs[gt], batch.rollout_logprobs[gt])
@@ -509,14 +569,18 @@ def test_sft_cold_start_writes_the_policy_rl_starts_from(tiny_data, shared_serve
     assert sorted(gold) == sorted(plans) == list(range(len(rows)))
     assert {bool(p.searches) for p in plans.values()} == {True, False}  # both kinds of demonstration are there
     for i, traj in gold.items():
-        assert traj.finish_reason == "answer" and traj.response_text.rstrip().endswith(f"<answer> {plans[i].answer} </answer>")
+        assert traj.finish_reason == "answer" and traj.response_text.rstrip().endswith(
+            f"<answer> {plans[i].answer} </answer>"
+        )
         assert traj.num_searches == len(plans[i].searches), i
         if plans[i].searches:  # a searching demonstration is the row's gold plan
             assert plans[i].searches == rows[i].extra_info["gold_searches"] and plans[i].answer == rows[i].targets[0]
     sft_dir = tmp_path / "sft" / "sft_model"
     assert (sft_dir / "SFT_DONE").is_file() and (sft_dir / "tokenizer.json").is_file()
     sft_rows = read_metrics(tmp_path / "sft" / "sft")
-    assert sorted(sft_rows) == [1, 2] and all(math.isfinite(r["sft/nll"]) and r["sft/nll"] > 0 for r in sft_rows.values())
+    assert sorted(sft_rows) == [1, 2] and all(
+        math.isfinite(r["sft/nll"]) and r["sft/nll"] > 0 for r in sft_rows.values()
+    )
     init, sft = load_file(tiny_data / "model" / "model.safetensors"), load_file(sft_dir / "model.safetensors")
     assert any(not torch.equal(init[k], sft[k]) for k in init)  # SFT changed the weights RL starts from
     assert read_metrics(tmp_path / "sft")[1]["actor/policy_tokens"] > 0

@@ -1,4 +1,3 @@
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -60,13 +59,19 @@ def test_plots_overlay_runs(tmp_path):
 
 
 def test_plot_cli_errors_clearly(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "missing"), "--out", str(tmp_path)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "missing"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "no metrics file" in proc.stderr
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "bad"), "--out", str(tmp_path)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "bad"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "metrics.jsonl:2" in proc.stderr
 
 

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from sorl_megatron.common.protocol import GenerateOutput
 from sorl_megatron.data.qa import make_row
 from sorl_megatron.data.tokenizer import train_tokenizer
 from sorl_megatron.retrieval.corpus import Passage
 from sorl_megatron.rewards.registry import RewardRegistry
 from sorl_megatron.rollout.agent import AgentConfig, SearchAgent
-from sorl_megatron.rollout.protocol import GenerateOutput
 from sorl_megatron.rollout.trajectory import Trajectory
 from sorl_megatron.trainer.pvpo import group_sampling, inject_ground_truth, reference_statistics
 from sorl_megatron.trainer.rollout_phase import collect_rollouts
@@ -53,7 +53,9 @@ def test_collect_rollouts_scores_and_groups(tokenizer):
     rows = [make_row("capital of France?", ["Paris"], "nq", "train", 0),
             make_row("capital of Italy?", ["Rome"], "nq", "train", 1)]
     policy = AnswerPolicy(tokenizer, {"France": ["Paris", "Oslo"], "Italy": ["Oslo"]})
-    agent = SearchAgent(policy, NoRetriever(), tokenizer, AgentConfig(max_turns=2, max_turn_tokens=16, max_total_tokens=4096))
+    agent = SearchAgent(
+        policy, NoRetriever(), tokenizer, AgentConfig(max_turns=2, max_turn_tokens=16, max_total_tokens=4096)
+    )
     res = asyncio.run(collect_rollouts(agent, tokenizer, rows, [10, 11], n=2, rewards=RewardRegistry()))
     assert res.group_ids.tolist() == [10, 10, 11, 11]
     # prompt 10 is answered Paris once and Oslo once (either order); prompt 11 always wrongly
@@ -62,7 +64,9 @@ def test_collect_rollouts_scores_and_groups(tokenizer):
     assert res.metrics["rollout/finish_answer"] == 1.0 and res.metrics["rollout/searches"] == 0.0
     assert [r.targets for r in res.rows] == [["Paris"], ["Paris"], ["Rome"], ["Rome"]]
     with pytest.raises(ValueError, match=r"data row 10: prompt has \d+ tokens > data.max_prompt_tokens=5"):
-        asyncio.run(collect_rollouts(agent, tokenizer, rows, [10, 11], n=1, rewards=RewardRegistry(), max_prompt_tokens=5))
+        asyncio.run(
+            collect_rollouts(agent, tokenizer, rows, [10, 11], n=1, rewards=RewardRegistry(), max_prompt_tokens=5)
+        )
 
 
 def _traj(n, lp=-1.0, routed=False, meta=None):

@@ -1,0 +1,58 @@
+"""The policy-loss registry: what each named loss is (ratio level, normalization, penalty).
+
+Data only, below both the configs (which validate names against it) and the loss math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ratios import RatioLevel
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """A registered policy loss.
+
+    Attributes:
+        name: config name.
+        ratio_level: ``token``, ``turn`` or ``sequence`` importance ratio.
+        clip_normalized: scale by ``1 / max(||C||, delta)`` (SORL clipping-triggered norm).
+        sapo_penalty: add SAPO's conditional KL term.
+        reference: paper and equations.
+    """
+
+    name: str
+    ratio_level: RatioLevel
+    clip_normalized: bool = False
+    sapo_penalty: bool = False
+    reference: str = ""
+
+
+POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
+
+
+def register_policy_loss(spec: PolicyLossSpec) -> PolicyLossSpec:
+    """Add a loss to the registry (names are unique)."""
+    if spec.name in POLICY_LOSSES:
+        raise ValueError(f"policy loss {spec.name!r} is already registered")
+    POLICY_LOSSES[spec.name] = spec
+    return spec
+
+
+for _spec in (
+    PolicyLossSpec("ppo", "token", reference="PPO; SORL eq. 1-2"),
+    PolicyLossSpec("turn_ppo", "turn", reference="SORL eq. 3-4 (Turn-PPO), Lemma 4.1"),
+    PolicyLossSpec(
+        "s_ppo",
+        "token",
+        clip_normalized=True,
+        reference="SORL S-PPO: eq. 1 + clipping-triggered normalization (eq. 7, 12)",
+    ),
+    PolicyLossSpec("so_ppo", "turn", clip_normalized=True, reference="SORL SO-PPO / ST-PPO: eq. 3-4, 8, 9, 12"),
+    PolicyLossSpec("grpo", "token", reference="GRPO; SORL eq. 13"),
+    PolicyLossSpec("so_grpo", "token", clip_normalized=True, reference="SORL SO-GRPO: eq. 13-15"),
+    PolicyLossSpec("gspo", "sequence", reference="GSPO: sequence ratio exp(mean log w_t)"),
+    PolicyLossSpec("sapo", "token", sapo_penalty=True, reference="SAPO eq. 9-11 (GRPO surrogate + conditional KL)"),
+):
+    register_policy_loss(_spec)

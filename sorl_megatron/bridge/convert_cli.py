@@ -1,0 +1,191 @@
+"""Checkpoint conversion CLI (`python tools/convert.py ...` or
+`python -m sorl_megatron.bridge.convert_cli ...`), single-process or under torchrun.
+
+  hf-to-megatron  HF directory -> Megatron distributed checkpoint at a chosen layout
+  megatron-to-hf  Megatron checkpoint (or HF directory) -> HF directory, fp32/bf16 or FP8
+  verify          transformers logits vs Megatron logits on random tokens; prints the max diff
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Optional
+
+# torch/megatron are imported inside the commands so that --help answers instantly.
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def _dtype(name: Optional[str]):
+    if name is None:
+        return None
+    import torch
+
+    try:
+        return getattr(torch, DTYPES[name.lower()])
+    except KeyError:
+        raise SystemExit(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
+
+
+def _size(text: str) -> int:
+    units = {"kb": 1024, "mb": 1024**2, "gb": 1024**3, "b": 1}
+    t = text.strip().lower()
+    for unit, mult in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t)
+
+
+def _rank0() -> bool:
+    import torch
+
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _say(msg: str) -> None:
+    if _rank0():
+        print(msg, flush=True)
+
+
+def _layout(text: str):
+    from .layout import ParallelLayout
+
+    return ParallelLayout.from_string(text or "")
+
+
+def cmd_hf_to_megatron(args: argparse.Namespace) -> int:
+    from . import ModelOptions, build_model, save_megatron_checkpoint
+
+    t = time.time()
+    model = build_model(args.hf, _layout(args.layout), ModelOptions(dtype=_dtype(args.dtype)))
+    save_megatron_checkpoint(model, args.out)
+    _say(f"saved Megatron checkpoint {args.out} ({model.layout.describe()}, {model.dtype}) in {time.time() - t:.1f}s")
+    return 0
+
+
+def cmd_megatron_to_hf(args: argparse.Namespace) -> int:
+    from . import ModelOptions, build_model, load_megatron_checkpoint, save_hf_checkpoint
+
+    if bool(args.ckpt) == bool(args.hf):
+        raise SystemExit("megatron-to-hf: give exactly one source, --ckpt (Megatron) or --hf (HF directory)")
+    t = time.time()
+    if args.ckpt:
+        model = load_megatron_checkpoint(args.ckpt, _layout(args.layout))
+    else:
+        model = build_model(args.hf, _layout(args.layout), ModelOptions())
+    save_hf_checkpoint(
+        model, args.out, dtype=_dtype(args.dtype), fp8=args.fp8, max_shard_bytes=_size(args.max_shard_size)
+    )
+    kind = "FP8 (e4m3, 128x128 blocks)" if args.fp8 else str(_dtype(args.dtype) or model.dtype)
+    _say(f"saved HF checkpoint {args.out} [{kind}] from {model.layout.describe()} in {time.time() - t:.1f}s")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import ModelOptions, build_model, forward_logits, load_megatron_checkpoint
+
+    if args.ckpt:
+        model = load_megatron_checkpoint(args.ckpt, _layout(args.layout))
+    else:
+        model = build_model(args.hf, _layout(args.layout), ModelOptions(dtype=_dtype(args.dtype)))
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = int(model.hf_config.vocab_size)
+    tokens = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen)
+    logits = forward_logits(model, tokens).float().cpu()
+    result = {"layout": model.layout.describe(), "dtype": str(model.dtype), "tokens": list(tokens.shape)}
+    ok = True
+    if _rank0():
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(args.hf, dtype=model.dtype)
+        hf.eval()
+        with torch.no_grad():
+            ref = hf(tokens).logits.float()
+        diff = (logits - ref).abs()
+        tol = args.tolerance if args.tolerance is not None else (1e-5 if model.dtype == torch.float32 else 5e-2)
+        ok = bool(diff.max().item() <= tol)
+        result.update(max_abs_diff=diff.max().item(), mean_abs_diff=diff.mean().item(), tolerance=tol, ok=ok)
+        print(f"max |logit diff| = {result['max_abs_diff']:.3e} (mean {result['mean_abs_diff']:.3e}, "
+              f"tolerance {tol:g}) at {result['layout']}, {result['dtype']}: {'OK' if ok else 'MISMATCH'}", flush=True)
+        if args.json:
+            print(json.dumps(result), flush=True)
+    if torch.distributed.is_initialized():
+        flag = torch.tensor([1 if ok else 0])
+        torch.distributed.broadcast(flag, src=0)
+        ok = bool(flag.item())
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="convert.py",
+        description="Convert between HuggingFace and Megatron checkpoints (any TP/PP/VPP/EP layout) "
+        "and verify logits. Runs as one process or under torchrun (the layout must fit the world size).",
+        epilog="Layouts are comma-separated key=value: tp, pp, vpp, ep, etp, sp (e.g. 'tp=2,ep=2,etp=1'). "
+        "See docs/conversion.md.",
+    )
+    p.add_argument("--verbose", action="store_true", help="keep library warnings")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("hf-to-megatron", help="HF directory -> Megatron distributed checkpoint")
+    a.add_argument("--hf", required=True, help="HF model directory (config.json + *.safetensors)")
+    a.add_argument("--out", required=True, help="checkpoint directory to write")
+    a.add_argument("--layout", default="", help="parallel layout, e.g. tp=2,pp=1 (default: all 1)")
+    a.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU, bfloat16 on GPU)")
+    a.set_defaults(func=cmd_hf_to_megatron)
+
+    b = sub.add_parser("megatron-to-hf", help="Megatron checkpoint (or HF dir) -> HF directory, optionally FP8")
+    b.add_argument("--ckpt", help="Megatron checkpoint directory written by hf-to-megatron / training")
+    b.add_argument("--hf", help="or: an HF directory (e.g. to write its FP8 version)")
+    b.add_argument("--out", required=True, help="HF directory to write")
+    b.add_argument("--layout", default="", help="layout to load at (any layout that fits the world size)")
+    b.add_argument("--dtype", default=None, help="exported dtype for non-FP8 tensors: float32 or bfloat16")
+    b.add_argument("--fp8", action="store_true", help="block-quantize linear weights to float8_e4m3fn (128x128)")
+    b.add_argument("--max-shard-size", default="4GB", help="safetensors shard size (e.g. 4GB, 500MB)")
+    b.set_defaults(func=cmd_megatron_to_hf)
+
+    v = sub.add_parser("verify", help="compare transformers and Megatron logits on random tokens")
+    v.add_argument("--hf", required=True, help="HF model directory (the reference, run by transformers)")
+    v.add_argument("--ckpt", help="Megatron checkpoint to check instead of converting --hf on the fly")
+    v.add_argument("--layout", default="", help="layout to run Megatron at")
+    v.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU)")
+    v.add_argument("--batch", type=int, default=2)
+    v.add_argument("--seq-len", type=int, default=32)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--tolerance", type=float, default=None, help="max allowed |diff| (default 1e-5 fp32, 5e-2 bf16)")
+    v.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    v.set_defaults(func=cmd_verify)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.verbose:
+        # megatron/torch deprecation chatter would bury the one-line results.
+        import warnings
+
+        for category in (UserWarning, FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category)
+    import torch
+
+    from .hf_config import CheckpointFileError
+    from .layout import LayoutError, UnsupportedModelError
+
+    try:
+        return args.func(args)
+    except (LayoutError, UnsupportedModelError, CheckpointFileError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        from .parallel import destroy_parallel
+
+        if torch.distributed.is_initialized():
+            destroy_parallel()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

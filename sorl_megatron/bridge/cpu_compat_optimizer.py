@@ -1,0 +1,78 @@
+"""CPU stand-ins for megatron-core's optimizer code (used by the `optimizer_on_cpu` CpuPatch).
+
+megatron-core 0.16.1's optimizer stack assumes CUDA in three ways:
+- it allocates with ``device='cuda'`` (``FP32Optimizer._scale``, the grad-norm and
+  zero-count buffers in ``clip_grads.py``, the distributed optimizer's gather buffers);
+- ``clip_grad_by_total_norm_fp32`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``;
+- the distributed optimizer (and the fp16 optimizer) accept parameters only when
+  ``param.type()`` is one of ``torch.cuda.{Float,Half,BFloat16}Tensor``.
+
+Instead of changing ``torch.Tensor.type`` for the whole process, the entry points are run
+under a torch function mode that (a) maps ``device='cuda'`` to the CPU and (b) answers a
+no-argument ``Tensor.type()`` of a CPU tensor with the CUDA type name. The mode is active
+only while megatron's optimizer code runs, so nothing else in the process sees it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from .cpu_modes import CudaTypeNamesOnCpu
+
+
+def on_cpu_optimizer(fn: Callable) -> Callable:
+    """Run `fn` under :class:`CudaTypeNamesOnCpu`."""
+    if getattr(fn, "__sorl_cpu_optimizer__", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with CudaTypeNamesOnCpu():
+            return fn(*args, **kwargs)
+
+    wrapper.__sorl_cpu_optimizer__ = True  # type: ignore[attr-defined]
+    wrapper.__wrapped_for_cpu__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+_METHODS = (
+    "step",
+    "prepare_grads",
+    "step_with_ready_grads",
+    "get_grad_norm",
+    "clip_grad_norm",
+    "count_zeros",
+    "load_state_dict",
+    "sharded_state_dict",
+    "state_dict",
+    "zero_grad",
+)
+
+
+def optimizer_targets() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, replacement) triples: the optimizer factory, the clip_grads helpers
+    (in every module that imported them by name), and the public methods of every optimizer
+    class, each wrapped with :func:`on_cpu_optimizer`."""
+    import megatron.core.optimizer as mopt
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    targets: list[tuple[Any, str, Any]] = [
+        (mopt, "get_megatron_optimizer", on_cpu_optimizer(mopt.get_megatron_optimizer)),
+    ]
+    for module in (clip_grads, optimizer, distrib_optimizer):
+        for name in ("clip_grad_by_total_norm_fp32", "get_grad_norm_fp32", "count_zeros_fp32"):
+            if hasattr(module, name):
+                targets.append((module, name, on_cpu_optimizer(getattr(module, name))))
+    classes = [
+        optimizer.MegatronOptimizer,
+        optimizer.MixedPrecisionOptimizer,
+        optimizer.FP32Optimizer,
+        optimizer.ChainedOptimizer,
+        distrib_optimizer.DistributedOptimizer,
+    ]
+    for cls in classes:
+        for name in _METHODS:
+            if name in vars(cls):  # wrap each class's own definition only
+                targets.append((cls, name, on_cpu_optimizer(vars(cls)[name])))
+    return targets

@@ -1,0 +1,136 @@
+"""Megatron distributed checkpoints (megatron-core dist_checkpointing), layout-independent.
+
+A checkpoint directory holds
+  model/               the dist_checkpointing files (sharded tensors under global names)
+  hf/                  config.json + tokenizer files, so it can be rebuilt or exported to HF
+  sorl_megatron.json   what was saved: model_type, layout, value_head, dtype, step
+Sharded tensors carry their global offsets (layers, TP shards, experts), so a run saved at
+one TP/PP/VPP/EP layout loads at any other layout that `validate_layout` accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any, Optional
+
+import torch
+
+from .build import build_model
+from .hf_config import CheckpointFileError
+from .layout import ParallelLayout
+from .model import MegatronModel, ModelOptions
+from .weights import copy_tokenizer_files
+
+META_FILE = "sorl_megatron.json"
+FORMAT_VERSION = 1
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _sharded_state_dict(model: MegatronModel) -> dict[str, Any]:
+    chunks = model.unwrapped()
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def save_megatron_checkpoint(model: MegatronModel, ckpt_dir: str, extra: Optional[dict] = None) -> None:
+    """Save the model chunks (all ranks call this)."""
+    from megatron.core import dist_checkpointing
+
+    model_dir = os.path.join(ckpt_dir, "model")
+    if _rank() == 0:
+        if os.path.isdir(model_dir) and os.listdir(model_dir):
+            shutil.rmtree(model_dir)  # dist_checkpointing would mix old and new shards
+        os.makedirs(model_dir, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_sharded_state_dict(model), model_dir)
+    if _rank() == 0:
+        hf_dir = os.path.join(ckpt_dir, "hf")
+        os.makedirs(hf_dir, exist_ok=True)
+        _write_config(model, hf_dir)
+        if model.source_dir:
+            copy_tokenizer_files(model.source_dir, hf_dir)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "model_type": model.hf_config.model_type,
+            "saved_layout": dataclasses.asdict(model.layout),
+            "world_size": torch.distributed.get_world_size(),
+            "value_head": model.options.value_head,
+            "dtype": str(model.dtype).replace("torch.", ""),
+            "extra": extra or {},
+        }
+        with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
+            json.dump(meta, f, indent=2)
+    torch.distributed.barrier()
+
+
+def _write_config(model: MegatronModel, hf_dir: str) -> None:
+    src = model.source_dir and os.path.join(model.source_dir, "config.json")
+    if src and os.path.isfile(src):
+        shutil.copy2(src, os.path.join(hf_dir, "config.json"))
+    else:
+        model.hf_config.save_pretrained(hf_dir)
+
+
+def read_checkpoint_meta(ckpt_dir: str) -> dict:
+    """The sorl_megatron.json of a checkpoint, with clear errors for incomplete directories."""
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointFileError(f"Megatron checkpoint directory {ckpt_dir!r} does not exist")
+    meta_path = os.path.join(ckpt_dir, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise CheckpointFileError(
+            f"{meta_path} not found: {ckpt_dir!r} is not a checkpoint written by save_megatron_checkpoint"
+        )
+    for required in ("model/metadata.json", "hf/config.json"):
+        if not os.path.isfile(os.path.join(ckpt_dir, required)):
+            raise CheckpointFileError(f"checkpoint {ckpt_dir!r} is incomplete: {required} is missing")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointFileError(f"{meta_path}: format_version {meta.get('format_version')} != {FORMAT_VERSION}")
+    return meta
+
+
+def load_megatron_checkpoint_into(model: MegatronModel, ckpt_dir: str) -> dict:
+    """Load a checkpoint into already built chunks (any layout). Returns the checkpoint meta."""
+    from megatron.core import dist_checkpointing
+
+    meta = read_checkpoint_meta(ckpt_dir)
+    if bool(meta["value_head"]) != model.options.value_head:
+        kind = lambda v: "value (critic)" if v else "LM"  # noqa: E731
+        raise CheckpointFileError(
+            f"checkpoint {ckpt_dir!r} holds a {kind(meta['value_head'])} model but a "
+            f"{kind(model.options.value_head)} model was built"
+        )
+    if meta["model_type"] != model.hf_config.model_type:
+        raise CheckpointFileError(
+            f"checkpoint {ckpt_dir!r} is {meta['model_type']!r}, the model is {model.hf_config.model_type!r}"
+        )
+    sharded = _sharded_state_dict(model)
+    loaded = dist_checkpointing.load(sharded, os.path.join(ckpt_dir, "model"))
+    chunks = model.unwrapped()
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for chunk, key in zip(chunks, keys):
+        chunk.load_state_dict(loaded[key], strict=True)
+    return meta
+
+
+def load_megatron_checkpoint(
+    ckpt_dir: str,
+    layout: Optional[ParallelLayout] = None,
+    options: Optional[ModelOptions] = None,
+) -> MegatronModel:
+    """Build the model from the checkpoint's config at `layout` and load its weights."""
+    meta = read_checkpoint_meta(ckpt_dir)
+    if options is None:
+        options = ModelOptions(value_head=bool(meta["value_head"]))
+    hf_dir = os.path.join(ckpt_dir, "hf")
+    model = build_model(hf_dir, layout, options, load_weights=False)
+    load_megatron_checkpoint_into(model, ckpt_dir)
+    return model

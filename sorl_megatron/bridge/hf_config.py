@@ -1,0 +1,87 @@
+"""Read an HF config and fill the fields mbridge 0.15.1 expects under transformers 5."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any, Union
+
+from transformers import AutoConfig, PretrainedConfig
+
+
+class CheckpointFileError(FileNotFoundError):
+    """A checkpoint directory lacks a file it needs (the message names it)."""
+
+
+def load_hf_config(source: Union[str, os.PathLike, PretrainedConfig]) -> PretrainedConfig:
+    """AutoConfig from a local HF directory (or a config object), normalized for mbridge.
+
+    Only local directories: nothing here downloads (paths that do not exist fail clearly).
+    """
+    if isinstance(source, PretrainedConfig):
+        return normalize_hf_config(source)
+    path = os.fspath(source)
+    if not os.path.isdir(path):
+        raise CheckpointFileError(f"HF model directory {path!r} does not exist")
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise CheckpointFileError(f"{config_file} not found: {path!r} is not an HF model directory")
+    return normalize_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
+
+
+def normalize_hf_config(hf_config: PretrainedConfig) -> PretrainedConfig:
+    """Copy of `hf_config` with the attributes mbridge reads directly.
+
+    - transformers 5 keeps rope_theta inside `rope_parameters`; mbridge reads `rope_theta`.
+    - Mixtral configs carry `head_dim: null`; mbridge multiplies it.
+    """
+    cfg = copy.deepcopy(hf_config)
+    if getattr(cfg, "rope_theta", None) is None:
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        if theta is None:
+            raise ValueError(f"{cfg.model_type} config has neither rope_theta nor rope_parameters['rope_theta']")
+        cfg.rope_theta = theta
+    rope = getattr(cfg, "rope_parameters", None)
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if rope_type not in (None, "default"):
+        raise ValueError(f"rope_type={rope_type!r} (rope scaling) is not supported; only default RoPE")
+    if getattr(cfg, "head_dim", None) is None:
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return cfg
+
+
+def tokenizer_and_generation_files(directory: str) -> list[str]:
+    """Non-weight files of an HF directory worth copying next to exported weights."""
+    keep_suffixes = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".py")
+    skip = {"config.json", "model.safetensors.index.json"}
+    out = []
+    for name in sorted(os.listdir(directory)):
+        full = os.path.join(directory, name)
+        if os.path.isfile(full) and name.endswith(keep_suffixes) and name not in skip:
+            out.append(name)
+    return out
+
+
+def describe(hf_config: Any) -> str:
+    return (
+        f"{hf_config.model_type} layers={hf_config.num_hidden_layers} hidden={hf_config.hidden_size} "
+        f"heads={hf_config.num_attention_heads}/{getattr(hf_config, 'num_key_value_heads', None)} "
+        f"vocab={hf_config.vocab_size}"
+    )
+
+
+def check_hf_dir_has_weights(hf_dir: str) -> None:
+    files = [f for f in os.listdir(hf_dir) if f.endswith(".safetensors")]
+    if not files:
+        bins = [f for f in os.listdir(hf_dir) if f.endswith(".bin")]
+        hint = f" (found {bins}: convert .bin checkpoints to safetensors first)" if bins else ""
+        raise CheckpointFileError(f"no *.safetensors weight files in {hf_dir!r}{hint}")
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = set(json.load(f).get("weight_map", {}).values())
+        missing = sorted(s for s in shards if not os.path.isfile(os.path.join(hf_dir, s)))
+        if missing:
+            raise CheckpointFileError(f"{index} lists shard(s) missing from {hf_dir!r}: {missing}")

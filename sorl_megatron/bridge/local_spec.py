@@ -1,0 +1,286 @@
+"""GPT layer specs: TransformerEngine's when it imports, else a local one with TE's names.
+
+mbridge's HF<->Megatron name maps are written against the TE spec, where the input norm is
+fused into the QKV linear (`linear_qkv.layer_norm_weight`), the dense MLP norm into fc1
+(`linear_fc1.layer_norm_weight`) and the experts are grouped linears (`linear_fc1.weight{i}`).
+Megatron's own local spec names these differently (`input_layernorm.weight`,
+`local_experts.{i}.linear_fc1.weight`), which the maps reject. The modules below compute
+the same thing with plain torch ops and expose TE's parameter names, so checkpoints, name
+maps and the dist-checkpoint keys are identical whichever spec built the model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import TEGroupedMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+
+def transformer_engine_available() -> bool:
+    """True when TransformerEngine's torch extension imports (never on a CPU-only host)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # the PyPI meta package imports but has no torch extension
+        return False
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as HF Qwen2/Llama/Mixtral RMSNorm, so float32 logits match bit for bit.
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+class LocalRMSNorm(torch.nn.Module):
+    """RMSNorm that, unlike megatron's WrappedTorchNorm, also runs under sequence parallel."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: Any):
+        super().__init__()
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"local spec supports RMSNorm only, got {config.normalization!r}")
+        self.eps = eps
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=_param_device(config))
+        )
+        # The input is a sequence shard: grads differ per TP rank and finalize_model_grads
+        # all-reduces params carrying this flag.
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _param_device(config: TransformerConfig) -> torch.device:
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class LocalLayerNormColumnParallelLinear(ColumnParallelLinear):
+    """RMSNorm followed by ColumnParallelLinear, named like TELayerNormColumnParallelLinear."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs: Any):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"local spec supports RMSNorm only, got {config.normalization!r}")
+        kwargs.pop("tp_comm_buffer_name", None)
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.norm_eps = config.layernorm_epsilon
+        self.layer_norm_weight = torch.nn.Parameter(
+            torch.ones(input_size, dtype=config.params_dtype, device=_param_device(config))
+        )
+        self.layer_norm_weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output=None):
+        # The norm runs on the (sequence-parallel) shard; ColumnParallelLinear gathers after.
+        normed = rms_norm(input_, self.layer_norm_weight, self.norm_eps)
+        return super().forward(normed, weight=weight, runtime_gather_output=runtime_gather_output)
+
+
+class _LocalGroupedLinear(torch.nn.Module):
+    """Per-expert weights `weight0..weight{n-1}` applied to contiguous token groups.
+
+    Matches TE's GroupedLinear as megatron uses it for experts: no communication inside
+    (the token dispatcher does it), output/input dim divided by the expert-TP size.
+    """
+
+    partition_dim: int = 0  # 0: column parallel (split outputs), 1: row parallel (split inputs)
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TransformerConfig,
+        init_method: Any,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = True,
+        tp_comm_buffer_name: Optional[str] = None,
+        pg_collection: Any = None,
+    ):
+        super().__init__()
+        if bias:
+            raise ValueError("local grouped expert linears have no bias support (add_bias_linear must be False)")
+        if not is_expert:
+            raise ValueError("grouped linears are only used for experts")
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.config = config
+        self.num_gemms = num_gemms
+        self._pg_collection = pg_collection
+        self._tp_group = pg_collection.expt_tp
+        etp = self._tp_group.size() if self._tp_group is not None else 1
+        self.expert_parallel = config.expert_model_parallel_size > 1
+        if self.partition_dim == 0:
+            out_local, in_local = _divide(output_size, etp), input_size
+        else:
+            out_local, in_local = output_size, _divide(input_size, etp)
+        device = _param_device(config)
+        with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+            for i in range(num_gemms):
+                w = torch.empty(out_local, in_local, dtype=config.params_dtype, device=device)
+                if config.perform_initialization:
+                    init_method(w)
+                param = torch.nn.Parameter(w)
+                # Expert grads are reduced over the expert-DP group, not all of DP.
+                param.allreduce = not self.expert_parallel
+                if etp > 1:
+                    param.tensor_model_parallel = True
+                    param.partition_dim = self.partition_dim
+                    param.partition_stride = 1
+                self.register_parameter(f"weight{i}", param)
+
+    def forward(self, x: torch.Tensor, m_splits: list[int]):
+        chunks = torch.split(x, list(m_splits), dim=0)
+        outs = [F.linear(c, getattr(self, f"weight{i}")) for i, c in enumerate(chunks)]
+        out = torch.cat(outs, dim=0) if outs else x.new_empty(0, 0)
+        return out, None
+
+    def backward_dw(self) -> None:
+        pass
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        # Same keys/offsets as TE's grouped linear: one tensor per global expert id.
+        metadata = metadata or {}
+        ep = self._pg_collection.ep
+        ep_size, ep_rank = (ep.size(), ep.rank()) if ep is not None else (1, 0)
+        num_global = ep_size * self.num_gemms
+        ep_axis = len(sharded_offsets)
+        dp_cp_group = metadata.get("dp_cp_group")
+        if dp_cp_group is None:
+            from megatron.core import parallel_state
+
+            dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        out = {}
+        for i in range(self.num_gemms):
+            global_idx = ep_rank * self.num_gemms + i
+            sub = make_sharded_tensors_for_checkpoint(
+                {f"{i}.weight": getattr(self, f"weight{i}")},
+                "",
+                {f"{i}.weight": self.partition_dim},
+                (*sharded_offsets, (ep_axis, global_idx, num_global)),
+                tp_group=self._tp_group,
+                dp_cp_group=dp_cp_group,
+            )
+            replace_prefix_for_sharding(sub, f"{i}.", prefix)
+            out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+        expt_dp = self._pg_collection.expt_dp
+        edp_rank = expt_dp.rank() if expt_dp is not None else 0
+        for sh_ten in out.values():
+            sh_ten.replica_id = (*sh_ten.replica_id[:2], edp_rank)
+        return out
+
+
+class LocalColumnParallelGroupedLinear(_LocalGroupedLinear):
+    partition_dim = 0
+
+
+class LocalRowParallelGroupedLinear(_LocalGroupedLinear):
+    partition_dim = 1
+
+
+def _divide(n: int, d: int) -> int:
+    if n % d:
+        raise ValueError(f"{n} is not divisible by expert tensor parallel size {d}")
+    return n // d
+
+
+def _attention_spec(qk_layernorm: bool) -> ModuleSpec:
+    qk_norm = LocalRMSNorm if qk_layernorm else IdentityOp
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=LocalLayerNormColumnParallelLinear,
+            core_attention=DotProductAttention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
+        ),
+    )
+
+
+def local_layer_spec(moe: bool, qk_layernorm: bool) -> ModuleSpec:
+    """One decoder layer, TE-named: dense layers fuse the MLP norm into fc1; MoE layers keep
+    `pre_mlp_layernorm` (as TE's spec does) and use grouped expert linears."""
+    if moe:
+        experts = ModuleSpec(
+            module=TEGroupedMLP,  # pure-torch module; only its linears come from TE normally
+            submodules=MLPSubmodules(
+                linear_fc1=LocalColumnParallelGroupedLinear, linear_fc2=LocalRowParallelGroupedLinear
+            ),
+        )
+        shared = ModuleSpec(
+            module=SharedExpertMLP,
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        )
+        mlp = ModuleSpec(
+            module=MoELayer,
+            submodules=MoESubmodules(experts=experts, shared_experts=shared),
+            metainfo={"fuse_pre_mlp_layernorm": False},
+        )
+        pre_mlp_norm: Any = LocalRMSNorm
+    else:
+        mlp = ModuleSpec(
+            module=MLP,
+            submodules=MLPSubmodules(linear_fc1=LocalLayerNormColumnParallelLinear, linear_fc2=RowParallelLinear),
+        )
+        pre_mlp_norm = IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=IdentityOp,
+            self_attention=_attention_spec(qk_layernorm),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=pre_mlp_norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None, use_te: Optional[bool] = None):
+    """Block spec for this pipeline stage: TE's if TE imports (or use_te=True), else local."""
+    if use_te is None:
+        use_te = transformer_engine_available()
+    if use_te:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+    # Let megatron decide which layers live on this stage and which are MoE, then swap in
+    # the TE-named local modules layer by layer.
+    stock = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    dense = local_layer_spec(moe=False, qk_layernorm=config.qk_layernorm)
+    moe = local_layer_spec(moe=True, qk_layernorm=config.qk_layernorm)
+    layers = [moe if spec.submodules.mlp.module is MoELayer else dense for spec in stock.layer_specs]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LocalRMSNorm)

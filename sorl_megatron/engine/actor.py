@@ -1,0 +1,289 @@
+"""The policy (actor) engine: log-probs / entropy passes and the PPO-family update.
+
+    actor = PolicyEngine(hf_dir, layout, ActorConfig(loss=PolicyLossConfig(name="so_ppo")))
+    out = actor.compute_logprobs(batch, record_routing=True)       # old-policy pass (R2 records)
+    batch = batch.replace(old_logprobs=out.logprobs, routed_experts=out.routed_experts)
+    metrics = actor.update(batch)                                   # epochs x mini x micro
+
+Clipping-triggered normalization (SORL eq. 12) is applied per *mini-batch*: the clip-bias
+statistics of every micro-batch on every pipeline stage and DP rank are summed, ``||C||`` is
+taken once, and ``1 / max(||C||, delta)`` scales the accumulated gradient before clipping and
+the optimizer step (or that step's LR with ``clip_bias.apply_to = 'lr'``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, get_args
+
+import torch
+
+from ..algorithms import (
+    PolicyLossConfig,
+    aggregation_denominator,
+    clip_bias_norm,
+    clip_bias_surrogate,
+    compute_policy_loss,
+    sft_loss,
+)
+from ..algorithms.loss_registry import POLICY_LOSSES
+from ..bridge.layout import ParallelLayout
+from ..bridge.model import ModelOptions
+from .base import BatchingConfig, EngineBase, OptimConfig, accumulate_metrics, device, reduce_metrics
+from .rl_batch import RLBatch, validate_batch
+from .vocab_parallel import next_token_targets, shift_to_token_positions, vocab_parallel_logprobs_entropy
+
+RoutingReplayMode = Literal["off", "r2", "r3"]
+
+
+@dataclass
+class ActorConfig:
+    """Policy engine configuration.
+
+    routing_replay: ``off``; ``r2`` (``compute_logprobs(record_routing=True)`` records, the update
+        replays ``batch.routed_experts``); ``r3`` (``batch.routed_experts`` from the rollout engine
+        is replayed in every pass, the old-logprob pass included).
+    temperature: logits are divided by it (use the rollout sampling temperature).
+    moe_aux_loss_coeff: MoE load-balancing loss weight (0 = off, the RL default).
+    recompute: full activation recompute (routing replay stays consistent in the re-forward).
+    """
+
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    routing_replay: RoutingReplayMode = "off"
+    temperature: float = 1.0
+    moe_aux_loss_coeff: float = 0.0
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        if self.routing_replay not in get_args(RoutingReplayMode):
+            raise ValueError(f"actor.routing_replay {self.routing_replay!r} not in {list(get_args(RoutingReplayMode))}")
+        if not self.temperature > 0:
+            raise ValueError(f"actor.temperature must be > 0, got {self.temperature}")
+        self.loss.validate("actor.loss")
+        self.optim.validate("actor.optim")
+        self.batching.validate("actor.batching")
+
+
+@dataclass
+class LogprobOutput:
+    """Per-token outputs of a forward-only pass, aligned to token positions ([B, S], CPU)."""
+
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
+    routed_experts: Optional[torch.Tensor] = None  # [B, S, L, K] int32 (R2 record), -1 = none
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class PolicyEngine(EngineBase):
+    """Actor (trainable) or reference (``trainable=False``) policy on Megatron."""
+
+    def __init__(
+        self,
+        hf: Any,
+        layout: Optional[ParallelLayout] = None,
+        config: Optional[ActorConfig] = None,
+        *,
+        trainable: bool = True,
+        model_options: Optional[ModelOptions] = None,
+    ):
+        self.cfg = config or ActorConfig()
+        super().__init__(
+            hf, layout, self.cfg.optim, self.cfg.batching, trainable=trainable, temperature=self.cfg.temperature,
+            moe_aux_loss_coeff=self.cfg.moe_aux_loss_coeff, recompute=self.cfg.recompute, model_options=model_options,
+        )
+        if self.cfg.routing_replay != "off" and not self.is_moe:
+            raise ValueError(f"actor.routing_replay={self.cfg.routing_replay!r} needs a MoE model")
+
+    # -- validation -----------------------------------------------------------------------
+
+    def _validate(self, batch: RLBatch, need: tuple[str, ...] = (), require_routes: bool = True) -> RLBatch:
+        c = self.config
+        kw: dict[str, Any] = {"vocab_size": self.model.hf_config.vocab_size}
+        if self.is_moe:
+            kw.update(num_layers=c.num_layers, topk=c.moe_router_topk, num_experts=c.num_moe_experts)
+        if (
+            require_routes
+            and self.cfg.routing_replay == "r3"
+            and "routed_experts" not in need
+            and batch.routed_experts is None
+        ):
+            need = need + ("routed_experts",)
+        return validate_batch(batch, need=need, **kw)
+
+    def _replay_mode(self, batch: RLBatch, training: bool) -> Optional[str]:
+        if self.cfg.routing_replay == "off" or batch.routed_experts is None:
+            return None
+        if self.cfg.routing_replay == "r2" and not training:
+            return None  # R2: the old-logprob pass records instead
+        return "replay"
+
+    # -- forward-only pass -------------------------------------------------------------
+
+    def _token_outputs(
+        self, mb: dict, logits: torch.Tensor, entropy: bool
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Log-probs (and entropy) aligned to token positions, 0 off the attention mask."""
+        logits = self._logits_scaled(logits)  # [b, s, V/tp]
+        lp, ent = vocab_parallel_logprobs_entropy(logits, next_token_targets(mb["input_ids"]))
+        att = mb["attention_mask"].bool()
+        lp = torch.where(att, shift_to_token_positions(lp), torch.zeros_like(lp))
+        if not entropy:
+            return lp, None
+        return lp, torch.where(att, shift_to_token_positions(ent), torch.zeros_like(ent))
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self, batch: RLBatch, *, entropy: bool = False, record_routing: bool = False, replay: Optional[bool] = None
+    ) -> LogprobOutput:
+        """Log-probs of ``batch.input_ids`` under the current weights (the old / ref pass).
+
+        ``replay``: replay ``batch.routed_experts`` (None = by config: only under ``r3``).
+        ``record_routing`` (MoE) returns the routing every router used as ``routed_experts``:
+        the live top-k (R2's record) or, when replaying, the replayed-with-fallback routes.
+        """
+        batch = self._validate(batch, ("routed_experts",) if replay else ())
+        b0, s0 = batch.batch_size, batch.seq_len
+        mbs = self.batching.forward_micro_batch_size or self.batching.micro_batch_size
+        batch = batch.padded_seq(self._seq_multiple())
+        batch, _ = batch.padded_rows(self.ranks["dp"] * mbs)
+        rows = self._dp_rows(torch.arange(batch.batch_size), mbs, "batching.forward_micro_batch_size")
+        micro = self._micro_dicts(batch, rows, mbs)
+        mode = self._replay_mode(batch, training=False) if replay is None else ("replay" if replay else None)
+        record = None
+        if record_routing:
+            if not self.is_moe:
+                raise ValueError("record_routing needs a MoE model")
+            c = self.config
+            record = torch.zeros(batch.batch_size, batch.seq_len, c.num_layers, c.moe_router_topk, dtype=torch.int32)
+            mode = mode or "record"
+
+        def loss_fn(mb, logits):
+            lp, ent = self._token_outputs(mb, logits, entropy)
+            out = {"rows": mb["rows"], "logprobs": lp}
+            if ent is not None:
+                out["entropy"] = ent
+            return torch.zeros((), device=lp.device), out
+
+        store = self._run(micro, loss_fn, forward_only=True, replay_mode=mode, record_into=record)
+        shape = (batch.batch_size, batch.seq_len)
+        lp = self._gather_rows([(d["rows"], d["logprobs"]) for d in store], shape, torch.float32)[:b0, :s0]
+        ent = None
+        if entropy:
+            ent = self._gather_rows([(d["rows"], d["entropy"]) for d in store], shape, torch.float32)[:b0, :s0]
+        routed = None
+        if record is not None:
+            torch.distributed.all_reduce(record)  # each (row, position, layer) written by one rank
+            routed = (record - 1)[:b0, :s0]
+            routed = torch.where(batch.attention_mask[:b0, :s0, None, None].bool(), routed, torch.full_like(routed, -1))
+        return LogprobOutput(lp, ent, routed, self._replay_metrics())
+
+    # -- update -------------------------------------------------------------------------
+
+    def _need(self) -> tuple[str, ...]:
+        need = ["old_logprobs", "advantages"]
+        loss = self.cfg.loss
+        if loss.kl_coef > 0:
+            need.append("ref_logprobs")
+        if loss.is_correction.mode != "off":
+            need.append("rollout_logprobs")
+        return tuple(need)
+
+    def _loss_kwargs(self, mb: dict, denominator: torch.Tensor, entropy: Optional[torch.Tensor]) -> dict:
+        return dict(
+            rollout_logprobs=mb.get("rollout_logprobs"),
+            ref_logprobs=mb.get("ref_logprobs"),
+            entropy=entropy,
+            turn_ids=mb.get("turn_ids"),
+            denominator=denominator,
+        )
+
+    def update(self, batch: RLBatch) -> dict[str, float]:
+        """One RL update on `batch`: ``epochs`` x mini-batches (one optimizer step each).
+
+        Returns metrics averaged over the optimizer steps (token-weighted over micro-batches
+        and DP ranks within a step), plus ``steps`` and the last step's ``lr``.
+        """
+        if not self.trainable:
+            raise RuntimeError("this PolicyEngine was built with trainable=False")
+        return self._optimize(self._validate(batch, self._need()), self._train_mini_batch)
+
+    def sft_update(self, batch: RLBatch) -> dict[str, float]:
+        """Supervised cold start on gold trajectories: cross-entropy on ``loss_mask`` tokens,
+        aggregated like ``loss.loss_agg``, one optimizer step per mini-batch (same batching)."""
+        if not self.trainable:
+            raise RuntimeError("this PolicyEngine was built with trainable=False")
+        return self._optimize(self._validate(batch, require_routes=False), self._sft_mini_batch)
+
+    def _sft_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int) -> dict[str, float]:
+        agg = self.cfg.loss.loss_agg
+
+        def micro_loss(mb, logits, denominator):
+            lp, _ = self._token_outputs(mb, logits, False)
+            loss, metrics = sft_loss(lp, mb["loss_mask"], agg, denominator)
+            return loss, metrics, float(metrics["policy_tokens"])
+
+        return self._fit_mini_batch(batch, rows, mbs, agg, micro_loss)
+
+    def _train_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int) -> dict[str, float]:
+        loss_cfg = self.cfg.loss
+        spec = POLICY_LOSSES[loss_cfg.name]
+        denominator = aggregation_denominator(batch.loss_mask[rows], loss_cfg.loss_agg).to(device())
+        my_rows = self._dp_rows(rows, mbs, "batching.mini_batch_size")
+        micro = self._micro_dicts(batch, my_rows, mbs)
+        scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp
+        need_entropy = loss_cfg.entropy_coef > 0
+        replay_mode = self._replay_mode(batch, training=True)
+        mode = loss_cfg.clip_bias.mode
+        step_metrics: dict[str, float] = {}
+
+        self._zero_grads()
+        if spec.clip_normalized and mode == "param_grad":
+            # Second backward over the same micro-batches: the gradient of the clip-bias surrogate S,
+            # reduced like the gradient; its norm is ||C|| in parameter space.
+            def surrogate_fn(mb, logits):
+                lp, ent = self._token_outputs(mb, logits, need_entropy)
+                s = clip_bias_surrogate(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg,
+                                        **self._loss_kwargs(mb, denominator, ent))
+                return s * scale, {"clip_bias/surrogate": s.detach()}
+
+            self._run(micro, surrogate_fn, forward_only=False, replay_mode=replay_mode)
+            self.optimizer.prepare_grads()
+            c_norm = float(self.optimizer.get_grad_norm())
+            self._zero_grads()
+
+        acc: dict[str, list[float]] = {}
+
+        def loss_fn(mb, logits):
+            lp, ent = self._token_outputs(mb, logits, need_entropy)
+            loss, metrics = compute_policy_loss(
+                lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg, normalize=False,
+                **self._loss_kwargs(mb, denominator, ent),
+            )
+            metrics.pop("clip_bias/factor", None)
+            metrics.pop("clip_bias/logprob_norm", None)
+            accumulate_metrics(acc, metrics, weight=float(metrics["policy_tokens"]))
+            return loss * scale, {}
+
+        self._run(micro, loss_fn, forward_only=False, replay_mode=replay_mode)
+        reduced = reduce_metrics(acc, self.contributes)
+        step_metrics.update(reduced)
+        step_metrics["clip_bias/logprob_norm"] = max(reduced.get("clip_bias/sq_sum", 0.0), 0.0) ** 0.5
+        factor = 1.0
+        if spec.clip_normalized:
+            if mode != "param_grad":
+                c_norm = float(
+                    clip_bias_norm(
+                        torch.tensor(reduced["clip_bias/scalar"]), torch.tensor(reduced["clip_bias/sq_sum"]), mode
+                    )
+                )
+            factor = 1.0 / max(c_norm, loss_cfg.clip_bias.delta)
+            step_metrics["clip_bias/norm"] = c_norm
+        step_metrics["clip_bias/factor"] = factor
+        step_metrics.update(self._replay_metrics())
+        apply_lr = loss_cfg.clip_bias.apply_to == "lr"
+        step_metrics.update(
+            self._optimizer_step(grad_factor=1.0 if apply_lr else factor, lr_factor=factor if apply_lr else 1.0)
+        )
+        return step_metrics

@@ -1,0 +1,520 @@
+"""Shared machinery of the Megatron RL engines (policy and value).
+
+What lives here: typed configs, model + Megatron DDP + Megatron optimizer + LR schedule
+construction, the micro-batched pass through ``get_forward_backward_func`` (any TP/PP/VPP/EP,
+``forward_only`` for inference passes), row sharding over data-parallel ranks, and the
+cross-rank reductions of outputs and metrics.
+
+Gradient bookkeeping. Per micro-batch the loss functions compute their share of the
+*mini-batch* loss (aggregation denominators are mini-batch totals), so the sum over the
+micro-batches of all DP ranks is the mini-batch loss. Megatron divides each micro-batch loss
+by ``num_microbatches`` and DDP averages gradients over DP, so the tensor handed to megatron
+is ``loss * num_microbatches * dp_size``: the accumulated gradient is then exactly the
+gradient of the mini-batch loss (``calculate_per_token_loss`` stays off).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional, get_args
+
+import torch
+
+from ..bridge.build import build_model
+from ..bridge.layout import ParallelLayout, num_experts_of
+from ..bridge.model import MegatronModel, ModelOptions
+from .rl_batch import BatchError, RLBatch, split_rows
+
+DecayStyle = Literal["constant", "linear", "cosine"]
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class OptimConfig:
+    """Adam + LR schedule + gradient clipping (megatron's optimizer and OptimizerParamScheduler).
+
+    The schedule advances *before* each optimizer step, so with ``warmup_steps = W`` step k
+    (1-based) uses ``lr * k / W`` for k <= W (never a zero-LR first step), then ``lr``
+    (``constant``) or a ``linear`` / ``cosine`` decay to ``min_lr`` at ``decay_steps``.
+    ``clip_grad`` is the global max gradient norm (0 = off), reduced over TP/PP/DP with
+    TP-duplicated parameters counted once (megatron's ``get_grad_norm_fp32``).
+    """
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_steps: Optional[int] = None
+    decay_style: DecayStyle = "constant"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, prefix: str = "optim") -> None:
+        _check(self.lr > 0 and math.isfinite(self.lr), f"{prefix}.lr must be > 0, got {self.lr}")
+        _check(0 <= self.min_lr <= self.lr, f"{prefix}.min_lr must be in [0, lr], got {self.min_lr}")
+        _check(
+            isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, f"{prefix}.warmup_steps must be an int >= 0"
+        )
+        if self.decay_steps is not None:
+            _check(self.decay_steps > self.warmup_steps, f"{prefix}.decay_steps must be > warmup_steps")
+        _check(
+            self.decay_style in get_args(DecayStyle),
+            f"{prefix}.decay_style {self.decay_style!r} not in {get_args(DecayStyle)}",
+        )
+        _check(
+            self.decay_style == "constant" or self.decay_steps is not None,
+            f"{prefix}.decay_steps is required for decay_style={self.decay_style!r}",
+        )
+        _check(self.weight_decay >= 0, f"{prefix}.weight_decay must be >= 0")
+        _check(
+            0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, f"{prefix}.adam_beta1/adam_beta2 must be in [0, 1)"
+        )
+        _check(self.adam_eps > 0, f"{prefix}.adam_eps must be > 0")
+        _check(self.clip_grad >= 0, f"{prefix}.clip_grad must be >= 0 (0 = off)")
+
+
+@dataclass
+class BatchingConfig:
+    """How one RL batch is cut: ``epochs`` x mini-batches (one optimizer step each) x micro-batches.
+
+    mini_batch_size: rows per optimizer step over all DP ranks (None = the whole batch).
+    micro_batch_size: rows per forward/backward on one DP rank.
+    forward_micro_batch_size: rows per micro-batch in forward-only passes (None = micro_batch_size).
+    shuffle: permute rows each epoch (same permutation on every rank: seed, step, epoch).
+    """
+
+    epochs: int = 1
+    mini_batch_size: Optional[int] = None
+    micro_batch_size: int = 1
+    forward_micro_batch_size: Optional[int] = None
+    shuffle: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, prefix: str = "batching") -> None:
+        _check(isinstance(self.epochs, int) and self.epochs >= 1, f"{prefix}.epochs must be an int >= 1")
+        _check(
+            isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1,
+            f"{prefix}.micro_batch_size must be an int >= 1",
+        )
+        if self.mini_batch_size is not None:
+            _check(
+                isinstance(self.mini_batch_size, int) and self.mini_batch_size >= 1,
+                f"{prefix}.mini_batch_size must be an int >= 1",
+            )
+        if self.forward_micro_batch_size is not None:
+            _check(self.forward_micro_batch_size >= 1, f"{prefix}.forward_micro_batch_size must be >= 1")
+
+
+def _rank_info() -> dict[str, int]:
+    from megatron.core import parallel_state as mpu
+
+    return {
+        "dp": mpu.get_data_parallel_world_size(),
+        "dp_rank": mpu.get_data_parallel_rank(),
+        "tp": mpu.get_tensor_model_parallel_world_size(),
+        "tp_rank": mpu.get_tensor_model_parallel_rank(),
+        "pp": mpu.get_pipeline_model_parallel_world_size(),
+        "last_stage": int(mpu.is_pipeline_last_stage(ignore_virtual=True)),
+    }
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------
+# Metric reduction: every micro-batch metric is a (kind, value, weight) partial.
+
+SUM_METRICS = {
+    "loss", "pg_loss", "kl_ref", "entropy", "sapo/penalty", "clip_bias/scalar", "clip_bias/sq_sum",
+    "policy_tokens", "value_loss", "tokens",
+}
+
+
+def _kind(name: str) -> str:
+    if name in SUM_METRICS:
+        return "sum"
+    if name.endswith(("/min", "_min")):
+        return "min"
+    if name.endswith(("/max", "_max")):
+        return "max"
+    return "mean"
+
+
+def accumulate_metrics(acc: dict[str, list[float]], metrics: dict[str, torch.Tensor], weight: float) -> None:
+    """Fold one micro-batch's metrics into `acc` (name -> [value, weight])."""
+    for name, value in metrics.items():
+        v = float(value.detach().float().sum()) if isinstance(value, torch.Tensor) else float(value)
+        kind = _kind(name)
+        if name not in acc:
+            acc[name] = [v * weight, weight] if kind == "mean" else [v, 1.0]
+            continue
+        a = acc[name]
+        if kind == "sum":
+            a[0] += v
+        elif kind == "min":
+            a[0] = min(a[0], v)
+        elif kind == "max":
+            a[0] = max(a[0], v)
+        else:
+            a[0] += v * weight
+            a[1] += weight
+
+
+def reduce_metrics(acc: dict[str, list[float]], contributes: bool) -> dict[str, float]:
+    """Combine the partials of all ranks (only `contributes` ranks count: last stage, TP rank 0)."""
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, acc if contributes else {})
+    merged: dict[str, list[float]] = {}
+    for part in parts:
+        for name, (v, w) in (part or {}).items():
+            kind = _kind(name)
+            if name not in merged:
+                merged[name] = [v, w]
+            elif kind == "sum":
+                merged[name][0] += v
+            elif kind == "min":
+                merged[name][0] = min(merged[name][0], v)
+            elif kind == "max":
+                merged[name][0] = max(merged[name][0], v)
+            else:
+                merged[name][0] += v
+                merged[name][1] += w
+    out = {}
+    for name, (v, w) in merged.items():
+        out[name] = v / w if _kind(name) == "mean" and w > 0 else (v if _kind(name) != "mean" else 0.0)
+    return out
+
+
+def mean_over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for s in steps for k in s})
+    return {k: sum(s[k] for s in steps if k in s) / max(1, sum(1 for s in steps if k in s)) for k in keys}
+
+
+# --------------------------------------------------------------------------------------
+
+
+class EngineBase:
+    """Model, optimizer, scheduler and the micro-batched pass; subclasses add the losses."""
+
+    value_head = False
+
+    def __init__(
+        self,
+        hf: Any,
+        layout: Optional[ParallelLayout],
+        optim: Optional[OptimConfig],
+        batching: BatchingConfig,
+        *,
+        trainable: bool = True,
+        temperature: float = 1.0,
+        moe_aux_loss_coeff: float = 0.0,
+        recompute: bool = False,
+        model_options: Optional[ModelOptions] = None,
+    ):
+        _check(temperature > 0, f"temperature must be > 0, got {temperature}")
+        self.batching = batching
+        self.optim = optim if optim is not None else OptimConfig()
+        self.trainable = trainable
+        self.temperature = float(temperature)
+        self.step = 0  # optimizer steps taken
+        options = model_options or ModelOptions()
+        overrides = dict(options.config_overrides)
+        from ..bridge.hf_config import load_hf_config
+
+        hf_config = load_hf_config(hf)
+        self.is_moe = num_experts_of(hf_config) > 0
+        if self.is_moe:
+            overrides.setdefault("moe_enable_routing_replay", True)
+            # RL default: no load-balancing loss (its gradient is not part of the RL objective).
+            overrides.setdefault("moe_aux_loss_coeff", moe_aux_loss_coeff)
+            if moe_aux_loss_coeff == 0.0:
+                overrides.setdefault("moe_router_load_balancing_type", "none")
+        if recompute:
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        ddp_config = None
+        if trainable:
+            ddp_config = dict(
+                use_distributed_optimizer=self.optim.use_distributed_optimizer,
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                overlap_param_gather=False,
+            )
+        options = ModelOptions(
+            dtype=options.dtype,
+            value_head=self.value_head,
+            use_te=options.use_te,
+            config_overrides=overrides,
+            wrap_with_ddp=trainable,
+            ddp_config=ddp_config,
+            seed=options.seed,
+        )
+        self.model: MegatronModel = build_model(hf, layout, options)
+        self.layout = self.model.layout
+        self.config = self.model.config
+        self._chunk_index = {id(c): i for i, c in enumerate(self.model.chunks)}
+        self.optimizer = None
+        self.scheduler = None
+        self._init_extra_params()
+        if trainable:
+            self._build_optimizer()
+        from .routing_replay import RoutingReplay
+
+        self.replay = RoutingReplay(self.model.unwrapped(), self.layout.use_sequence_parallel) if self.is_moe else None
+
+    # -- construction -------------------------------------------------------------------
+
+    def _init_extra_params(self) -> None:
+        """Initialize parameters the HF checkpoint does not have (before the optimizer copies them)."""
+
+    def _build_optimizer(self) -> None:
+        import megatron.core.optimizer as mopt
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.optim
+        dtype = self.model.dtype
+        oc = mopt.OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+            use_distributed_optimizer=o.use_distributed_optimizer,
+        )
+        self.optimizer = mopt.get_megatron_optimizer(oc, self.model.chunks)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        decay_steps = o.decay_steps if o.decay_steps is not None else o.warmup_steps + 1
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps,
+            lr_decay_steps=decay_steps,
+            lr_decay_style=o.decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+
+    # -- batch geometry -----------------------------------------------------------------
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        return _rank_info()
+
+    @property
+    def contributes(self) -> bool:
+        """This rank's loss outputs count once: last pipeline stage, TP rank 0."""
+        r = self.ranks
+        return bool(r["last_stage"]) and r["tp_rank"] == 0
+
+    def _seq_multiple(self) -> int:
+        return self.layout.tp if self.layout.use_sequence_parallel else 1
+
+    def _mask(self, s: int) -> torch.Tensor:
+        from ..bridge.forward import causal_attention_mask
+
+        return causal_attention_mask(s, device())
+
+    def _micro_dicts(self, batch: RLBatch, rows: torch.Tensor, mbs: int, extra: Optional[dict] = None) -> list[dict]:
+        """This DP rank's micro-batches of `rows` (global row ids into `batch`) as dicts."""
+        out = []
+        dev = device()
+        for sl in split_rows(len(rows), len(rows) // mbs, "micro_batch_size"):
+            r = rows[sl]
+            mb = {k: v[r].to(dev) for k, v in batch.tensors().items() if k != "group_ids"}
+            mb["rows"] = r
+            if extra:
+                mb.update({k: v(r) for k, v in extra.items()})
+            out.append(mb)
+        return out
+
+    def _dp_rows(self, rows: torch.Tensor, mbs: int, what: str) -> torch.Tensor:
+        r = self.ranks
+        if len(rows) % (r["dp"] * mbs):
+            raise BatchError(
+                f"{what}: {len(rows)} rows are not a multiple of data-parallel size {r['dp']} x "
+                f"micro_batch_size {mbs} = {r['dp'] * mbs}"
+            )
+        return rows[split_rows(len(rows), r["dp"], what)[r["dp_rank"]]]
+
+    # -- the pass -----------------------------------------------------------------------
+
+    def _run(
+        self,
+        micro: list[dict],
+        loss_fn: Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict]],
+        forward_only: bool,
+        replay_mode: Optional[str] = None,
+        record_into: Optional[torch.Tensor] = None,
+    ) -> list[dict]:
+        """Run `micro` through megatron's schedule; returns the last stage's per-micro-batch dicts."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not micro:
+            raise BatchError("no micro-batches on this rank (empty batch?)")
+        b, s = micro[0]["input_ids"].shape
+        mask = self._mask(s)
+        chunks = self.model.chunks
+        replay = self.replay if (self.replay is not None and replay_mode is not None) else None
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            ci = self._chunk_index[id(model)]
+            if replay is not None and replay_mode == "replay":
+                replay.set_targets(ci, mb.get("routed_experts"))
+            out = model(mb["input_ids"], mb["position_ids"], mask)
+            if replay is not None and record_into is not None:
+                replay.collect_records(ci, record_into, mb["rows"])
+            return out, functools.partial(loss_fn, mb)
+
+        iterators = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
+        if replay is not None:
+            replay.begin(replay_mode, keep_used=record_into is not None)
+        was_training = [c.training for c in chunks]
+        for c in chunks:
+            c.train(not forward_only)
+        try:
+            store = get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=iterators,
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=len(micro),
+                seq_length=s,
+                micro_batch_size=b,
+                forward_only=forward_only,
+            )
+        finally:
+            self._replay_stats = replay.end() if replay is not None else torch.zeros(2, dtype=torch.float64)
+            for c, mode in zip(chunks, was_training):
+                c.train(mode)
+        return store
+
+    def _replay_metrics(self) -> dict[str, float]:
+        """Fraction of replayed (token, layer) pairs whose live routing differs (all ranks)."""
+        stats = self._replay_stats.clone()
+        torch.distributed.all_reduce(stats)  # disjoint tokens/layers per rank (DP rows, SP slices, PP layers)
+        if stats[0] <= 0:
+            return {}
+        return {"routing/replayed_pairs": float(stats[0]), "routing/replay_mismatch_frac": float(stats[1] / stats[0])}
+
+    def _gather_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple, dtype) -> torch.Tensor:
+        """Assemble per-row outputs of all DP ranks (from the contributing ranks) on every rank."""
+        full = torch.zeros(shape, dtype=dtype, device=device())
+        if self.contributes:
+            for rows, values in parts:
+                full[rows.to(full.device)] = values.to(dtype)
+        torch.distributed.all_reduce(full)
+        return full.cpu()
+
+    def _logits_scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.float() / self.temperature if self.temperature != 1.0 else logits.float()
+
+    # -- optimizer step -------------------------------------------------------------------
+
+    def _zero_grads(self) -> None:
+        for c in self.model.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _optimizer_step(self, grad_factor: float = 1.0, lr_factor: float = 1.0) -> dict[str, float]:
+        """Scale the accumulated (DP-reduced) gradient, advance the LR schedule, clip, step."""
+        if grad_factor != 1.0:
+            for c in self.model.chunks:
+                c.scale_gradients(grad_factor)
+        self.scheduler.step(1)
+        groups = self.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        if lr_factor != 1.0:
+            for g in groups:
+                g["lr"] = g["lr"] * lr_factor
+        ok, grad_norm, _ = self.optimizer.step()
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr
+        self.step += 1
+        return {
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": float(saved[0]) * lr_factor if saved else 0.0,
+            "update_ok": float(bool(ok)),
+        }
+
+    def _optimize(self, batch: RLBatch, train_mini_batch) -> dict[str, float]:
+        """``epochs`` x mini-batches of ``train_mini_batch(batch, rows, micro_batch_size)``."""
+        batch = batch.padded_seq(self._seq_multiple())
+        n = batch.batch_size
+        mini = self._mini_batches(n)
+        mbs = self.batching.micro_batch_size
+        per_step = []
+        for epoch in range(self.batching.epochs):
+            order = self._epoch_order(n, epoch)
+            for m in range(n // mini):
+                rows = order[m * mini:(m + 1) * mini]
+                per_step.append(train_mini_batch(batch, rows, mbs))
+        out = mean_over_steps(per_step)
+        out["steps"] = float(len(per_step))
+        out["lr"] = per_step[-1]["lr"]
+        return out
+
+    def _fit_mini_batch(
+        self, batch: RLBatch, rows: torch.Tensor, mbs: int, loss_agg: str, micro_loss
+    ) -> dict[str, float]:
+        """One optimizer step of a plain objective (SFT, value loss) on the mini-batch ``rows``.
+
+        ``micro_loss(mb, model_output, denominator) -> (loss, metrics, weight)`` gives a
+        micro-batch's share of the mini-batch loss (``denominator`` = mini-batch aggregation
+        count); the policy update has its own step because of the clip-bias normalization.
+        """
+        from ..algorithms import aggregation_denominator
+
+        denominator = aggregation_denominator(batch.loss_mask[rows], loss_agg).to(device())
+        micro = self._micro_dicts(batch, self._dp_rows(rows, mbs, "batching.mini_batch_size"), mbs)
+        scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp
+        acc: dict[str, list[float]] = {}
+
+        def loss_fn(mb, out):
+            loss, metrics, weight = micro_loss(mb, out, denominator)
+            accumulate_metrics(acc, metrics, weight=weight)
+            return loss * scale, {}
+
+        self._zero_grads()
+        self._run(micro, loss_fn, forward_only=False)
+        metrics = reduce_metrics(acc, self.contributes)
+        metrics.update(self._optimizer_step())
+        return metrics
+
+    def _epoch_order(self, n: int, epoch: int) -> torch.Tensor:
+        if not self.batching.shuffle:
+            return torch.arange(n)
+        g = torch.Generator().manual_seed(self.batching.seed * 1_000_003 + self.step * 1009 + epoch)
+        return torch.randperm(n, generator=g)
+
+    def _mini_batches(self, n_rows: int) -> int:
+        mini = self.batching.mini_batch_size or n_rows
+        if n_rows % mini:
+            raise BatchError(f"batching.mini_batch_size={mini} does not divide the batch size {n_rows}")
+        return mini

@@ -1,0 +1,161 @@
+"""Megatron models built from tiny HF checkpoints on CPU: logits, weights, checkpoints.
+
+Two worker launches hold all the cases: one `torchrun --nproc_per_node=2` (gloo) run and
+one single-process run that also resumes the checkpoints the 2-process run saved.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .cases import LOGIT_TOL, MP_CASES, SINGLE_CASES
+from .harness import result
+
+
+def _ids(cases, prefix):
+    return [c["id"] for c in cases if c["id"].startswith(prefix)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", _ids(MP_CASES, "logits/") + _ids(MP_CASES, "value/"))
+def test_logits_match_transformers_2proc(mp_results, case_id):
+    r = result(mp_results, case_id)
+    assert r["max_abs_diff"] <= LOGIT_TOL, r
+    assert r["shape"] == [2, 12, 1 if case_id.startswith("value/") else 128]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", _ids(SINGLE_CASES, "logits/") + _ids(SINGLE_CASES, "value/"))
+def test_logits_match_transformers_1proc(single_results, case_id):
+    r = result(single_results, case_id)
+    assert r["max_abs_diff"] <= LOGIT_TOL, r
+    assert r["shape"] == [2, 12, 1 if case_id.startswith("value/") else 128]
+
+
+def _check_roundtrip(r: dict, model: str) -> None:
+    assert r["missing"] == [] and r["extra"] == [], r
+    assert r["unequal"] == [], r  # torch.equal, same dtype (the source cast to bf16 for bf16 exports)
+    assert r["n_tensors"] > 10
+    want_dtype = r["case"].get("dtype") or r["case"].get("expect_dtype", "float32")
+    assert r["config_dtype"] == want_dtype
+    expected_type = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}.get(model, "qwen2")
+    assert r["config_model_type"] == expected_type
+    # tokenizer + generation files copied from the source directory
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"} <= set(r["files"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", _ids(MP_CASES, "roundtrip/"))
+def test_hf_roundtrip_is_tensor_equal_2proc(mp_results, case_id):
+    _check_roundtrip(result(mp_results, case_id), case_id.split("/")[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", _ids(SINGLE_CASES, "roundtrip/"))
+def test_hf_roundtrip_is_tensor_equal_1proc(single_results, case_id):
+    r = result(single_results, case_id)
+    _check_roundtrip(r, case_id.split("/")[1])
+    shards = [f for f in r["files"] if f.endswith(".safetensors")]
+    if case_id.endswith("sharded"):
+        assert len(shards) > 1 and "model.safetensors.index.json" in r["files"]
+    else:
+        assert shards == ["model.safetensors"] and "model.safetensors.index.json" not in r["files"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which,case_id", [("mp", "from_config/mixtral/ep2"), ("single", "from_config/qwen3_moe/ws1")])
+def test_random_init_model_exports_to_transformers(mp_results, single_results, which, case_id):
+    r = result(mp_results if which == "mp" else single_results, case_id)
+    assert r["logit_std"] > 1e-3  # not a degenerate (all-zero) model
+    assert r["max_abs_diff"] <= LOGIT_TOL, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["mp", "single"])
+def test_streamed_buckets_are_bounded_and_complete(mp_results, single_results, which):
+    results, case_id = (
+        (mp_results, "buckets/qwen3_moe/ep2") if which == "mp" else (single_results, "buckets/qwen2_tied/ws1")
+    )
+    r = result(results, case_id)
+    bound = r["case"]["bucket_bytes"]
+    assert r["n_buckets"] > 2  # the bound actually split the stream
+    assert r["oversize_multi"] == []  # only a single tensor larger than the bound may exceed it
+    assert r["duplicates"] == 0 and r["missing"] == [] and r["unequal"] == []
+    assert r["max_bucket_bytes"] <= max(bound, r["max_bucket_bytes"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["mp", "single"])
+def test_fp8_export_dequantizes_within_bound(mp_results, single_results, which):
+    r = result(mp_results, "fp8/mixtral/tp2") if which == "mp" else result(single_results, "fp8/qwen3_moe/ws1")
+    assert r["quantization_config"] == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+    }
+    assert r["scale_dtypes"] == ["torch.float32"]
+    assert r["worst_error_over_bound"] <= 1.0, r["worst_error_over_bound"]
+    assert 0 < r["max_rel_fro_error"] < 0.05  # e4m3 on Gaussian weights: ~2-3 % relative
+    fp8 = r["fp8_names"]
+    assert any("self_attn.q_proj" in n for n in fp8) and any("o_proj" in n for n in fp8)
+    assert any(".experts." in n for n in fp8)
+    kept = r["kept_names"]
+    # norms, embeddings, lm_head and routers stay in high precision, bit-equal
+    assert "model.embed_tokens.weight" in kept and "lm_head.weight" in kept and "model.norm.weight" in kept
+    assert any(n.endswith(".gate.weight") for n in kept)  # the router
+    assert not any("norm" in n or n.endswith(".gate.weight") for n in fp8)
+    assert r["kept_unequal"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "which,case_id",
+    [("mp", c) for c in _ids(MP_CASES, "save/") + _ids(MP_CASES, "load/")]
+    + [("single", c) for c in _ids(SINGLE_CASES, "load/")],
+)
+def test_megatron_checkpoint_resumes_at_other_layouts(mp_results, single_results, which, case_id):
+    r = result(mp_results if which == "mp" else single_results, case_id)
+    assert r["max_abs_diff"] <= LOGIT_TOL, r
+
+
+@pytest.mark.slow
+def test_checkpoint_layout_files(work_dir, mp_results):
+    import json
+
+    ck = work_dir / "ck_qwen3_moe_tp2"
+    meta = json.loads((ck / "sorl_megatron.json").read_text())
+    assert meta["saved_layout"]["tp"] == 2 and meta["world_size"] == 2 and meta["extra"] == {"step": 7}
+    assert (ck / "model" / "metadata.json").is_file()
+    assert {"config.json", "tokenizer.json"} <= set(os.listdir(ck / "hf"))
+
+
+@pytest.mark.slow
+def test_missing_weight_names_the_tensor(single_results):
+    r = result(single_results, "missing_weight/qwen2")
+    assert r["error_type"] == "CheckpointFileError"
+    assert "model.layers.1.mlp.up_proj.weight" in r["error"] and "broken_qwen2" in r["error"]
+
+
+@pytest.mark.slow
+def test_local_spec_has_te_parameter_names_and_te_is_used_when_present(single_results):
+    r = result(single_results, "spec_selection")
+    assert r["te_available_here"] is False  # CPU-only machine
+    assert r["picked_with_te"] == "te-spec" and r["te_flag_calls"] == [True]
+    names = set(r["param_names"])
+    layer = "decoder.layers.0."
+    expected = {
+        layer + "self_attention.linear_qkv.layer_norm_weight",  # input norm fused into QKV (TE naming)
+        layer + "self_attention.linear_qkv.weight",
+        layer + "self_attention.q_layernorm.weight",
+        layer + "self_attention.k_layernorm.weight",
+        layer + "self_attention.linear_proj.weight",
+        layer + "pre_mlp_layernorm.weight",  # MoE layers keep a separate norm, as in TE's spec
+        layer + "mlp.router.weight",
+        *(f"{layer}mlp.experts.linear_fc1.weight{i}" for i in range(4)),  # TE grouped-linear names
+        *(f"{layer}mlp.experts.linear_fc2.weight{i}" for i in range(4)),
+        "embedding.word_embeddings.weight",
+        "decoder.final_layernorm.weight",
+        "output_layer.weight",
+    }
+    assert expected <= names, sorted(expected - names)
+    assert not any("input_layernorm" in n or "local_experts" in n for n in names)

@@ -1,0 +1,128 @@
+"""Tiny random HF checkpoints built from configs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+VOCAB = 128
+
+
+def _common(**kw):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        attention_dropout=0.0,
+    )
+    base.update(kw)
+    return base
+
+
+def qwen2_config(tied: bool = False, layers: int = 2):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        **_common(intermediate_size=96, tie_word_embeddings=tied, rope_theta=10000.0, num_hidden_layers=layers)
+    )
+
+
+def qwen3_moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **_common(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            head_dim=16,
+            tie_word_embeddings=False,
+        )
+    )
+
+
+def mixtral_config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        **_common(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    )
+
+
+CONFIGS: dict[str, Callable] = {
+    "qwen2": lambda: qwen2_config(tied=False),
+    "qwen2_tied": lambda: qwen2_config(tied=True),
+    "qwen2_4l": lambda: qwen2_config(tied=True, layers=4),  # for PP x VPP
+    "qwen2_bf16": lambda: qwen2_config(tied=False),  # saved in bfloat16, like real checkpoints
+    "qwen3_moe": qwen3_moe_config,
+    "mixtral": mixtral_config,
+}
+
+
+def save_tiny_model(kind: str, out_dir: str, seed: int = 0, with_tokenizer: bool = True) -> str:
+    """Create a random `kind` model in float32 and save_pretrained it to out_dir."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = CONFIGS[kind]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random (not default-initialized) norms, so a norm loaded into the wrong slot shows up.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    if kind.endswith("_bf16"):
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(out_dir)
+    if with_tokenizer:
+        _write_tokenizer(out_dir)
+    return out_dir
+
+
+def _write_tokenizer(out_dir: str) -> None:
+    """A word-level tokenizer over VOCAB tokens: enough to check that files are copied."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 1)}
+    vocab["<unk>"] = VOCAB - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(out_dir)
+
+
+def hf_logits(model_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+if __name__ == "__main__":
+    import sys
+
+    save_tiny_model(sys.argv[1], sys.argv[2])
+    print(os.listdir(sys.argv[2]))
+
+
+def copy_model_dir(src: str, dst: str) -> str:
+    import shutil
+
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    return dst

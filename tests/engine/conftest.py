@@ -1,0 +1,93 @@
+"""Fixtures: tiny random HF models and the grouped worker launches (1 and 2 processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+VENV_BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture(scope="session")
+def engine_models(tmp_path_factory):
+    sys.path.insert(0, os.path.join(ROOT, "tests", "bridge"))
+    from tiny_models import save_tiny_model
+
+    root = tmp_path_factory.mktemp("engine_models")
+    save_tiny_model("qwen3_moe", str(root / "qwen3_moe"))
+    return str(root)
+
+
+def launch(models: str, work: str, cases: list[dict], nproc: int, name: str, timeout: int = 400) -> dict:
+    """Run the worker on `cases`; returns {tag: result}. A failed launch fails with its output."""
+    os.makedirs(work, exist_ok=True)
+    spec = os.path.join(work, f"{name}_spec.json")
+    out = os.path.join(work, f"{name}_out.json")
+    with open(spec, "w") as f:
+        json.dump({"models_dir": models, "work_dir": work, "cases": cases, "timeout_s": 120}, f)
+    worker = os.path.join(HERE, "worker.py")
+    if nproc == 1:
+        cmd = [sys.executable, worker, spec, out]
+    else:
+        torchrun = os.path.join(VENV_BIN, "torchrun")
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", worker, spec, out]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("RANK", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not os.path.isfile(out):
+        raise AssertionError(
+            f"worker launch {name} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
+    with open(out) as f:
+        results = json.load(f)
+    return {r["case"]["tag"]: r for r in results}
+
+
+@pytest.fixture(scope="session")
+def engine_work(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("engine_work"))
+
+
+MODEL = "qwen3_moe"
+
+
+@pytest.fixture(scope="session")
+def ws1(engine_models, engine_work):
+    cases = [
+        {"op": "actor", "model": MODEL, "layout": "tp=1", "tag": "actor_ws1"},
+        {"op": "replay", "model": MODEL, "layout": "tp=1", "tag": "replay_ws1"},
+        {"op": "critic", "model": MODEL, "layout": "tp=1", "tag": "critic_ws1"},
+        {"op": "losses", "model": MODEL, "layout": "tp=1", "tag": "losses_ws1"},
+        {"op": "bad_input", "model": MODEL, "layout": "tp=1", "tag": "bad_ws1"},
+        {"op": "compat", "model": MODEL, "layout": "tp=1", "tag": "compat_ws1"},
+        {"op": "recompute", "model": MODEL, "layout": "tp=1", "tag": "recompute_ws1"},
+        {"op": "sft", "model": MODEL, "layout": "tp=1", "tag": "sft_ws1"},
+    ]
+    return launch(engine_models, engine_work, cases, 1, "ws1")
+
+
+@pytest.fixture(scope="session")
+def ws2(engine_models, engine_work):
+    cases = [
+        {"op": "actor", "model": MODEL, "layout": "tp=2", "tag": "actor_tp2"},
+        {"op": "actor", "model": MODEL, "layout": "ep=2", "tag": "actor_ep2"},
+        {"op": "actor", "model": MODEL, "layout": "pp=2", "tag": "actor_pp2"},
+        {"op": "actor", "model": MODEL, "layout": "tp=1", "tag": "actor_dp2"},
+        {"op": "actor", "model": MODEL, "layout": "tp=1", "tag": "actor_dp2_distopt", "dist_opt": True},
+        {"op": "replay", "model": MODEL, "layout": "ep=2", "tag": "replay_ep2"},
+        {"op": "replay", "model": MODEL, "layout": "tp=2", "tag": "replay_tp2"},
+        {"op": "critic", "model": MODEL, "layout": "tp=2", "tag": "critic_tp2"},
+        {"op": "critic", "model": MODEL, "layout": "pp=2", "tag": "critic_pp2"},
+        {"op": "losses", "model": MODEL, "layout": "ep=2", "tag": "losses_ep2"},
+        {"op": "resume", "model": MODEL, "layout": "tp=2", "resume_layout": "tp=2", "tag": "resume_same"},
+        {"op": "resume", "model": MODEL, "layout": "tp=2", "resume_layout": "pp=2", "tag": "resume_tp2_to_pp2"},
+        {"op": "bad_input", "model": MODEL, "layout": "ep=2", "tag": "bad_ep2"},
+        {"op": "sft", "model": MODEL, "layout": "tp=2", "tag": "sft_tp2"},
+    ]
+    return launch(engine_models, engine_work, cases, 2, "ws2")

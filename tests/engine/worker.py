@@ -1,0 +1,402 @@
+"""Engine checks run inside one process group (1 process, or torchrun --nproc_per_node=2).
+
+Every op builds engines at the case's layout, runs a fixed deterministic sequence and saves
+its tensors (rank 0) to ``work/<tag>.pt``; pytest compares the files of different layouts.
+Megatron's groups are re-initialized per case, so one launch covers several layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from batches import make_batch  # noqa: E402
+
+from sorl_megatron.algorithms import PolicyLossConfig, clip_bias_surrogate, compute_policy_loss  # noqa: E402
+from sorl_megatron.bridge import ParallelLayout, iter_hf_weights  # noqa: E402
+from sorl_megatron.engine.actor import ActorConfig, PolicyEngine  # noqa: E402
+from sorl_megatron.engine.base import BatchingConfig, OptimConfig  # noqa: E402
+from sorl_megatron.engine.critic import CriticConfig, ValueEngine  # noqa: E402
+from sorl_megatron.engine.rl_batch import BatchError  # noqa: E402
+from tests.bridge.case_runner import run_cases  # noqa: E402
+
+
+def rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def params_of(engine) -> dict[str, torch.Tensor]:
+    return {k: v.float().clone() for k, v in iter_hf_weights(engine.model)}
+
+
+def save(work: str, tag: str, obj: dict) -> None:
+    if rank() == 0:
+        torch.save(obj, os.path.join(work, f"{tag}.pt"))
+
+
+def actor_config(
+    name="so_ppo", mode="logprob", apply_to="grad", mbs=2, replay="off", lr=1e-3, **loss_kw
+) -> ActorConfig:
+    loss = PolicyLossConfig.from_dict(
+        {"name": name, "clip_bias": {"mode": mode, "apply_to": apply_to, "delta": 0.05}, **loss_kw}
+    )
+    return ActorConfig(loss=loss, optim=OptimConfig(lr=lr, warmup_steps=2, clip_grad=1.0, adam_eps=1e-6),
+                       batching=BatchingConfig(micro_batch_size=mbs, mini_batch_size=8), routing_replay=replay)
+
+
+def training_batch(engine, seed=0):
+    b = make_batch(rows=8, seq=12, seed=seed)
+    out = engine.compute_logprobs(b, entropy=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    old = out.logprobs + 0.25 * torch.randn(out.logprobs.shape, generator=g) * b.loss_mask
+    return b.replace(old_logprobs=old), out
+
+
+def direct_clip_bias(engine, batch, cfg: PolicyLossConfig) -> dict:
+    """||C|| of the concatenated mini-batch (logprob and scalar modes), from a plain forward."""
+    out = engine.compute_logprobs(batch, entropy=True)
+    res = {}
+    for mode in ("logprob", "scalar"):
+        c = dataclasses.replace(cfg, clip_bias=dataclasses.replace(cfg.clip_bias, mode=mode))
+        _, m = compute_policy_loss(out.logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, c,
+                                   entropy=out.entropy, **loss_inputs(batch))
+        res[mode] = float(m["clip_bias/norm"])
+    return res
+
+
+def loss_inputs(batch) -> dict:
+    return {"rollout_logprobs": batch.rollout_logprobs, "ref_logprobs": batch.ref_logprobs, "turn_ids": batch.turn_ids}
+
+
+def direct_param_grad_norm(engine, batch, cfg: PolicyLossConfig) -> float:
+    """World size 1 only: ||dS/dtheta|| by autograd on one forward of the whole batch."""
+    from sorl_megatron.bridge.forward import causal_attention_mask
+    from sorl_megatron.engine.vocab_parallel import next_token_targets, shift_to_token_positions
+
+    chunk = engine.model.unwrapped()[0]
+    s = batch.seq_len
+    logits = chunk(batch.input_ids, torch.arange(s).unsqueeze(0).expand_as(batch.input_ids), causal_attention_mask(s))
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, next_token_targets(batch.input_ids).unsqueeze(-1)).squeeze(-1)
+    lp = shift_to_token_positions(lp) * batch.attention_mask
+    logp = torch.log_softmax(logits.float(), -1)
+    ent = shift_to_token_positions(-(logp.exp() * logp).sum(-1)) * batch.attention_mask
+    surrogate = clip_bias_surrogate(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg, entropy=ent,
+                                    **loss_inputs(batch))
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(surrogate, params, allow_unused=True)
+    return float(sum((g.float() ** 2).sum() for g in grads if g is not None) ** 0.5)
+
+
+def op_actor(case: dict, models: str, work: str) -> dict:
+    """Log-probs, then three optimizer steps (logprob / param_grad / scalar+lr clip-bias modes)."""
+    layout = ParallelLayout.from_string(case["layout"])
+    cfg = actor_config(kl_coef=0.05, entropy_coef=0.01, is_correction={"mode": "tis"})
+    cfg.optim.use_distributed_optimizer = bool(case.get("dist_opt", False))
+    actor = PolicyEngine(os.path.join(models, case["model"]), layout, cfg)
+    batch, out = training_batch(actor)
+    res: dict = {"logprobs": out.logprobs, "entropy": out.entropy}
+    batch = batch.replace(ref_logprobs=batch.old_logprobs - 0.05 * batch.loss_mask)
+    res["direct_1"] = direct_clip_bias(actor, batch, cfg.loss)
+    res["m1"] = actor.update(batch)
+    res["params_1"] = params_of(actor)
+    cfg.loss.clip_bias.mode = "param_grad"
+    if torch.distributed.get_world_size() == 1:
+        res["direct_pg_2"] = direct_param_grad_norm(actor, batch, cfg.loss)
+    res["m2"] = actor.update(batch)
+    cfg.loss.clip_bias.mode = "scalar"
+    cfg.loss.clip_bias.apply_to = "lr"
+    res["direct_3"] = direct_clip_bias(actor, batch, cfg.loss)
+    res["m3"] = actor.update(batch)
+    res["params_3"] = params_of(actor)
+    save(work, case["tag"], res)
+    return {k: v for k, v in res.items() if k.startswith("m") or k.startswith("direct")}
+
+
+def op_losses(case: dict, models: str, work: str) -> dict:
+    """Every registered loss runs one step (4 micro-batches); metrics saved for comparison."""
+    from sorl_megatron.algorithms import POLICY_LOSSES
+
+    layout = ParallelLayout.from_string(case["layout"])
+    actor = PolicyEngine(os.path.join(models, case["model"]), layout, actor_config(lr=1e-4))
+    batch, _ = training_batch(actor, seed=3)
+    res = {}
+    for name in sorted(POLICY_LOSSES):
+        actor.cfg.loss = PolicyLossConfig.from_dict(
+            {"name": name, "clip_bias": {"delta": 0.05}, "loss_agg": "seq-mean-token-mean"}
+        )
+        m = actor.update(batch)
+        res[name] = {k: m[k] for k in ("loss", "grad_norm", "clip_bias/factor", "clip_frac")}
+    res["params"] = params_of(actor)
+    save(work, case["tag"], res)
+    return {k: v for k, v in res.items() if k != "params"}
+
+
+def op_replay(case: dict, models: str, work: str) -> dict:
+    """R2: record, change the weights, replay; R3: given indices (with -1 = missing) are used."""
+    layout = ParallelLayout.from_string(case["layout"])
+    actor = PolicyEngine(os.path.join(models, case["model"]), layout, actor_config(name="grpo", replay="r2", lr=2e-2))
+    batch, _ = training_batch(actor, seed=5)
+    rec = actor.compute_logprobs(batch, record_routing=True)
+    recorded = rec.routed_experts
+    batch = batch.replace(routed_experts=recorded)
+    m_first = actor.update(batch)
+    m_more = [actor.update(batch) for _ in range(2)]
+    live = actor.compute_logprobs(batch.replace(routed_experts=None), record_routing=True)
+    used = actor.compute_logprobs(batch, record_routing=True, replay=True)
+    att = batch.attention_mask.bool()[:, :, None, None].expand_as(recorded)
+    # R3: random routes (distinct experts per token), prompt tokens missing (-1).
+    g = torch.Generator().manual_seed(11)
+    e = actor.config.num_moe_experts
+    given = torch.argsort(torch.rand(recorded.shape[:3] + (e,), generator=g), dim=-1)[..., : recorded.shape[-1]].int()
+    given[:, :3] = -1
+    given = torch.where(att, given, torch.full_like(given, -1))
+    r3 = actor.compute_logprobs(batch.replace(routed_experts=given), record_routing=True, replay=True)
+    missing = (given < 0).all(-1, keepdim=True).expand_as(given) & att
+    res = {
+        "recorded": recorded,
+        "r3_logprobs": r3.logprobs,
+        "r3_used": r3.routed_experts,
+        "m_first": m_first,
+        "m_last": m_more[-1],
+        "replay_used_equals_recorded": bool(torch.equal(used.routed_experts[att], recorded[att])),
+        "live_differs_frac": float(
+            (torch.sort(live.routed_experts, -1).values != torch.sort(recorded, -1).values)
+            .any(-1)[att[..., 0]]
+            .float()
+            .mean()
+        ),
+        "used_replay_mismatch": used.metrics.get("routing/replay_mismatch_frac"),
+        "r3_given_used_exactly": bool(torch.equal(r3.routed_experts[(given >= 0)], given[(given >= 0)])),
+        "r3_missing_fall_back_to_live": bool(torch.equal(r3.routed_experts[missing], live.routed_experts[missing])),
+        "r3_mismatch": r3.metrics.get("routing/replay_mismatch_frac"),
+        "recorded_pad_is_minus_one": bool((recorded[~att] == -1).all()),
+    }
+    save(work, case["tag"], res)
+    return {k: v for k, v in res.items() if not isinstance(v, torch.Tensor)}
+
+
+def op_critic(case: dict, models: str, work: str) -> dict:
+    layout = ParallelLayout.from_string(case["layout"])
+    cfg = CriticConfig(
+        optim=OptimConfig(lr=1e-3, adam_eps=1e-6),
+        batching=BatchingConfig(micro_batch_size=2, mini_batch_size=4),
+        value_clip=0.2,
+    )
+    critic = ValueEngine(os.path.join(models, case["model"]), layout, cfg)
+    batch = make_batch(rows=8, seq=12, seed=7)
+    v0 = critic.compute_values(batch)
+    batch = batch.replace(values=v0 + 0.1 * batch.loss_mask)
+    m = critic.update(batch)
+    v1 = critic.compute_values(batch)
+    res = {"v0": v0, "v1": v1, "m": m, "params": params_of(critic)}
+    save(work, case["tag"], res)
+    return {"m": m}
+
+
+def op_sft(case: dict, models: str, work: str) -> dict:
+    """SFT cold start: three cross-entropy steps on a fixed batch."""
+    layout = ParallelLayout.from_string(case["layout"])
+    cfg = ActorConfig(loss=PolicyLossConfig(name="ppo", loss_agg="token-mean"),
+                      optim=OptimConfig(lr=1e-3, clip_grad=1.0, adam_eps=1e-6),
+                      batching=BatchingConfig(micro_batch_size=2, mini_batch_size=8))
+    actor = PolicyEngine(os.path.join(models, case["model"]), layout, cfg)
+    batch = make_batch(rows=8, seq=12, seed=3)
+    lp0 = actor.compute_logprobs(batch).logprobs
+    steps = [actor.sft_update(batch) for _ in range(3)]
+    lp1 = actor.compute_logprobs(batch).logprobs
+    save(work, case["tag"], {"lp0": lp0, "lp1": lp1, "m": steps, "mask": batch.loss_mask, "params": params_of(actor)})
+    return {"nll": [m["sft/nll"] for m in steps]}
+
+
+def op_resume(case: dict, models: str, work: str) -> dict:
+    """Uninterrupted k+1 steps vs save after k, rebuild at `resume_layout`, load, one step."""
+    from sorl_megatron.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+
+    src = os.path.join(models, case["model"])
+    ckpt = os.path.join(work, case["tag"] + "_ckpt")
+
+    def engines(layout):
+        cfg = actor_config(mbs=2)
+        cfg.batching.shuffle = True
+        cfg.batching.mini_batch_size = 4  # two optimizer steps per update
+        actor = PolicyEngine(src, ParallelLayout.from_string(layout), cfg)
+        critic = ValueEngine(src, ParallelLayout.from_string(layout),
+                             CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=3, adam_eps=1e-6),
+                                          batching=BatchingConfig(micro_batch_size=2)))
+        return actor, critic
+
+    batch = make_batch(rows=8, seq=12, seed=9)
+    batch = batch.replace(old_logprobs=batch.old_logprobs * 0 + (-4.8) * batch.attention_mask)
+    actor, critic = engines(case["layout"])
+    actor.update(batch)
+    critic.update(batch)
+    save_engine_checkpoint(ckpt, actor, critic, extra={"trainer_step": 1})
+    ref_m = actor.update(batch)
+    critic.update(batch)
+    ref_actor, ref_critic = params_of(actor), params_of(critic)
+    del actor, critic
+    actor, critic = engines(case["resume_layout"])
+    extra = load_engine_checkpoint(ckpt, actor, critic)
+    m = actor.update(batch)
+    critic.update(batch)
+    got_actor, got_critic = params_of(actor), params_of(critic)
+    diff = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in a)  # noqa: E731
+    return {
+        "extra": extra,
+        "step": actor.step,
+        "actor_max_diff": diff(ref_actor, got_actor),
+        "critic_max_diff": diff(ref_critic, got_critic),
+        "loss_diff": abs(ref_m["loss"] - m["loss"]),
+        "lr": [ref_m["lr"], m["lr"]],
+        "no_tmp_left": not os.path.exists(ckpt + ".tmp"),
+    }
+
+
+def op_bad_input(case: dict, models: str, work: str) -> dict:
+    layout = ParallelLayout.from_string(case["layout"])
+    actor = PolicyEngine(os.path.join(models, case["model"]), layout, actor_config(replay="r2"))
+    batch = make_batch(rows=8, seq=12)
+    errors = {}
+
+    def expect(name, fn):
+        t = time.time()
+        try:
+            fn()
+            errors[name] = None
+        except (BatchError, ValueError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+        errors[name + "_s"] = time.time() - t
+
+    expect("advantages_shape", lambda: actor.update(batch.replace(advantages=torch.zeros(8, 11))))
+    expect("old_logprobs_shape", lambda: actor.update(batch.replace(old_logprobs=torch.zeros(7, 12))))
+    expect(
+        "routing_shape", lambda: actor.update(batch.replace(routed_experts=torch.zeros(8, 12, 2, 3, dtype=torch.int32)))
+    )
+    expect(
+        "routing_values",
+        lambda: actor.update(batch.replace(routed_experts=torch.full((8, 12, 2, 2), 9, dtype=torch.int32))),
+    )
+    expect(
+        "empty",
+        lambda: actor.compute_logprobs(
+            make_batch(rows=8, seq=12).replace(
+                input_ids=torch.zeros(0, 12, dtype=torch.long),
+                attention_mask=None,
+                loss_mask=None,
+                old_logprobs=None,
+                advantages=None,
+                rollout_logprobs=None,
+                ref_logprobs=None,
+                returns=None,
+                values=None,
+                group_ids=None,
+            )
+        ),
+    )
+    expect(
+        "left_padded",
+        lambda: actor.compute_logprobs(batch.replace(attention_mask=torch.flip(batch.attention_mask, [1]))),
+    )
+    expect("mini_batch", lambda: actor.update(batch.select(slice(0, 6))))
+    # still usable afterwards (no rank left inside a collective)
+    errors["after_ok"] = bool(torch.isfinite(actor.compute_logprobs(batch).logprobs).all())
+    return errors
+
+
+def op_compat(case: dict, models: str, work: str) -> dict:
+    """The optimizer_on_cpu patch is needed: without it each megatron optimizer entry point fails."""
+    import megatron.core.optimizer as mopt
+    from megatron.core.optimizer import clip_grads
+
+    from sorl_megatron.bridge.cpu_compat import without_patch
+
+    layout = ParallelLayout.from_string(case["layout"])
+    actor = PolicyEngine(os.path.join(models, case["model"]), layout, actor_config())
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the test asserts on the type and message
+            out[name] = f"{type(e).__name__}: {e}"
+
+    params = [p for c in actor.model.chunks for p in c.parameters()]
+    for p in params:
+        p.grad = torch.ones_like(p)
+
+    def oc(dist):
+        return mopt.OptimizerConfig(
+            optimizer="adam", lr=1e-3, params_dtype=torch.float32, use_distributed_optimizer=dist
+        )
+
+    with without_patch("optimizer_on_cpu"):
+        attempt("fp32_optimizer_unpatched", lambda: mopt.get_megatron_optimizer(oc(False), actor.model.chunks))
+        attempt("clip_unpatched", lambda: clip_grads.clip_grad_by_total_norm_fp32(params, 1.0, 10.0))
+    attempt("fp32_optimizer_patched", lambda: mopt.get_megatron_optimizer(oc(False), actor.model.chunks))
+    attempt("clip_patched", lambda: clip_grads.clip_grad_by_total_norm_fp32(params, 1.0, 10.0))
+    return out
+
+
+def op_recompute(case: dict, models: str, work: str) -> dict:
+    """R2 under full activation recompute: the re-forward in backward replays the same routes."""
+    import sorl_megatron.engine.routing_replay as rr
+
+    counter = {"in_backward": 0}
+    real = torch._C._current_graph_task_id
+
+    def spy():
+        v = real()
+        counter["in_backward"] += v != -1
+        return v
+
+    out = {}
+    for recompute in (False, True):
+        cfg = actor_config(name="grpo", replay="r2", lr=2e-2)
+        cfg.recompute = recompute
+        actor = PolicyEngine(os.path.join(models, case["model"]), ParallelLayout.from_string(case["layout"]), cfg)
+        batch, _ = training_batch(actor, seed=5)
+        batch = batch.replace(routed_experts=actor.compute_logprobs(batch, record_routing=True).routed_experts)
+        rr.torch._C._current_graph_task_id = spy
+        try:
+            losses = [actor.update(batch)["loss"] for _ in range(2)]
+        finally:
+            rr.torch._C._current_graph_task_id = real
+        out[recompute] = (params_of(actor), losses, counter["in_backward"])
+        counter["in_backward"] = 0
+    return {
+        "param_diff": _max_param_diff(out[False][0], out[True][0]),
+        "losses": [out[False][1], out[True][1]],
+        "replays_in_backward": [out[False][2], out[True][2]],
+    }
+
+
+def _max_param_diff(a, b) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+OPS = {
+    "sft": op_sft,
+    "recompute": op_recompute,
+    "compat": op_compat,
+    "actor": op_actor,
+    "losses": op_losses,
+    "replay": op_replay,
+    "critic": op_critic,
+    "resume": op_resume,
+    "bad_input": op_bad_input,
+}
+
+
+def main() -> None:
+    run_cases(OPS, default_timeout_s=120)
+
+
+if __name__ == "__main__":
+    main()
