@@ -6,11 +6,17 @@ papers in ``shared/papers`` (SORL/ST-PPO, SAPO, MiniRL, PVPO); see ``docs/algori
 """
 
 from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimatorSpec,
+    AdvantageInputs,
     broadcast_to_tokens,
+    compute_advantages,
     compute_gae,
     compute_grpo_advantages,
     compute_pvpo_advantages,
+    register_advantage_estimator,
     static_values_from_rollouts,
+    terminal_token_rewards,
     whiten_advantages,
 )
 from .aggregation import LOSS_AGG_MODES, aggregation_denominator, masked_mean, masked_sum, token_weights
@@ -25,6 +31,9 @@ from .sft import sft_loss
 from .turns import TurnSegments, broadcast_segments, row_segments, segment_mean_broadcast, segment_sum, segment_turns
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimatorSpec",
+    "AdvantageInputs",
     "aggregation_denominator",
     "broadcast_segments",
     "broadcast_to_tokens",
@@ -32,6 +41,7 @@ __all__ = [
     "clip_bias_surrogate",
     "ClipBiasConfig",
     "ClipBiasTerms",
+    "compute_advantages",
     "compute_gae",
     "compute_grpo_advantages",
     "compute_policy_loss",
@@ -50,6 +60,7 @@ __all__ = [
     "POLICY_LOSSES",
     "PolicyLossConfig",
     "PolicyLossSpec",
+    "register_advantage_estimator",
     "register_policy_loss",
     "row_segments",
     "SAPOConfig",
@@ -58,6 +69,7 @@ __all__ = [
     "segment_turns",
     "sft_loss",
     "static_values_from_rollouts",
+    "terminal_token_rewards",
     "token_weights",
     "TurnSegments",
     "whiten_advantages",

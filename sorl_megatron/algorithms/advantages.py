@@ -3,9 +3,16 @@
 Multi-turn trajectories interleave policy tokens with tool observations (``loss_mask == 0``).
 GAE runs over the policy tokens only: an observation token is not an action, so the "next
 state value" of the last token of a turn is the value at the first token of the next turn.
+
+``ADVANTAGE_ESTIMATORS`` is the registry the trainer dispatches on (next to the loss
+registry): ``compute_advantages(name, inputs, ...)`` turns outcome rewards into per-token
+advantages (and GAE's returns) for any registered estimator.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -156,3 +163,99 @@ def _check_group_inputs(scores: torch.Tensor, group_ids: torch.Tensor, name: str
     if not torch.isfinite(scores.double()).all():
         bad = int((~torch.isfinite(scores.double())).nonzero()[0].item())
         raise ValueError(f"{name}[{bad}] is not finite ({scores[bad].item()})")
+
+
+def terminal_token_rewards(rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` token rewards with each outcome reward on its row's last policy token (the
+    action that ended the episode), 0 elsewhere: GAE's input for outcome-rewarded episodes."""
+    if rewards.dim() != 1 or rewards.shape[0] != loss_mask.shape[0]:
+        raise ValueError(f"rewards {tuple(rewards.shape)} do not match batch {loss_mask.shape[0]}")
+    positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+    last = (loss_mask.bool() * positions).argmax(dim=1)
+    out = torch.zeros(loss_mask.shape, dtype=torch.float32, device=loss_mask.device)
+    out[torch.arange(loss_mask.shape[0], device=loss_mask.device), last] = rewards.float()
+    return out
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator may read. ``rewards``: ``[B]`` outcome rewards; ``loss_mask``:
+    ``[B, T]``; ``values``: ``[B, T]`` critic values (critic estimators); ``group_ids``: ``[B]``
+    prompt of each trajectory; ``static_values``: ``[B]`` PVPO's reference baseline per row."""
+
+    rewards: torch.Tensor
+    loss_mask: torch.Tensor
+    values: Optional[torch.Tensor] = None
+    group_ids: Optional[torch.Tensor] = None
+    static_values: Optional[torch.Tensor] = None
+
+    def need(self, name: str, estimator: str) -> torch.Tensor:
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"advantage estimator {estimator!r} needs {name}")
+        return value
+
+
+Estimate = tuple[torch.Tensor, Optional[torch.Tensor]]  # ([B, T] advantages, [B, T] returns or None)
+
+
+@dataclass(frozen=True)
+class AdvantageEstimatorSpec:
+    """A registered estimator: ``critic`` ones need a value model (and give returns to fit it)."""
+
+    name: str
+    critic: bool
+    estimate: Callable[[AdvantageInputs, float, float, bool], Estimate]  # (inputs, gamma, lam, normalize_std)
+    reference: str = ""
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimatorSpec] = {}
+
+
+def register_advantage_estimator(spec: AdvantageEstimatorSpec) -> AdvantageEstimatorSpec:
+    """Add an estimator to the registry (names are unique)."""
+    if spec.name in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage estimator {spec.name!r} is already registered")
+    ADVANTAGE_ESTIMATORS[spec.name] = spec
+    return spec
+
+
+def _gae(x: AdvantageInputs, gamma: float, lam: float, normalize_std: bool) -> Estimate:
+    return compute_gae(terminal_token_rewards(x.rewards, x.loss_mask), x.need("values", "gae"), x.loss_mask, gamma, lam)
+
+
+def _grpo(x: AdvantageInputs, gamma: float, lam: float, normalize_std: bool) -> Estimate:
+    per_row = compute_grpo_advantages(x.rewards, x.need("group_ids", "grpo"), normalize_std)
+    return broadcast_to_tokens(per_row, x.loss_mask), None
+
+
+def _pvpo(x: AdvantageInputs, gamma: float, lam: float, normalize_std: bool) -> Estimate:
+    per_row = compute_pvpo_advantages(x.rewards, x.need("static_values", "pvpo"))
+    return broadcast_to_tokens(per_row, x.loss_mask), None
+
+
+for _spec in (
+    AdvantageEstimatorSpec("gae", True, _gae, "GAE over policy tokens, outcome reward on the last one (SORL A.4)"),
+    AdvantageEstimatorSpec("grpo", False, _grpo, "GRPO group normalization (SORL eq. 13; Dr. GRPO without std)"),
+    AdvantageEstimatorSpec("pvpo", False, _pvpo, "PVPO static value baseline (PVPO eq. 10)"),
+):
+    register_advantage_estimator(_spec)
+
+
+def compute_advantages(
+    name: str,
+    inputs: AdvantageInputs,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    normalize_std: bool = True,
+    whiten: bool = False,
+) -> Estimate:
+    """Per-token advantages (and returns for critic estimators) of the registered ``name``."""
+    spec = ADVANTAGE_ESTIMATORS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
+    advantages, returns = spec.estimate(inputs, gamma, lam, normalize_std)
+    if whiten:
+        advantages = whiten_advantages(advantages, inputs.loss_mask)
+    return advantages, returns

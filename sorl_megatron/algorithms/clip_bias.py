@@ -42,13 +42,11 @@ class ClipBiasTerms:
         surrogate: ``S`` with gradient through the ratio; ``d S / d theta`` is ``C``.
         scalar: ``S`` detached (additive over micro-batches).
         sq_sum: ``sum_t c_t^2`` with ``c_t = dS / d log pi_t`` (additive over micro-batches).
-        token_vector: ``c`` as ``[B, T]`` (detached).
     """
 
     surrogate: torch.Tensor
     scalar: torch.Tensor
     sq_sum: torch.Tensor
-    token_vector: torch.Tensor
 
 
 def clip_bias_terms(
@@ -82,9 +80,7 @@ def clip_bias_terms(
             length = broadcast_segments(segments.segment_length.to(ratio.dtype), segments, fill=1.0)
             vector = unit_coef * ratio * live / length
         vector = torch.where(loss_mask.bool(), vector, torch.zeros_like(vector))
-    return ClipBiasTerms(
-        surrogate=surrogate, scalar=surrogate.detach(), sq_sum=(vector * vector).sum(), token_vector=vector
-    )
+    return ClipBiasTerms(surrogate=surrogate, scalar=surrogate.detach(), sq_sum=(vector * vector).sum())
 
 
 def clip_bias_norm(scalar: torch.Tensor, sq_sum: torch.Tensor, mode: str) -> torch.Tensor:
@@ -109,3 +105,21 @@ def param_grad_clip_bias_norm(surrogate: torch.Tensor, params: Iterable[torch.Te
 def normalization_factor(norm: torch.Tensor, delta: float) -> torch.Tensor:
     """Clipping-triggered normalization factor ``1 / max(||C||, delta)`` (SORL eq. 12)."""
     return 1.0 / torch.clamp(norm.detach().float(), min=delta)
+
+
+def mini_batch_normalization(
+    scalar: float, sq_sum: float, mode: str, delta: float, param_grad_norm: float | None = None
+) -> tuple[float, float]:
+    """``(||C||, 1 / max(||C||, delta))`` of a whole mini-batch (eq. 12), for an engine.
+
+    The engine sums the additive statistics (``clip_bias/scalar``, ``clip_bias/sq_sum``) over
+    its micro-batches and ranks, or measures ``||dS/dtheta||`` with a second backward in the
+    ``param_grad`` mode, and asks here for the norm and the factor.
+    """
+    if mode == "param_grad":
+        if param_grad_norm is None:
+            raise ValueError("clip_bias.mode='param_grad' needs the measured parameter-space norm")
+        norm = torch.tensor(float(param_grad_norm))
+    else:
+        norm = clip_bias_norm(torch.tensor(float(scalar)), torch.tensor(float(sq_sum)), mode)
+    return float(norm), float(normalization_factor(norm, delta))

@@ -19,6 +19,10 @@ class PolicyLossSpec:
         ratio_level: ``token``, ``turn`` or ``sequence`` importance ratio.
         clip_normalized: scale by ``1 / max(||C||, delta)`` (SORL clipping-triggered norm).
         sapo_penalty: add SAPO's conditional KL term.
+        critic: trained on a critic's advantages (PPO family, GAE), as its paper defines it;
+            the group-relative losses take outcome-based estimators (GRPO, PVPO). A recipe
+            pairing a loss with an estimator of the other kind is an error
+            (``advantages.ADVANTAGE_ESTIMATORS``).
         reference: paper and equations.
     """
 
@@ -26,6 +30,7 @@ class PolicyLossSpec:
     ratio_level: RatioLevel
     clip_normalized: bool = False
     sapo_penalty: bool = False
+    critic: bool = False
     reference: str = ""
 
 
@@ -41,15 +46,18 @@ def register_policy_loss(spec: PolicyLossSpec) -> PolicyLossSpec:
 
 
 for _spec in (
-    PolicyLossSpec("ppo", "token", reference="PPO; SORL eq. 1-2"),
-    PolicyLossSpec("turn_ppo", "turn", reference="SORL eq. 3-4 (Turn-PPO), Lemma 4.1"),
+    PolicyLossSpec("ppo", "token", critic=True, reference="PPO; SORL eq. 1-2"),
+    PolicyLossSpec("turn_ppo", "turn", critic=True, reference="SORL eq. 3-4 (Turn-PPO), Lemma 4.1"),
     PolicyLossSpec(
         "s_ppo",
         "token",
         clip_normalized=True,
+        critic=True,
         reference="SORL S-PPO: eq. 1 + clipping-triggered normalization (eq. 7, 12)",
     ),
-    PolicyLossSpec("so_ppo", "turn", clip_normalized=True, reference="SORL SO-PPO / ST-PPO: eq. 3-4, 8, 9, 12"),
+    PolicyLossSpec(
+        "so_ppo", "turn", clip_normalized=True, critic=True, reference="SORL SO-PPO / ST-PPO: eq. 3-4, 8, 9, 12"
+    ),
     PolicyLossSpec("grpo", "token", reference="GRPO; SORL eq. 13"),
     PolicyLossSpec("so_grpo", "token", clip_normalized=True, reference="SORL SO-GRPO: eq. 13-15"),
     PolicyLossSpec("gspo", "sequence", reference="GSPO: sequence ratio exp(mean log w_t)"),

@@ -96,7 +96,9 @@ def compute_policy_loss(
         if norm is not None:
             metrics["clip_bias/norm"] = norm.detach()
     metrics["loss"] = loss.detach()
-    metrics["clip_bias/factor"] = factor.detach()
+    if normalize:  # otherwise the engine takes both for the whole mini-batch (mini_batch_normalization)
+        metrics["clip_bias/logprob_norm"] = terms.bias.sq_sum.sqrt()
+        metrics["clip_bias/factor"] = factor.detach()
     return loss, metrics
 
 
@@ -220,7 +222,6 @@ def _policy_terms(
                 "ratio/max": masked_max(token_ratio, mask),
                 "clip_bias/scalar": bias.scalar,
                 "clip_bias/sq_sum": bias.sq_sum,
-                "clip_bias/logprob_norm": bias.sq_sum.sqrt(),
                 "policy_tokens": mask.float().sum(),
             }
         )

@@ -89,3 +89,28 @@ def test_whitening_over_policy_tokens():
     sel = w[mask.bool()]
     assert sel.mean().abs() < 1e-6 and (sel.std() - 1).abs() < 1e-5
     assert w[0, 2] == 0
+
+
+def test_estimator_registry_matches_the_direct_functions():
+    from sorl_megatron.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
+
+    assert {n: s.critic for n, s in ADVANTAGE_ESTIMATORS.items()} == {"gae": True, "grpo": False, "pvpo": False}
+    torch.manual_seed(0)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    rewards, values = torch.tensor([1.0, 0.0, 0.5]), torch.randn(3, 6)
+    groups, static = torch.tensor([0, 0, 1]), torch.tensor([0.25, 0.25, 0.75])
+    inputs = AdvantageInputs(rewards, mask, values, groups, static)
+    token_rewards = torch.zeros(3, 6)
+    token_rewards[0, 4], token_rewards[1, 3], token_rewards[2, 5] = 1.0, 0.0, 0.5  # each row's last policy token
+    adv, ret = compute_advantages("gae", inputs, gamma=0.9, lam=0.8)
+    want_adv, want_ret = compute_gae(token_rewards, values, mask, 0.9, 0.8)
+    assert torch.equal(adv, want_adv) and torch.equal(ret, want_ret)
+    adv, ret = compute_advantages("grpo", inputs, normalize_std=False)
+    assert ret is None and torch.equal(adv, broadcast_to_tokens(compute_grpo_advantages(rewards, groups, False), mask))
+    adv, _ = compute_advantages("pvpo", inputs, whiten=True)
+    pvpo = broadcast_to_tokens(compute_pvpo_advantages(rewards, static), mask)
+    assert torch.allclose(adv, whiten_advantages(pvpo, mask))
+    with pytest.raises(ValueError, match="advantage estimator 'gae' needs values"):
+        compute_advantages("gae", AdvantageInputs(rewards, mask))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'vtrace'"):
+        compute_advantages("vtrace", inputs)

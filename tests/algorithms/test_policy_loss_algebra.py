@@ -12,6 +12,7 @@ from sorl_megatron.algorithms import (
     segment_turns,
     token_weights,
 )
+from sorl_megatron.algorithms.clip_bias import mini_batch_normalization
 
 from .conftest import random_batch
 
@@ -93,6 +94,14 @@ def test_so_losses_scale_gradient_by_inverse_clip_bias_norm(base, normalized, mo
     factor = 1.0 / max(float(norm), delta)
     assert torch.allclose(metrics["clip_bias/factor"], torch.tensor(factor))
     assert torch.allclose(g_norm, g_base * factor, atol=1e-7, rtol=1e-5)
+    # what an engine gets from the same (additive) statistics of a whole mini-batch
+    engine_norm, engine_factor = mini_batch_normalization(
+        float(metrics["clip_bias/scalar"]), float(metrics["clip_bias/sq_sum"]), mode, delta
+    )
+    assert engine_norm == pytest.approx(float(norm), rel=1e-6) and engine_factor == pytest.approx(factor, rel=1e-6)
+    assert mini_batch_normalization(0.0, 0.0, "param_grad", delta, param_grad_norm=2.0) == (2.0, 0.5)
+    with pytest.raises(ValueError, match="param_grad' needs the measured"):
+        mini_batch_normalization(0.0, 0.0, "param_grad", delta)
 
 
 def test_param_grad_mode_uses_parameter_space_norm():
