@@ -14,6 +14,7 @@ from .cpu_compat import apply_cpu_compat
 from .hf_config import check_hf_dir_has_weights, load_hf_config
 from .layout import LayoutError, ParallelLayout, num_experts_of, validate_layout
 from .model import MegatronModel, ModelOptions, attach_value_head
+from .parallel import current_layout, init_parallel
 from .weights import load_hf_weights
 
 
@@ -81,7 +82,6 @@ def build_model(
     apply_cpu_compat()
     from megatron.core import parallel_state as mpu
 
-    from .parallel import current_layout, init_parallel
 
     if not mpu.model_parallel_is_initialized() or _without_sp(current_layout()) != _without_sp(layout):
         init_parallel(layout, seed=options.seed)

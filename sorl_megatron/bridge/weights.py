@@ -9,7 +9,9 @@ import shutil
 from typing import Iterator, Optional
 
 import torch
+from safetensors.torch import save_file
 
+from ..common.fp8 import FP8_BLOCK, fp8_quantization_config, quantize_hf_tensor
 from .hf_config import CheckpointFileError, check_hf_dir_has_weights, tokenizer_and_generation_files
 from .model import MegatronModel, detached_value_heads
 
@@ -103,8 +105,6 @@ class _ShardWriter:
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         idx = len(self.shards)
         save_file(self.pending, os.path.join(self.out_dir, f".shard-{idx:05d}.safetensors"), metadata={"format": "pt"})
         self.shards.append(list(self.pending))
@@ -141,8 +141,6 @@ def save_hf_checkpoint(
     fp8: block-quantize linear weights (see fp8.py); non-linear tensors use `dtype`.
     source_dir: where tokenizer/generation files are copied from (default: the load source).
     """
-    from ..common.fp8 import FP8_BLOCK, fp8_quantization_config, quantize_hf_tensor
-
     dtype = dtype or source_dtype(model) or model.dtype
     writer = _ShardWriter(out_dir, max_shard_bytes) if _rank() == 0 else None
     if writer is not None:

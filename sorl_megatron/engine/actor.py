@@ -21,15 +21,16 @@ import torch
 from ..algorithms import (
     PolicyLossConfig,
     aggregation_denominator,
-    clip_bias_norm,
     clip_bias_surrogate,
     compute_policy_loss,
     sft_loss,
 )
+from ..algorithms.clip_bias import mini_batch_normalization
 from ..algorithms.loss_registry import POLICY_LOSSES
 from ..bridge.layout import ParallelLayout
 from ..bridge.model import ModelOptions
-from .base import BatchingConfig, EngineBase, OptimConfig, accumulate_metrics, device, reduce_metrics
+from .base import EngineBase, accumulate_metrics, device, reduce_metrics
+from .config import BatchingConfig, OptimConfig
 from .rl_batch import RLBatch, validate_batch
 from .vocab_parallel import next_token_targets, shift_to_token_positions, vocab_parallel_logprobs_entropy
 
@@ -261,8 +262,6 @@ class PolicyEngine(EngineBase):
                 lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg, normalize=False,
                 **self._loss_kwargs(mb, denominator, ent),
             )
-            metrics.pop("clip_bias/factor", None)
-            metrics.pop("clip_bias/logprob_norm", None)
             accumulate_metrics(acc, metrics, weight=float(metrics["policy_tokens"]))
             return loss * scale, {}
 
@@ -272,14 +271,10 @@ class PolicyEngine(EngineBase):
         step_metrics["clip_bias/logprob_norm"] = max(reduced.get("clip_bias/sq_sum", 0.0), 0.0) ** 0.5
         factor = 1.0
         if spec.clip_normalized:
-            if mode != "param_grad":
-                c_norm = float(
-                    clip_bias_norm(
-                        torch.tensor(reduced["clip_bias/scalar"]), torch.tensor(reduced["clip_bias/sq_sum"]), mode
-                    )
-                )
-            factor = 1.0 / max(c_norm, loss_cfg.clip_bias.delta)
-            step_metrics["clip_bias/norm"] = c_norm
+            step_metrics["clip_bias/norm"], factor = mini_batch_normalization(
+                reduced.get("clip_bias/scalar", 0.0), reduced.get("clip_bias/sq_sum", 0.0), mode,
+                loss_cfg.clip_bias.delta, param_grad_norm=c_norm if mode == "param_grad" else None,
+            )
         step_metrics["clip_bias/factor"] = factor
         step_metrics.update(self._replay_metrics())
         apply_lr = loss_cfg.clip_bias.apply_to == "lr"

@@ -16,108 +16,19 @@ gradient of the mini-batch loss (``calculate_per_token_loss`` stays off).
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, get_args
+from typing import Any, Callable, Optional
 
 import torch
 
+from ..algorithms import aggregation_denominator
 from ..bridge.build import build_model
+from ..bridge.forward import causal_attention_mask
+from ..bridge.hf_config import load_hf_config
 from ..bridge.layout import ParallelLayout, num_experts_of
 from ..bridge.model import MegatronModel, ModelOptions
+from .config import BatchingConfig, OptimConfig, check
 from .rl_batch import BatchError, RLBatch, split_rows
-
-DecayStyle = Literal["constant", "linear", "cosine"]
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
-@dataclass
-class OptimConfig:
-    """Adam + LR schedule + gradient clipping (megatron's optimizer and OptimizerParamScheduler).
-
-    The schedule advances *before* each optimizer step, so with ``warmup_steps = W`` step k
-    (1-based) uses ``lr * k / W`` for k <= W (never a zero-LR first step), then ``lr``
-    (``constant``) or a ``linear`` / ``cosine`` decay to ``min_lr`` at ``decay_steps``.
-    ``clip_grad`` is the global max gradient norm (0 = off), reduced over TP/PP/DP with
-    TP-duplicated parameters counted once (megatron's ``get_grad_norm_fp32``).
-    """
-
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    decay_steps: Optional[int] = None
-    decay_style: DecayStyle = "constant"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = False
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self, prefix: str = "optim") -> None:
-        _check(self.lr > 0 and math.isfinite(self.lr), f"{prefix}.lr must be > 0, got {self.lr}")
-        _check(0 <= self.min_lr <= self.lr, f"{prefix}.min_lr must be in [0, lr], got {self.min_lr}")
-        _check(
-            isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, f"{prefix}.warmup_steps must be an int >= 0"
-        )
-        if self.decay_steps is not None:
-            _check(self.decay_steps > self.warmup_steps, f"{prefix}.decay_steps must be > warmup_steps")
-        _check(
-            self.decay_style in get_args(DecayStyle),
-            f"{prefix}.decay_style {self.decay_style!r} not in {get_args(DecayStyle)}",
-        )
-        _check(
-            self.decay_style == "constant" or self.decay_steps is not None,
-            f"{prefix}.decay_steps is required for decay_style={self.decay_style!r}",
-        )
-        _check(self.weight_decay >= 0, f"{prefix}.weight_decay must be >= 0")
-        _check(
-            0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, f"{prefix}.adam_beta1/adam_beta2 must be in [0, 1)"
-        )
-        _check(self.adam_eps > 0, f"{prefix}.adam_eps must be > 0")
-        _check(self.clip_grad >= 0, f"{prefix}.clip_grad must be >= 0 (0 = off)")
-
-
-@dataclass
-class BatchingConfig:
-    """How one RL batch is cut: ``epochs`` x mini-batches (one optimizer step each) x micro-batches.
-
-    mini_batch_size: rows per optimizer step over all DP ranks (None = the whole batch).
-    micro_batch_size: rows per forward/backward on one DP rank.
-    forward_micro_batch_size: rows per micro-batch in forward-only passes (None = micro_batch_size).
-    shuffle: permute rows each epoch (same permutation on every rank: seed, step, epoch).
-    """
-
-    epochs: int = 1
-    mini_batch_size: Optional[int] = None
-    micro_batch_size: int = 1
-    forward_micro_batch_size: Optional[int] = None
-    shuffle: bool = False
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self, prefix: str = "batching") -> None:
-        _check(isinstance(self.epochs, int) and self.epochs >= 1, f"{prefix}.epochs must be an int >= 1")
-        _check(
-            isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1,
-            f"{prefix}.micro_batch_size must be an int >= 1",
-        )
-        if self.mini_batch_size is not None:
-            _check(
-                isinstance(self.mini_batch_size, int) and self.mini_batch_size >= 1,
-                f"{prefix}.mini_batch_size must be an int >= 1",
-            )
-        if self.forward_micro_batch_size is not None:
-            _check(self.forward_micro_batch_size >= 1, f"{prefix}.forward_micro_batch_size must be >= 1")
+from .routing_replay import RoutingReplay
 
 
 def _rank_info() -> dict[str, int]:
@@ -227,7 +138,7 @@ class EngineBase:
         recompute: bool = False,
         model_options: Optional[ModelOptions] = None,
     ):
-        _check(temperature > 0, f"temperature must be > 0, got {temperature}")
+        check(temperature > 0, f"temperature must be > 0, got {temperature}")
         self.batching = batching
         self.optim = optim if optim is not None else OptimConfig()
         self.trainable = trainable
@@ -235,8 +146,6 @@ class EngineBase:
         self.step = 0  # optimizer steps taken
         options = model_options or ModelOptions()
         overrides = dict(options.config_overrides)
-        from ..bridge.hf_config import load_hf_config
-
         hf_config = load_hf_config(hf)
         self.is_moe = num_experts_of(hf_config) > 0
         if self.is_moe:
@@ -273,8 +182,6 @@ class EngineBase:
         self._init_extra_params()
         if trainable:
             self._build_optimizer()
-        from .routing_replay import RoutingReplay
-
         self.replay = RoutingReplay(self.model.unwrapped(), self.layout.use_sequence_parallel) if self.is_moe else None
 
     # -- construction -------------------------------------------------------------------
@@ -306,6 +213,10 @@ class EngineBase:
         self.optimizer = mopt.get_megatron_optimizer(oc, self.model.chunks)
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
+        check(
+            o.lr_schedule == "constant" or o.decay_steps is not None,
+            f"optim.decay_steps is required for lr_schedule={o.lr_schedule!r}",
+        )
         decay_steps = o.decay_steps if o.decay_steps is not None else o.warmup_steps + 1
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
@@ -314,7 +225,7 @@ class EngineBase:
             min_lr=o.min_lr,
             lr_warmup_steps=o.warmup_steps,
             lr_decay_steps=decay_steps,
-            lr_decay_style=o.decay_style,
+            lr_decay_style=o.lr_schedule,
             start_wd=o.weight_decay,
             end_wd=o.weight_decay,
             wd_incr_steps=1,
@@ -337,8 +248,6 @@ class EngineBase:
         return self.layout.tp if self.layout.use_sequence_parallel else 1
 
     def _mask(self, s: int) -> torch.Tensor:
-        from ..bridge.forward import causal_attention_mask
-
         return causal_attention_mask(s, device())
 
     def _micro_dicts(self, batch: RLBatch, rows: torch.Tensor, mbs: int, extra: Optional[dict] = None) -> list[dict]:
@@ -489,8 +398,6 @@ class EngineBase:
         micro-batch's share of the mini-batch loss (``denominator`` = mini-batch aggregation
         count); the policy update has its own step because of the clip-bias normalization.
         """
-        from ..algorithms import aggregation_denominator
-
         denominator = aggregation_denominator(batch.loss_mask[rows], loss_agg).to(device())
         micro = self._micro_dicts(batch, self._dp_rows(rows, mbs, "batching.mini_batch_size"), mbs)
         scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp

@@ -17,8 +17,9 @@ import torch
 
 from ..algorithms.aggregation import LOSS_AGG_MODES, aggregate, masked_mean, token_weights
 from ..bridge.layout import ParallelLayout
-from ..bridge.model import ModelOptions
-from .base import BatchingConfig, EngineBase, OptimConfig
+from ..bridge.model import ModelOptions, ScalarValueHead
+from .base import EngineBase
+from .config import BatchingConfig, OptimConfig
 from .rl_batch import RLBatch, validate_batch
 from .vocab_parallel import shift_to_token_positions
 
@@ -84,8 +85,6 @@ class ValueEngine(EngineBase):
     def _init_extra_params(self) -> None:
         """The value head is not in the HF checkpoint: N(0, 1/hidden) from a fixed seed, the same
         on every rank and at every layout (the head is replicated, never sharded)."""
-        from ..bridge.model import ScalarValueHead
-
         g = torch.Generator().manual_seed(self.cfg.head_seed)
         for chunk in self.model.unwrapped():
             head = getattr(chunk, "output_layer", None)

@@ -14,10 +14,12 @@ experts) is indexed by the position of the token it is about. Sequences are righ
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 
 # Per-token float tensors [B, S] (advantages may also be [B]).
@@ -237,10 +239,6 @@ def routed_experts_from_sglang(
     ``[prompt+completion-1-start_len, layers, topk]``) into ``[seq_len, layers, topk]`` aligned
     to token positions: row t = routing of the token at position t. Positions before
     ``start_len``, the last (never fed) token and padding get -1 (the live router decides)."""
-    import base64
-
-    import numpy as np
-
     raw = base64.b64decode(encoded) if isinstance(encoded, (str, bytes)) else encoded
     arr = np.frombuffer(raw, dtype="<i4")
     per_token = num_layers * topk

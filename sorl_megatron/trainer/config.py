@@ -9,14 +9,19 @@ did-you-mean), wrong types and impossible layouts or batch sizes are errors nami
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
+from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ..algorithms.config import PolicyLossConfig
-from ..bridge.layout import num_experts_of
+from ..algorithms.loss_registry import POLICY_LOSSES
+from ..bridge.layout import ParallelLayout, num_experts_of
 from ..common.typed_config import ConfigError, build_dataclass, to_dict
+from ..engine.config import OptimConfig
 
 
 @dataclass
@@ -29,28 +34,11 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelismConfig:
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    etp: Optional[int] = None
-    sequence_parallel: Optional[bool] = None  # None: on whenever tp > 1
-    use_distributed_optimizer: bool = False
-
-    def layout(self):
-        """The megatron ParallelLayout these keys describe (the launch checks and the engines use it)."""
-        from ..bridge.layout import ParallelLayout
-
-        return ParallelLayout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=self.ep, etp=self.etp,
-                              sequence_parallel=self.sequence_parallel)
-
-
-@dataclass
 class AdvantageConfig:
-    """gae (with a critic), grpo (group normalization) or pvpo (static V, PVPO eq. 10)."""
+    """A registered estimator (``algorithms.advantages.ADVANTAGE_ESTIMATORS``): gae (with a
+    critic), grpo (group normalization) or pvpo (static V, PVPO eq. 10)."""
 
-    estimator: Literal["gae", "grpo", "pvpo"] = "grpo"
+    estimator: str = "gae"  # the default loss (ppo) is defined on a critic's advantages
     gamma: float = 1.0
     lam: float = 1.0
     normalize_std: bool = True  # grpo only
@@ -120,18 +108,41 @@ class DataConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    lr: float = 1e-6
+class OptimizerConfig(OptimConfig):
+    """The engine's optimizer config (one owner of every optimizer field) plus the critic's.
+
+    ``warmup_steps`` counts optimizer steps (batch x group / mini_batch x ppo_epochs per RL
+    step), not RL steps; ``decay_steps`` (null) is derived from the run's length.
+    """
+
     critic_lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0  # optimizer steps (batch x group / mini_batch x ppo_epochs per RL step), not RL steps
     critic_warmup_steps: Optional[int] = None  # None: warmup_steps
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    min_lr: float = 0.0
+
+    def validate(self, prefix: str = "optimizer") -> None:
+        super().validate(prefix)
+        if not (isinstance(self.critic_lr, (int, float)) and math.isfinite(self.critic_lr) and self.critic_lr > 0):
+            raise ValueError(f"{prefix}.critic_lr must be finite and > 0, got {self.critic_lr}")
+        if self.critic_warmup_steps is not None and self.critic_warmup_steps < 0:
+            raise ValueError(f"{prefix}.critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}")
+
+    def actor(self, optimizer_steps: int) -> OptimConfig:
+        """The actor's engine config for a run of ``optimizer_steps`` optimizer steps (a
+        decaying schedule ends there unless ``decay_steps`` is set)."""
+        decay = self.decay_steps
+        if decay is None and self.lr_schedule != "constant":
+            decay = optimizer_steps
+        return self._engine_config(decay_steps=decay)
+
+    def critic(self, optimizer_steps: int) -> OptimConfig:
+        """The critic's: ``critic_lr``, ``critic_warmup_steps`` (default: the actor's warm-up)."""
+        warmup = self.warmup_steps if self.critic_warmup_steps is None else self.critic_warmup_steps
+        return dataclasses.replace(
+            self.actor(optimizer_steps), lr=self.critic_lr, min_lr=min(self.min_lr, self.critic_lr), warmup_steps=warmup
+        )
+
+    def _engine_config(self, **changes: Any) -> OptimConfig:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(OptimConfig)}
+        return OptimConfig(**{**fields, **changes})
 
 
 @dataclass
@@ -190,7 +201,7 @@ class LoggingConfig:
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    parallelism: ParallelLayout = field(default_factory=ParallelLayout)  # the engines' layout itself
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
@@ -211,7 +222,7 @@ class TrainConfig:
 
 CONFIG_GROUPS: dict[str, str] = {
     "model": "HF checkpoint of the policy / critic and dtype",
-    "parallelism": "tp, pp, vpp, ep, etp, sequence_parallel, distributed optimizer",
+    "parallelism": "tp, pp, vpp, ep, etp, cp, sequence_parallel",
     "algorithm": (
         "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, "
         "routing_replay, value_clip, pvpo"
@@ -219,7 +230,7 @@ CONFIG_GROUPS: dict[str, str] = {
     "rollout": "SGLang URLs (or embedded), precision, group size, sampling, turns and lengths",
     "retrieval": "retrieval URL (or embedded BM25 corpus), top-k",
     "data": "train / val files (Search-R1 / verl parquet), prompt length",
-    "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule",
+    "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule, distributed optimizer",
     "schedule": "steps, batch / mini-batch / micro-batch sizes, ppo_epochs, validation period, seed",
     "sft": "cold-start supervised stage",
     "reward": "metric override (em / f1; default: each data_source's own), format weight",
@@ -231,6 +242,25 @@ CONFIG_GROUPS: dict[str, str] = {
 def _positive_int(name: str, value: int, minimum: int = 1) -> None:
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_loss_and_estimator(loss: str, estimator: str) -> None:
+    """The estimator exists and gives the advantages the loss is defined on (a critic's for
+    the PPO family, outcome-based ones for the group-relative losses)."""
+    spec = ADVANTAGE_ESTIMATORS.get(estimator)
+    if spec is None:
+        raise ConfigError(
+            f"algorithm.advantage.estimator: unknown estimator {estimator!r}; "
+            f"registered: {sorted(ADVANTAGE_ESTIMATORS)}"
+        )
+    if POLICY_LOSSES[loss].critic != spec.critic:
+        wants = "a critic's advantages (gae)" if POLICY_LOSSES[loss].critic else "outcome-based advantages"
+        fitting = sorted(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.critic == POLICY_LOSSES[loss].critic)
+        raise ConfigError(
+            f"algorithm.loss.name={loss} is defined on {wants} but algorithm.advantage.estimator={estimator} "
+            f"{'needs' if spec.critic else 'has'} {'a critic' if spec.critic else 'no critic'}: "
+            f"use algorithm.advantage.estimator in {fitting}"
+        )
 
 
 def _check_values(cfg: TrainConfig) -> None:
@@ -260,18 +290,12 @@ def _check_values(cfg: TrainConfig) -> None:
     _positive_int("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
     _positive_int("checkpoint.save_every", cfg.checkpoint.save_every, minimum=0)
     _positive_int("checkpoint.keep_last", cfg.checkpoint.keep_last, minimum=0)
-    _positive_int("optimizer.warmup_steps", cfg.optimizer.warmup_steps, minimum=0)
-    if cfg.optimizer.critic_warmup_steps is not None:
-        _positive_int("optimizer.critic_warmup_steps", cfg.optimizer.critic_warmup_steps, minimum=0)
     if not 0 <= cfg.reward.format_weight <= 1:
         raise ConfigError(f"reward.format_weight must be in [0, 1], got {cfg.reward.format_weight}")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.rollout.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
-    for key in ("lr", "critic_lr"):
-        if getattr(cfg.optimizer, key) <= 0:
-            raise ConfigError(f"optimizer.{key} must be > 0, got {getattr(cfg.optimizer, key)}")
     trajectories = s.batch_size * cfg.rollout.group_size
     if trajectories % s.mini_batch_size:
         raise ConfigError(
@@ -292,6 +316,7 @@ def _check_values(cfg: TrainConfig) -> None:
         if not 0 <= cfg.sft.direct_answer_fraction < 1:
             raise ConfigError(f"sft.direct_answer_fraction must be in [0, 1), got {cfg.sft.direct_answer_fraction}")
     a = cfg.algorithm
+    _check_loss_and_estimator(a.loss.name, a.advantage.estimator)
     if a.advantage.estimator == "grpo" and cfg.rollout.group_size < 2:
         raise ConfigError("algorithm.advantage.estimator=grpo needs rollout.group_size >= 2")
     if a.advantage.estimator == "pvpo":
@@ -375,8 +400,7 @@ def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) 
     """megatron/layout.py's rules (expert layout vs the world size, expert FFN vs ETP, ...)."""
     from ..bridge.layout import LayoutError, UnsupportedModelError, validate_layout
 
-    p = cfg.parallelism
-    layout = p.layout()
+    layout = p = cfg.parallelism
     where = (f"parallelism (tp={p.tp}, pp={p.pp}, vpp={p.vpp}, ep={p.ep}, etp={p.etp}) "
              f"at world size {world_size} for {key}={getattr(cfg.model, key.split('.')[1])}")
     try:

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from tqdm import tqdm
+
 
 def show_trainer_log(level: int = logging.INFO) -> None:
     """Print the trainer's own log records (PVPO counts, warnings) on the console, leaving
@@ -58,15 +60,13 @@ class MetricsLogger:
             _truncate_after(self.path, start_step)  # drop steps logged after the checkpoint
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # slow import: only runs that log to TensorBoard
 
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
             except ImportError:  # tensorboard is a declared dependency; tolerate its absence
                 self._tb = None
         if progress == "tqdm":
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True)
+                self._bar = tqdm(total=total_steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True)
         self._progress = progress
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -27,7 +27,7 @@ DEFAULT_PANELS: tuple[tuple[str, str], ...] = (
 def plot_runs(runs: Sequence[str | Path], out_dir: str | Path, panels: Sequence[tuple[str, str]] = DEFAULT_PANELS,
               labels: Sequence[str] | None = None) -> list[Path]:
     """Write one PNG per available metric plus ``summary.png``; returns the written paths."""
-    import matplotlib
+    import matplotlib  # only plotting pays for it; the file backend is chosen before pyplot loads
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

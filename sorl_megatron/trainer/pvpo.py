@@ -11,6 +11,7 @@ row's ``old_logprobs``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -104,7 +105,5 @@ def inject_ground_truth(
 
 
 def _with_empty_routes(traj: Trajectory, shape: tuple[int, ...]) -> Trajectory:
-    import dataclasses
-
     routes = np.full((len(traj), *shape), -1, dtype=np.int32)
     return dataclasses.replace(traj, routed_experts=routes)

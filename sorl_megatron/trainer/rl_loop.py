@@ -13,6 +13,7 @@ from its latest checkpoint reproduces the uninterrupted run on CPU.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import shutil
 import time
@@ -22,24 +23,34 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from ..algorithms import (
-    broadcast_to_tokens,
-    compute_gae,
-    compute_grpo_advantages,
-    compute_pvpo_advantages,
-    whiten_advantages,
-)
-from ..common.typed_config import to_dict
+from ..algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
+from ..bridge.model import ModelOptions
+from ..bridge.parallel import init_distributed
+from ..bridge.weights import iter_hf_weights, save_hf_checkpoint
+from ..common.fp8 import quantize_hf_tensor
+from ..common.http import RetryPolicy
+from ..data.gold import cold_start_plans, gold_plan, gold_trajectory
+from ..data.qa import QARow, encode_prompt, read_parquet
+from ..engine.actor import ActorConfig, PolicyEngine
+from ..engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from ..engine.config import BatchingConfig, OptimConfig
+from ..engine.critic import CriticConfig, ValueEngine
+from ..engine.rl_batch import RLBatch
+from ..retrieval.client import RetrievalClient
+from ..rewards.registry import RewardRegistry
+from ..rollout.agent import AgentConfig, SearchAgent
+from ..rollout.client import RolloutClient, RolloutClientConfig
+from ..rollout.trajectory import Trajectory, collate
 from .config import TrainConfig, dump_config
 from .metrics_log import MetricsLogger
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
 from .rollout_phase import RolloutResult, collect_rollouts, rollout_metrics
 from .servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
+from .sft import run_sft
 
 log = logging.getLogger("sorl_megatron.trainer")
-
-CRITIC_ESTIMATORS = ("gae",)
 
 
 def _rank() -> int:
@@ -96,75 +107,66 @@ class StepTimer:
 
 
 class RLTrainer:
-    """Owns the engines, the servers and the loop of one run."""
+    """Owns the engines, the servers and the loop of one run.
+
+    All state is declared here. What a run builds later starts empty and is set once, before
+    the loop reads it: the data and tokenizer (:meth:`run`), the engines (:meth:`build_engines`)
+    and the server URLs, which only rank 0 holds (it alone talks HTTP).
+    """
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.run_dir = Path(cfg.logging.dir) / cfg.logging.run_name
         self.ckpt_root = Path(cfg.checkpoint.dir)
+        self.rewards = RewardRegistry(default="em", metric_override=cfg.reward.metric,
+                                      format_weight=cfg.reward.format_weight)
+        # data (run)
+        self.rows: list[QARow] = []
+        self.val_rows: list[QARow] = []
+        self.stream = DataStream([], cfg.schedule.batch_size, cfg.schedule.seed, cfg.data.shuffle)
+        self.tokenizer: Optional[PreTrainedTokenizerBase] = None
+        self.pad_id = 0
+        # engines (build_engines)
+        self.actor: Optional[PolicyEngine] = None
+        self.ref: Optional[PolicyEngine] = None  # only with a KL penalty
+        self.critic: Optional[ValueEngine] = None  # only for critic estimators (GAE)
+        # servers (rank 0)
+        self.retrieval_url: Optional[str] = None
+        self.rollout_urls: list[str] = []
+        # PVPO
         self.pvpo: Optional[PVPOState] = None
-        self._gold_cache: dict[int, Any] = {}  # PVPO ground truth by prompt index (None: none usable)
+        self._gold_cache: dict[int, Optional[Trajectory]] = {}  # ground truth by prompt index (None: none usable)
 
     # -- set-up ------------------------------------------------------------------------
 
-    def _model_options(self):
-        from ..bridge.model import ModelOptions
-
+    def _model_options(self) -> ModelOptions:
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.model.dtype]
         return ModelOptions(dtype=dtype)
 
-    def build_engines(self, policy_path: str) -> None:
-        from ..engine.actor import ActorConfig, PolicyEngine
-        from ..engine.base import BatchingConfig, OptimConfig
-        from ..engine.critic import CriticConfig, ValueEngine
+    def _optimizer_steps(self, epochs: int) -> int:
+        """Optimizer steps of the whole run for an engine updating ``epochs`` times per batch."""
+        s = self.cfg.schedule
+        return s.total_steps * max(1, s.batch_size * self.cfg.rollout.group_size // s.mini_batch_size) * epochs
 
-        cfg, s, o = self.cfg, self.cfg.schedule, self.cfg.optimizer
-        decay = {
-            "decay_style": o.lr_schedule,
-            "decay_steps": (
-                s.total_steps * max(1, s.batch_size * cfg.rollout.group_size // s.mini_batch_size) * s.ppo_epochs
-            )
-            if o.lr_schedule != "constant"
-            else None,
-        }
-        optim = OptimConfig(
-            lr=o.lr,
-            min_lr=o.min_lr,
-            warmup_steps=o.warmup_steps,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad,
-            use_distributed_optimizer=cfg.parallelism.use_distributed_optimizer,
-            **decay,
-        )
+    def build_engines(self, policy_path: str) -> None:
+        cfg, s = self.cfg, self.cfg.schedule
+        layout, options = cfg.parallelism, self._model_options()
         batching = BatchingConfig(
-            epochs=s.ppo_epochs,
-            mini_batch_size=s.mini_batch_size,
-            micro_batch_size=s.micro_batch_size,
-            shuffle=True,
-            seed=s.seed,
+            epochs=s.ppo_epochs, mini_batch_size=s.mini_batch_size, micro_batch_size=s.micro_batch_size,
+            shuffle=True, seed=s.seed,
         )
-        layout, options = self.cfg.parallelism.layout(), self._model_options()
         self.actor = PolicyEngine(policy_path, layout, ActorConfig(
-            loss=cfg.algorithm.loss, optim=optim, batching=batching, routing_replay=cfg.algorithm.routing_replay,
-            temperature=cfg.rollout.temperature), model_options=options)
-        self.ref = None
+            loss=cfg.algorithm.loss, optim=cfg.optimizer.actor(self._optimizer_steps(s.ppo_epochs)), batching=batching,
+            routing_replay=cfg.algorithm.routing_replay, temperature=cfg.rollout.temperature), model_options=options)
         if cfg.algorithm.loss.kl_coef > 0:
-            self.ref = PolicyEngine(policy_path, layout, ActorConfig(loss=cfg.algorithm.loss, batching=batching,
-                                                                     temperature=cfg.rollout.temperature),
-                                    trainable=False, model_options=options)
-        self.critic = None
-        if cfg.algorithm.advantage.estimator in CRITIC_ESTIMATORS:
-            critic_warmup = o.warmup_steps if o.critic_warmup_steps is None else o.critic_warmup_steps
-            critic_optim = OptimConfig(**{**to_dict(optim), "lr": o.critic_lr, "min_lr": min(o.min_lr, o.critic_lr),
-                                          "warmup_steps": critic_warmup})
-            critic_batching = BatchingConfig(epochs=s.critic_epochs, mini_batch_size=s.mini_batch_size,
-                                             micro_batch_size=s.micro_batch_size, shuffle=True, seed=s.seed + 1)
+            self.ref = PolicyEngine(policy_path, layout, ActorConfig(
+                loss=cfg.algorithm.loss, batching=batching, temperature=cfg.rollout.temperature),
+                trainable=False, model_options=options)
+        if ADVANTAGE_ESTIMATORS[cfg.algorithm.advantage.estimator].critic:
+            critic_batching = dataclasses.replace(batching, epochs=s.critic_epochs, seed=s.seed + 1)
             self.critic = ValueEngine(cfg.model.critic_path or policy_path, layout, CriticConfig(
-                optim=critic_optim, batching=critic_batching, value_clip=cfg.algorithm.value_clip,
-                loss_agg=cfg.algorithm.loss.loss_agg), model_options=options)
+                optim=cfg.optimizer.critic(self._optimizer_steps(s.critic_epochs)), batching=critic_batching,
+                value_clip=cfg.algorithm.value_clip, loss_agg=cfg.algorithm.loss.loss_agg), model_options=options)
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -186,8 +188,6 @@ class RLTrainer:
         return sorted(done, key=lambda d: int(d.name[5:]))
 
     def save(self, step: int) -> None:
-        from ..engine.checkpoint import save_engine_checkpoint
-
         extra = {"step": step}
         if self.pvpo is not None:
             extra["pvpo"] = {"static_v": self.pvpo.static_v, "accuracy": self.pvpo.accuracy,
@@ -198,8 +198,6 @@ class RLTrainer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def restore(self, path: Path) -> int:
-        from ..engine.checkpoint import load_engine_checkpoint
-
         extra = load_engine_checkpoint(str(path), self.actor, self.critic)
         if "pvpo" in extra:
             p = extra["pvpo"]
@@ -213,23 +211,26 @@ class RLTrainer:
 
     # -- rollouts ----------------------------------------------------------------------
 
-    def _agent(self, greedy: bool = False):
-        from ..common.http import RetryPolicy
-        from ..retrieval.client import RetrievalClient
-        from ..rollout.agent import AgentConfig, SearchAgent
-        from ..rollout.client import RolloutClient, RolloutClientConfig
-
+    def _agent_config(self, greedy: bool = False, routed_experts: Optional[bool] = None) -> AgentConfig:
+        """The agent loop's limits and sampling, from the recipe (greedy: validation)."""
         r = self.cfg.rollout
-        policy = RolloutClient(RolloutClientConfig(urls=tuple(self.rollout_urls), max_concurrency=r.concurrency,
-                                                   generate_retry=RetryPolicy(timeout_s=r.timeout_s, retries=2)))
-        retriever = RetrievalClient(self.retrieval_url, topk=self.cfg.retrieval.topk)
-        agent_cfg = AgentConfig(
+        if routed_experts is None:
+            routed_experts = self.cfg.algorithm.routing_replay == "r3"
+        return AgentConfig(
             max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_total_tokens=r.max_total_tokens,
             max_obs_tokens=r.max_obs_tokens, topk=self.cfg.retrieval.topk,
             temperature=r.temperature, top_p=1.0 if greedy else r.top_p, top_k=1 if greedy else r.top_k,
-            return_routed_experts=self.cfg.algorithm.routing_replay == "r3", max_concurrency=r.concurrency,
+            return_routed_experts=routed_experts, max_concurrency=r.concurrency,
         )
-        return SearchAgent(policy, retriever, self.tokenizer, agent_cfg), policy, retriever
+
+    def _rollout_client(self) -> RolloutClient:
+        """The one way the trainer talks to the rollout servers (generation and weight sync)."""
+        r = self.cfg.rollout
+        return RolloutClient(RolloutClientConfig(urls=tuple(self.rollout_urls), max_concurrency=r.concurrency,
+                                                 generate_retry=RetryPolicy(timeout_s=r.timeout_s, retries=2)))
+
+    def _retrieval_client(self) -> RetrievalClient:
+        return RetrievalClient(self.retrieval_url, topk=self.cfg.retrieval.topk)
 
     def rollouts(
         self, indices: list[int], n: int, seed: int, greedy: bool = False, rows=None, rewards=None
@@ -239,7 +240,8 @@ class RLTrainer:
         rewards = self.rewards if rewards is None else rewards
 
         async def go():
-            agent, policy, retriever = self._agent(greedy)
+            policy, retriever = self._rollout_client(), self._retrieval_client()
+            agent = SearchAgent(policy, retriever, self.tokenizer, self._agent_config(greedy))
             try:
                 return await collect_rollouts(
                     agent,
@@ -260,8 +262,6 @@ class RLTrainer:
     def sync_weights(self, step: int) -> None:
         """Push the actor's weights after ``step`` RL steps to the rollout servers (HF names,
         bucketed), labelled weight version ``step_<step>``."""
-        from ..bridge.weights import iter_hf_weights, save_hf_checkpoint
-
         version = f"step_{step}"
 
         fp8 = self.cfg.rollout.precision == "fp8" and bool(
@@ -275,8 +275,6 @@ class RLTrainer:
             return
         tensors = iter_hf_weights(self.actor.model)
         if fp8:
-            from ..common.fp8 import quantize_hf_tensor
-
             tensors = (pair for name, t in tensors for pair in quantize_hf_tensor(name, t))
         if _rank() == 0:
             asyncio.run(self._with_client(lambda c: c.update_weights_from_tensor(tensors, weight_version=version)))
@@ -285,9 +283,7 @@ class RLTrainer:
                 pass
 
     async def _with_client(self, fn):
-        from ..rollout.client import RolloutClient
-
-        client = RolloutClient(tuple(self.rollout_urls))
+        client = self._rollout_client()
         try:
             return await fn(client)
         finally:
@@ -296,9 +292,6 @@ class RLTrainer:
     # -- the step ----------------------------------------------------------------------
 
     def _to_batch(self, res: RolloutResult, injected: torch.Tensor):
-        from ..engine.rl_batch import RLBatch
-        from ..rollout.trajectory import collate
-
         t = collate(res.trajectories, pad_token_id=self.pad_id)
         return RLBatch(
             input_ids=t["input_ids"], attention_mask=t["attention_mask"], loss_mask=t["loss_mask"],
@@ -306,22 +299,13 @@ class RLTrainer:
             routed_experts=t.get("routed_experts") if self.cfg.algorithm.routing_replay == "r3" else None,
         ), injected
 
-    def advantages(self, batch, rewards: torch.Tensor, values: Optional[torch.Tensor]):
+    def advantages(self, batch: RLBatch, rewards: torch.Tensor, values: Optional[torch.Tensor]):
+        """The recipe's estimator (``algorithms.advantages`` registry) on this batch."""
         a = self.cfg.algorithm.advantage
-        mask = batch.loss_mask
-        returns = None
-        if a.estimator == "gae":
-            token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
-            last = (mask * torch.arange(mask.shape[1])).argmax(dim=1)  # last policy token of each row
-            token_rewards[torch.arange(mask.shape[0]), last] = rewards
-            adv, returns = compute_gae(token_rewards, values, mask, a.gamma, a.lam)
-        elif a.estimator == "pvpo":
-            adv = broadcast_to_tokens(compute_pvpo_advantages(rewards, self.pvpo.values_for(batch.group_ids)), mask)
-        else:
-            adv = broadcast_to_tokens(compute_grpo_advantages(rewards, batch.group_ids, a.normalize_std), mask)
-        if a.whiten:
-            adv = whiten_advantages(adv, mask)
-        return adv, returns
+        static = self.pvpo.values_for(batch.group_ids) if self.pvpo is not None else None
+        inputs = AdvantageInputs(rewards, batch.loss_mask, values, batch.group_ids, static)
+        return compute_advantages(a.estimator, inputs, gamma=a.gamma, lam=a.lam, normalize_std=a.normalize_std,
+                                  whiten=a.whiten)
 
     def step(self, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -385,8 +369,6 @@ class RLTrainer:
         payload = None
         with timer("validate"):
             if _rank() == 0:
-                from ..rewards.registry import RewardRegistry
-
                 res = self.rollouts(list(range(len(self.val_rows))), 1, seed=0, greedy=True, rows=self.val_rows,
                                     rewards=RewardRegistry(metric_override="em", default="em"))
                 payload = {
@@ -416,18 +398,11 @@ class RLTrainer:
         injection, which scores them 1) a plan the rollout budgets cut before its answer
         (``max_turns``, ``max_turn_tokens``, ``max_total_tokens``) is left out: it is not a
         correct trajectory."""
-        from ..data.gold import gold_plan, gold_trajectory
-        from ..data.qa import encode_prompt
-        from ..retrieval.client import RetrievalClient
-        from ..rollout.agent import AgentConfig, SearchAgent
-
-        r = self.cfg.rollout
-        cfg = AgentConfig(max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_total_tokens=r.max_total_tokens,
-                          max_obs_tokens=r.max_obs_tokens, topk=self.cfg.retrieval.topk)
+        cfg = self._agent_config(routed_experts=False)  # a scripted policy has no routing
         out = {}
 
         async def go():
-            retriever = RetrievalClient(self.retrieval_url, topk=self.cfg.retrieval.topk)
+            retriever = self._retrieval_client()
             try:
                 for i in indices:
                     row = self.rows[i]
@@ -457,24 +432,13 @@ class RLTrainer:
     # -- the run -----------------------------------------------------------------------
 
     def run(self) -> dict[str, float]:
-        from transformers import AutoTokenizer
-
-        from ..bridge.parallel import init_distributed
-        from ..data.qa import read_parquet
-        from ..rewards.registry import RewardRegistry
-
         init_distributed()  # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
         cfg = self.cfg
         self.rows = read_parquet(cfg.data.train)
         self.val_rows = read_parquet(cfg.data.val) if cfg.data.val else []
-        self.rewards = RewardRegistry(
-            default="em", metric_override=cfg.reward.metric, format_weight=cfg.reward.format_weight
-        )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.stream = DataStream(
-            list(range(len(self.rows))), cfg.schedule.batch_size, cfg.schedule.seed, cfg.data.shuffle
-        )
+        self.stream.indices = list(range(len(self.rows)))
         with ExitStack() as stack:
             servers = stack.enter_context(EmbeddedServers(self.run_dir))
             if _rank() == 0:
@@ -532,11 +496,6 @@ class RLTrainer:
 
     def sft_stage(self) -> str:
         """Cold-start SFT on gold trajectories; returns the HF directory RL starts from."""
-        from ..data.gold import cold_start_plans
-        from ..engine.actor import ActorConfig, PolicyEngine
-        from ..engine.base import BatchingConfig, OptimConfig
-        from .sft import run_sft
-
         cfg, sft = self.cfg, self.cfg.sft
         out = self.run_dir / "sft_model"
         if (out / "SFT_DONE").is_file():
@@ -547,7 +506,7 @@ class RLTrainer:
             gold = self.gold_trajectories(sorted(plans), plans=plans)
             payload = [gold[i] for i in sorted(gold)]
         trajs = _broadcast(payload)
-        engine = PolicyEngine(cfg.model.path, cfg.parallelism.layout(), ActorConfig(
+        engine = PolicyEngine(cfg.model.path, cfg.parallelism, ActorConfig(
             loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
             batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size)),
             model_options=self._model_options())

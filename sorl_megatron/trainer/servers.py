@@ -15,11 +15,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from ..common.background import free_port, wait_healthy
+from ..common.procutil import die_with_parent_preexec
 
 
 @dataclass
@@ -39,7 +41,6 @@ class EmbeddedServers:
     run_dir: Path
     host: str = "127.0.0.1"
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    urls: dict[str, str] = field(default_factory=dict)
     _logs: list = field(default_factory=list)
 
     def start(self, spec: ServerSpec) -> str:
@@ -56,7 +57,7 @@ class EmbeddedServers:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent_fn(),
+            preexec_fn=die_with_parent_preexec(),
         )
         self.procs[spec.name] = proc
         if len(self.procs) == 1:
@@ -67,7 +68,6 @@ class EmbeddedServers:
         except Exception as err:
             self.stop()
             raise RuntimeError(f"embedded {spec.name} server failed to start ({err}); see {log.name}") from None
-        self.urls[spec.name] = url
         return url
 
     def stop(self) -> None:
@@ -121,37 +121,9 @@ def retrieval_server_spec(corpus: str, topk: int) -> ServerSpec:
     )
 
 
-def _die_with_parent_fn():
-    """A Popen ``preexec_fn`` giving the child SIGTERM when the trainer dies (Linux).
-
-    ``stop`` and the ``atexit`` hook cover every exit the trainer sees; a SIGKILL (OOM killer,
-    ``kill -9``, a scheduler's hard kill) runs neither, and the servers live in their own
-    sessions, so without this they would outlive the run. ``prctl`` is resolved here, in the
-    parent, so the child only makes the call between fork and exec.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the trainer died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
-
-
 def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _in_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()

@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..bridge.weights import save_hf_checkpoint
+from ..engine.rl_batch import RLBatch
 from ..rollout.trajectory import Trajectory, collate
 
 
@@ -45,9 +47,6 @@ def run_sft(
     on_step: Callable[[int, dict], None] | None = None,
 ) -> Path:
     """Train ``engine`` (a PolicyEngine) ``steps`` times on gold batches; save an HF checkpoint."""
-    from ..bridge.weights import save_hf_checkpoint
-    from ..engine.rl_batch import RLBatch
-
     for step, idx in enumerate(sft_batches(trajs, batch_size, steps, seed), 1):
         t = collate([trajs[i] for i in idx], pad_token_id=pad_id)
         metrics = engine.sft_update(

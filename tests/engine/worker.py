@@ -21,7 +21,7 @@ from batches import make_batch  # noqa: E402
 from sorl_megatron.algorithms import PolicyLossConfig, clip_bias_surrogate, compute_policy_loss  # noqa: E402
 from sorl_megatron.bridge import ParallelLayout, iter_hf_weights  # noqa: E402
 from sorl_megatron.engine.actor import ActorConfig, PolicyEngine  # noqa: E402
-from sorl_megatron.engine.base import BatchingConfig, OptimConfig  # noqa: E402
+from sorl_megatron.engine.config import BatchingConfig, OptimConfig  # noqa: E402
 from sorl_megatron.engine.critic import CriticConfig, ValueEngine  # noqa: E402
 from sorl_megatron.engine.rl_batch import BatchError  # noqa: E402
 from tests.bridge.case_runner import run_cases  # noqa: E402

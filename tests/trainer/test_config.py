@@ -303,3 +303,60 @@ def test_pvpo_static_v_refresh_schedule():
     # the PVPO recipe refreshes once, at table 2's step 500
     pvpo = load_recipe(GPU / "pvpo_qwen2.5_7b.yaml").algorithm.pvpo
     assert [k for k in range(1, 1440) if pvpo.refresh_due(k)] == [500]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["algorithm.loss.name=so_ppo", "algorithm.advantage.estimator=grpo"],
+         r"algorithm.loss.name=so_ppo is defined on a critic's advantages \(gae\) but "
+         r"algorithm.advantage.estimator=grpo has no critic"),
+        (["algorithm.loss.name=grpo", "algorithm.advantage.estimator=gae"],
+         r"algorithm.loss.name=grpo is defined on outcome-based advantages but "
+         r"algorithm.advantage.estimator=gae needs a critic: use algorithm.advantage.estimator in \['grpo', 'pvpo'\]"),
+        (["algorithm.advantage.estimator=vtrace"],
+         r"unknown estimator 'vtrace'; registered: \['gae', 'grpo', 'pvpo'\]"),
+    ],
+)
+def test_a_loss_needs_an_estimator_it_can_use(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(BASE, overrides)
+
+
+def test_the_optimizer_section_is_the_engines_optimizer_config():
+    from sorl_megatron.engine.config import OptimConfig
+
+    cfg = load_recipe(BASE, ["optimizer.lr_schedule=cosine", "optimizer.warmup_steps=2", "optimizer.critic_lr=1e-4",
+                             "optimizer.critic_warmup_steps=1", "optimizer.use_distributed_optimizer=true"])
+    assert isinstance(cfg.optimizer, OptimConfig)
+    actor, critic = cfg.optimizer.actor(40), cfg.optimizer.critic(20)
+    assert type(actor) is OptimConfig and actor.decay_steps == 40 and actor.lr == cfg.optimizer.lr
+    assert actor.use_distributed_optimizer and actor.lr_schedule == "cosine" and actor.warmup_steps == 2
+    assert (critic.lr, critic.warmup_steps, critic.decay_steps) == (1e-4, 1, 20)
+    assert load_recipe(BASE, ["optimizer.decay_steps=7"]).optimizer.actor(40).decay_steps == 7
+    assert load_recipe(BASE).optimizer.actor(40).decay_steps is None  # constant: nothing decays
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("optimizer.lr=.nan", r"optimizer.lr must be finite, got nan"),
+        ("optimizer.lr=.inf", r"optimizer.lr must be finite, got inf"),
+        ("optimizer.clip_grad=-5", r"optimizer.clip_grad must be >= 0 \(0 = off\), got -5"),
+        ("optimizer.weight_decay=-1", r"optimizer.weight_decay must be >= 0, got -1"),
+        ("optimizer.adam_beta1=2", r"optimizer.adam_beta1/adam_beta2 must be in \[0, 1\), got 2"),
+        ("optimizer.min_lr=1", r"optimizer.min_lr must be in \[0, lr\], got 1"),
+        ("optimizer.critic_lr=.nan", r"optimizer.critic_lr must be finite and > 0, got nan"),
+        ("optimizer.critic_warmup_steps=-1", r"optimizer.critic_warmup_steps must be >= 0"),
+    ],
+)
+def test_optimizer_values_are_checked_by_the_one_config(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(BASE, [override])
+
+
+def test_parallelism_is_the_engines_layout():
+    from sorl_megatron.bridge.layout import ParallelLayout
+
+    cfg = load_recipe(BASE, ["parallelism.tp=2", "parallelism.etp=1"])
+    assert type(cfg.parallelism) is ParallelLayout and cfg.parallelism.expert_tp == 1

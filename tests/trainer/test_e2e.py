@@ -96,7 +96,7 @@ class LengthReward(RewardRegistry):
 
 @pytest.fixture
 def length_reward(monkeypatch):
-    monkeypatch.setattr("sorl_megatron.rewards.registry.RewardRegistry", LengthReward)
+    monkeypatch.setattr("sorl_megatron.trainer.rl_loop.RewardRegistry", LengthReward)
 
 
 def _trainer(overrides, cls=None):
@@ -417,8 +417,8 @@ def test_servers_stopped_after_failures(tiny_data, server_spy, monkeypatch, tmp_
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
     # a real build failure after the retrieval server started: the critic's checkpoint is missing
-    bad_critic = run_overrides(tiny_data, tmp_path, "bad_critic", "algorithm.advantage.estimator=gae",
-                               f"model.critic_path={tmp_path / 'no_such_model'}")
+    bad_critic = run_overrides(tiny_data, tmp_path, "bad_critic", "algorithm.loss.name=so_ppo",
+                               "algorithm.advantage.estimator=gae", f"model.critic_path={tmp_path / 'no_such_model'}")
     with pytest.raises(Exception, match="no_such_model"):
         _trainer(bad_critic).run()
     assert [p.args[2] for p in server_spy] == ["sorl_megatron.retrieval.server"]
@@ -462,7 +462,7 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
     sources = ["crafted_solved", "crafted_unsolved", "crafted_mixed"]
     crafted = [dataclasses.replace(r, data_source=s) for r, s in zip(rows, sources)]
     write_parquet(crafted, tmp_path / "crafted.parquet")
-    monkeypatch.setattr("sorl_megatron.rewards.registry.RewardRegistry", CraftedPVPORewards)
+    monkeypatch.setattr("sorl_megatron.trainer.rl_loop.RewardRegistry", CraftedPVPORewards)
     CraftedPVPORewards.mixed_calls = 0
 
     seen = {"passes": [], "steps": []}
