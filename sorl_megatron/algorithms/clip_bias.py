@@ -31,6 +31,7 @@ from typing import Iterable
 
 import torch
 
+from .config import ClipBiasConfig
 from .turns import TurnSegments, broadcast_segments, segment_sum
 
 
@@ -107,19 +108,44 @@ def normalization_factor(norm: torch.Tensor, delta: float) -> torch.Tensor:
     return 1.0 / torch.clamp(norm.detach().float(), min=delta)
 
 
+@dataclass(frozen=True)
+class ClipNormalization:
+    """One mini-batch's clipping-triggered normalization: ``norm`` = ``||C||``, the ``factor``
+    to apply and the ``running`` mean of ``||C||`` to carry to the next mini-batch (relative
+    form; ``None`` for the absolute form)."""
+
+    norm: float
+    factor: float
+    running: float | None = None
+
+
 def mini_batch_normalization(
-    scalar: float, sq_sum: float, mode: str, delta: float, param_grad_norm: float | None = None
-) -> tuple[float, float]:
-    """``(||C||, 1 / max(||C||, delta))`` of a whole mini-batch (eq. 12), for an engine.
+    scalar: float,
+    sq_sum: float,
+    config: ClipBiasConfig,
+    param_grad_norm: float | None = None,
+    running: float | None = None,
+) -> ClipNormalization:
+    """``||C||`` and the factor of a whole mini-batch, for an engine.
 
     The engine sums the additive statistics (``clip_bias/scalar``, ``clip_bias/sq_sum``) over
     its micro-batches and ranks, or measures ``||dS/dtheta||`` with a second backward in the
-    ``param_grad`` mode, and asks here for the norm and the factor.
+    ``param_grad`` mode, and asks here. ``absolute`` form: eq. 12, ``1 / max(||C||, delta)``.
+    ``relative`` form: ``min(1, k * m / ||C||)`` with ``m`` the running mean of earlier
+    mini-batches' norms (``running``; the first mini-batch only starts it, factor 1). The mean
+    takes each norm capped at ``k * m``, so one spike does not lift the threshold while a
+    lasting change of scale still moves it (by at most ``(1 - ema_decay) (k - 1)`` per step).
     """
-    if mode == "param_grad":
+    if config.mode == "param_grad":
         if param_grad_norm is None:
             raise ValueError("clip_bias.mode='param_grad' needs the measured parameter-space norm")
-        norm = torch.tensor(float(param_grad_norm))
+        norm = float(param_grad_norm)
     else:
-        norm = clip_bias_norm(torch.tensor(float(scalar)), torch.tensor(float(sq_sum)), mode)
-    return float(norm), float(normalization_factor(norm, delta))
+        norm = float(clip_bias_norm(torch.tensor(float(scalar)), torch.tensor(float(sq_sum)), config.mode))
+    if config.form == "absolute":
+        return ClipNormalization(norm, float(normalization_factor(torch.tensor(norm), config.delta)))
+    if running is None:
+        return ClipNormalization(norm, 1.0, norm)
+    threshold = config.relative_threshold * running
+    factor = 1.0 if norm <= threshold else threshold / norm
+    return ClipNormalization(norm, factor, config.ema_decay * running + (1 - config.ema_decay) * min(norm, threshold))

@@ -15,7 +15,8 @@ from .aggregation import LOSS_AGG_MODES
 from .loss_registry import POLICY_LOSSES
 
 ClipBiasMode = Literal["logprob", "scalar", "param_grad"]
-ClipBiasApply = Literal["grad", "lr"]
+ClipBiasApply = Literal["grad", "clipped_grad", "lr"]
+ClipBiasForm = Literal["absolute", "relative"]
 ClipBiasIndicator = Literal["loss_ratio", "token_ratio"]
 KLEstimator = Literal["k1", "k2", "k3"]
 ISMode = Literal["off", "tis", "mis"]
@@ -46,9 +47,19 @@ class ClipBiasConfig:
             token log-probs), ``scalar`` (|C| of eq. 8 read as a scalar), or ``param_grad``
             (norm of the parameter gradient of the clip-bias surrogate; needs a second
             backward, done by the engine or via ``params`` in ``compute_policy_loss``).
-        delta: lower bound of the normaliser, ``factor = 1 / max(||C||, delta)`` (paper: 1).
-        apply_to: ``grad`` scales the gradient; ``lr`` scales that step's learning rate
-            instead (engine option; with Adam a global gradient scale largely cancels).
+        delta: lower bound of the normaliser, ``factor = 1 / max(||C||, delta)`` (paper: 1;
+            ``form: absolute``).
+        form: ``absolute`` is eq. 12 as written: ``1 / max(||C||, delta)``, which amplifies
+            steps whenever ``||C|| < 1`` and whose threshold means something different at every
+            model scale; ``relative`` only ever shrinks a step, by
+            ``min(1, relative_threshold * m / ||C||)`` with ``m`` a running mean of ``||C||``
+            (``ema_decay``; an engine keeps it), so it engages on spikes of the clipping bias
+            whatever its typical size.
+        apply_to: where an engine applies the factor: ``lr`` (that optimizer step's learning
+            rate: under Adam the parameter update scales by exactly the factor; the default),
+            ``clipped_grad`` (the gradient after global clipping, before Adam) or ``grad`` (the
+            gradient before clipping: eq. 12 literally; ``clip_grad`` and Adam's normalization
+            largely undo it, docs/algorithms.md).
         indicator: which ratio decides the clipping indicators ``1[t in B^c]``:
             ``loss_ratio`` (the ratio the loss clips, eq. 5/8 as written) or ``token_ratio``
             (token-level indicators even for turn-level losses, the ST-PPO summary's reading).
@@ -56,7 +67,10 @@ class ClipBiasConfig:
 
     mode: ClipBiasMode = "logprob"
     delta: float = 1.0
-    apply_to: ClipBiasApply = "grad"
+    form: ClipBiasForm = "absolute"
+    relative_threshold: float = 2.0
+    ema_decay: float = 0.9
+    apply_to: ClipBiasApply = "lr"
     indicator: ClipBiasIndicator = "loss_ratio"
 
     def __post_init__(self) -> None:
@@ -65,6 +79,10 @@ class ClipBiasConfig:
     def validate(self, prefix: str = "clip_bias") -> None:
         _choice(prefix, "mode", self.mode, get_args(ClipBiasMode))
         _positive(prefix, "delta", self.delta)
+        _choice(prefix, "form", self.form, get_args(ClipBiasForm))
+        _positive(prefix, "relative_threshold", self.relative_threshold)
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"{prefix}.ema_decay must be in [0, 1), got {self.ema_decay}")
         _choice(prefix, "apply_to", self.apply_to, get_args(ClipBiasApply))
         _choice(prefix, "indicator", self.indicator, get_args(ClipBiasIndicator))
 

@@ -91,6 +91,9 @@ def compute_policy_loss(
                 )
             norm = param_grad_clip_bias_norm(terms.bias.surrogate, params)
         if normalize:
+            if config.clip_bias.form != "absolute":
+                raise ValueError("loss.clip_bias.form='relative' keeps a running mean across mini-batches: "
+                                 "use an engine (normalize=False) or form='absolute'")
             factor = normalization_factor(norm.to(logprobs.device), config.clip_bias.delta)
             loss = loss * factor
         if norm is not None:

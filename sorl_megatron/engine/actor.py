@@ -8,7 +8,8 @@
 Clipping-triggered normalization (SORL eq. 12) is applied per *mini-batch*: the clip-bias
 statistics of every micro-batch on every pipeline stage and DP rank are summed, ``||C||`` is
 taken once, and ``1 / max(||C||, delta)`` scales the accumulated gradient before clipping and
-the optimizer step (or that step's LR with ``clip_bias.apply_to = 'lr'``).
+the optimizer step: that step's LR (``clip_bias.apply_to = 'lr'``, the default), the clipped
+gradient (``clipped_grad``) or the gradient before clipping (``grad``, eq. 12 literally).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..algorithms.clip_bias import mini_batch_normalization
 from ..algorithms.loss_registry import POLICY_LOSSES
 from ..bridge.layout import ParallelLayout
 from ..bridge.model import ModelOptions
-from .base import EngineBase, accumulate_metrics, device, reduce_metrics
+from .base import EngineBase, accumulate_metrics, device, factor_scales, reduce_metrics
 from .config import BatchingConfig, OptimConfig
 from .rl_batch import RLBatch, validate_batch
 from .vocab_parallel import next_token_targets, shift_to_token_positions, vocab_parallel_logprobs_entropy
@@ -96,6 +97,8 @@ class PolicyEngine(EngineBase):
         )
         if self.cfg.routing_replay != "off" and not self.is_moe:
             raise ValueError(f"actor.routing_replay={self.cfg.routing_replay!r} needs a MoE model")
+        # running mean of ||C|| of the relative clip-bias form (engine state: checkpointed)
+        self.clip_bias_running: Optional[float] = None
 
     # -- validation -----------------------------------------------------------------------
 
@@ -271,14 +274,17 @@ class PolicyEngine(EngineBase):
         step_metrics["clip_bias/logprob_norm"] = max(reduced.get("clip_bias/sq_sum", 0.0), 0.0) ** 0.5
         factor = 1.0
         if spec.clip_normalized:
-            step_metrics["clip_bias/norm"], factor = mini_batch_normalization(
-                reduced.get("clip_bias/scalar", 0.0), reduced.get("clip_bias/sq_sum", 0.0), mode,
-                loss_cfg.clip_bias.delta, param_grad_norm=c_norm if mode == "param_grad" else None,
+            norm = mini_batch_normalization(
+                reduced.get("clip_bias/scalar", 0.0), reduced.get("clip_bias/sq_sum", 0.0), loss_cfg.clip_bias,
+                param_grad_norm=c_norm if mode == "param_grad" else None, running=self.clip_bias_running,
             )
+            factor, self.clip_bias_running = norm.factor, norm.running
+            step_metrics["clip_bias/norm"] = norm.norm
+            if norm.running is not None:
+                step_metrics["clip_bias/running_norm"] = norm.running
         step_metrics["clip_bias/factor"] = factor
         step_metrics.update(self._replay_metrics())
-        apply_lr = loss_cfg.clip_bias.apply_to == "lr"
-        step_metrics.update(
-            self._optimizer_step(grad_factor=1.0 if apply_lr else factor, lr_factor=factor if apply_lr else 1.0)
-        )
+        apply_to = loss_cfg.clip_bias.apply_to
+        step_metrics.update(self._optimizer_step(factor, apply_to))
+        step_metrics.update(factor_scales(factor, apply_to, step_metrics["grad_norm"], self.optim.clip_grad))
         return step_metrics

@@ -16,6 +16,7 @@ gradient of the mini-batch loss (``calculate_per_token_loss`` stays off).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -29,6 +30,23 @@ from ..bridge.model import MegatronModel, ModelOptions
 from .config import BatchingConfig, OptimConfig, check
 from .rl_batch import BatchError, RLBatch, split_rows
 from .routing_replay import RoutingReplay
+
+
+def factor_scales(factor: float, apply_to: str, grad_norm: float, clip: float) -> dict[str, float]:
+    """What a clip-bias ``factor`` placed at ``apply_to`` leaves on the step: ``grad_scale`` on
+    the gradient Adam receives (with ``grad``, global clipping to ``clip`` takes back whatever
+    pushed the norm over it; ``grad_norm`` is the norm clipping saw) and ``lr_scale`` on the
+    step size. Under Adam only ``lr_scale`` scales the parameter update itself."""
+
+    def clip_coef(norm: float) -> float:  # megatron's clip_grad_by_total_norm_fp32
+        return min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+
+    grad_scale = 1.0
+    if apply_to == "clipped_grad":
+        grad_scale = factor
+    elif apply_to == "grad" and factor != 1.0 and math.isfinite(grad_norm) and grad_norm > 0:
+        grad_scale = factor * clip_coef(grad_norm) / clip_coef(grad_norm / factor)
+    return {"clip_bias/grad_scale": grad_scale, "clip_bias/lr_scale": factor if apply_to == "lr" else 1.0}
 
 
 def _rank_info() -> dict[str, int]:
@@ -351,26 +369,62 @@ class EngineBase:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def _optimizer_step(self, grad_factor: float = 1.0, lr_factor: float = 1.0) -> dict[str, float]:
-        """Scale the accumulated (DP-reduced) gradient, advance the LR schedule, clip, step."""
-        if grad_factor != 1.0:
+    def _optimizer_step(self, factor: float = 1.0, apply_to: str = "lr") -> dict[str, float]:
+        """Advance the LR schedule, clip the accumulated (DP-reduced) gradient and step, with
+        ``factor`` applied to the gradient before clipping (``grad``), after it (``clipped_grad``)
+        or to this step's learning rate (``lr``).
+
+        Megatron's ``optimizer.step()`` is unrolled (prepare, norm/clip, step) so the factor can
+        sit after clipping and the pre-clip norm is known for every loss.
+        """
+        opt = self.optimizer
+        if factor != 1.0 and apply_to == "grad":
             for c in self.model.chunks:
-                c.scale_gradients(grad_factor)
+                c.scale_gradients(factor)
         self.scheduler.step(1)
-        groups = self.optimizer.param_groups
+        groups = opt.param_groups
         saved = [g["lr"] for g in groups]
-        if lr_factor != 1.0:
-            for g in groups:
-                g["lr"] = g["lr"] * lr_factor
-        ok, grad_norm, _ = self.optimizer.step()
-        for g, lr in zip(groups, saved):
-            g["lr"] = lr
+        lr_scale = factor if apply_to == "lr" else 1.0
+        for g in groups:
+            g["lr"] = g["lr"] * lr_scale
+        try:
+            if opt.prepare_grads():  # inf/nan in the gradient (loss scaling): skip the step
+                ok, grad_norm = False, float("nan")
+            else:
+                grad_norm = float(opt.get_grad_norm())
+                self._clip_and_scale(grad_norm, factor if apply_to == "clipped_grad" else 1.0)
+                ok = bool(opt.step_with_ready_grads())
+        finally:
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr
         self.step += 1
         return {
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "lr": float(saved[0]) * lr_factor if saved else 0.0,
-            "update_ok": float(bool(ok)),
+            "grad_norm": grad_norm,  # before clipping (and after a `grad` factor)
+            "lr": float(saved[0]) * lr_scale if saved else 0.0,
+            "update_ok": float(ok),
         }
+
+    def _clip_and_scale(self, grad_norm: float, factor: float) -> None:
+        """Megatron's global clipping of the main gradients to ``clip_grad`` (as its
+        ``step()`` does it, for a single or a chained dense + expert optimizer), then
+        ``factor`` on the clipped gradients."""
+        from megatron.core.optimizer import clip_grads
+
+        clip = self.optim.clip_grad
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+            if not params:
+                continue
+            decoupled = bool(getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+            if clip > 0:
+                clip_grads.clip_grad_by_total_norm_fp32(
+                    params, max_norm=clip, total_norm=grad_norm, use_decoupled_grad=decoupled
+                )
+            if factor != 1.0:
+                for p in params:
+                    grad = p.decoupled_grad if decoupled else p.grad
+                    if grad is not None:
+                        grad.mul_(factor)
 
     def _optimize(self, batch: RLBatch, train_mini_batch) -> dict[str, float]:
         """``epochs`` x mini-batches of ``train_mini_batch(batch, rows, micro_batch_size)``."""

@@ -12,7 +12,7 @@ from sorl_megatron.algorithms import (
     segment_turns,
     token_weights,
 )
-from sorl_megatron.algorithms.clip_bias import mini_batch_normalization
+from sorl_megatron.algorithms.clip_bias import ClipNormalization, mini_batch_normalization
 
 from .conftest import random_batch
 
@@ -95,13 +95,42 @@ def test_so_losses_scale_gradient_by_inverse_clip_bias_norm(base, normalized, mo
     assert torch.allclose(metrics["clip_bias/factor"], torch.tensor(factor))
     assert torch.allclose(g_norm, g_base * factor, atol=1e-7, rtol=1e-5)
     # what an engine gets from the same (additive) statistics of a whole mini-batch
-    engine_norm, engine_factor = mini_batch_normalization(
-        float(metrics["clip_bias/scalar"]), float(metrics["clip_bias/sq_sum"]), mode, delta
+    engine = mini_batch_normalization(
+        float(metrics["clip_bias/scalar"]), float(metrics["clip_bias/sq_sum"]), ClipBiasConfig(mode=mode, delta=delta)
     )
-    assert engine_norm == pytest.approx(float(norm), rel=1e-6) and engine_factor == pytest.approx(factor, rel=1e-6)
-    assert mini_batch_normalization(0.0, 0.0, "param_grad", delta, param_grad_norm=2.0) == (2.0, 0.5)
+    assert engine.norm == pytest.approx(float(norm), rel=1e-6) and engine.factor == pytest.approx(factor, rel=1e-6)
+    pg = ClipBiasConfig(mode="param_grad", delta=delta)
+    assert mini_batch_normalization(0.0, 0.0, pg, param_grad_norm=2.0) == ClipNormalization(2.0, 0.5)
     with pytest.raises(ValueError, match="param_grad' needs the measured"):
-        mini_batch_normalization(0.0, 0.0, "param_grad", delta)
+        mini_batch_normalization(0.0, 0.0, pg)
+
+
+def test_relative_form_only_shrinks_and_follows_the_scale_of_c():
+    """min(1, k m / ||C||) with m a running mean of capped norms: 1 while ||C|| stays near its
+    usual size (whatever that size is), < 1 on a spike, and the spike barely moves m."""
+    cfg = ClipBiasConfig(mode="param_grad", form="relative", relative_threshold=2.0, ema_decay=0.5)
+
+    def run(norms):
+        running, out = None, []
+        for n in norms:
+            r = mini_batch_normalization(0.0, 0.0, cfg, param_grad_norm=n, running=running)
+            running = r.running
+            out.append((r.factor, r.running))
+        return out
+
+    for scale in (1e-3, 1.0, 1e3):  # the same behaviour at every scale of ||C||
+        steps = run([scale, 1.5 * scale, 0.8 * scale, 10 * scale, scale])
+        assert [f for f, _ in steps[:3]] == [1.0, 1.0, 1.0]
+        m = steps[2][1]
+        assert steps[3][0] == pytest.approx(2.0 * m / (10 * scale))  # the spike is shrunk to k m
+        assert steps[3][1] == pytest.approx(0.5 * m + 0.5 * 2.0 * m)  # and enters m capped at k m
+        assert steps[4][0] == 1.0
+    assert steps[0] == (1.0, 1e3)  # the first mini-batch only starts the mean
+    assert all(f <= 1.0 for f, _ in run([1.0, 100.0, 1e4, 1e-6, 1e9]))
+    with pytest.raises(ValueError, match="form='relative' keeps a running mean"):
+        lp, old, adv, mask = random_batch(batch=2, seq=5, scale=0.6, seed=1)
+        relative = PolicyLossConfig(name="so_grpo", clip_bias=ClipBiasConfig(form="relative"))
+        compute_policy_loss(lp, old, adv, mask, relative)
 
 
 def test_param_grad_mode_uses_parameter_space_norm():

@@ -45,6 +45,22 @@ def test_clip_bias_factor_over_micro_batches_equals_whole_mini_batch(ws1, engine
     assert r["m1"]["clip_bias/factor"] > 1  # normalization is active in this batch
 
 
+def test_the_default_placement_scales_the_update_by_the_factor(ws1):
+    """Under Adam and clip_grad only the LR placement changes the parameter update by the
+    factor; on the gradient (before or after clipping) Adam's normalization undoes it."""
+    r = _ok(ws1, "placement_ws1")
+    base, factor = r["base"]["update_norm"], r["lr"]["clip_bias/factor"]
+    print({k: (r[k]["update_norm"] / base, r[k]["grad_norm"]) for k in ("lr", "clipped_grad", "grad")}, factor)
+    assert r["lr"]["clip_bias/logprob_norm"] > 1e-4  # ||C|| > delta: the normalization acts on this batch
+    assert abs(factor - 1) > 0.1
+    assert r["lr"]["update_norm"] / base == pytest.approx(factor, rel=1e-4)
+    assert (r["lr"]["clip_bias/lr_scale"], r["lr"]["clip_bias/grad_scale"]) == (pytest.approx(factor), 1.0)
+    assert r["clipped_grad"]["clip_bias/grad_scale"] == pytest.approx(factor)
+    for inert in ("clipped_grad", "grad"):  # the same batch and weights give the same factor
+        assert r[inert]["clip_bias/factor"] == pytest.approx(factor, rel=1e-6)
+        assert abs(r[inert]["update_norm"] / base - 1) < abs(factor - 1) / 4, inert
+
+
 def test_param_grad_norm_equals_direct_autograd(ws1):
     r = _ok(ws1, "actor_ws1")
     assert r["m2"]["clip_bias/norm"] == pytest.approx(r["direct_pg_2"], rel=1e-5)

@@ -128,13 +128,36 @@ def op_losses(case: dict, models: str, work: str) -> dict:
     res = {}
     for name in sorted(POLICY_LOSSES):
         actor.cfg.loss = PolicyLossConfig.from_dict(
-            {"name": name, "clip_bias": {"delta": 0.05}, "loss_agg": "seq-mean-token-mean"}
+            # delta 0.05 makes the factor ~20 here: on the LR that would throw the later losses'
+            # ratios out of the clip range; on the gradient, clipping and Adam absorb it
+            {"name": name, "clip_bias": {"delta": 0.05, "apply_to": "grad"}, "loss_agg": "seq-mean-token-mean"}
         )
         m = actor.update(batch)
         res[name] = {k: m[k] for k in ("loss", "grad_norm", "clip_bias/factor", "clip_frac")}
     res["params"] = params_of(actor)
     save(work, case["tag"], res)
     return {k: v for k, v in res.items() if k != "params"}
+
+
+def op_placement(case: dict, models: str, work: str) -> dict:
+    """Where the clip-bias factor applies: one optimizer step (Adam, clip_grad 1) from the same
+    weights on the same batch per placement, against the unnormalized loss (grpo)."""
+    layout = ParallelLayout.from_string(case["layout"])
+    res = {}
+    for variant, (name, apply_to) in {"base": ("grpo", "lr"), "lr": ("so_grpo", "lr"),
+                                      "clipped_grad": ("so_grpo", "clipped_grad"), "grad": ("so_grpo", "grad")}.items():
+        cfg = actor_config(name=name, apply_to=apply_to)
+        cfg.loss.clip_bias.delta = 1e-4  # below this batch's ||C||: the factor is 1 / ||C||
+        actor = PolicyEngine(os.path.join(models, case["model"]), layout, cfg)
+        batch, _ = training_batch(actor, seed=7)
+        before = params_of(actor)
+        m = actor.update(batch)
+        after = params_of(actor)
+        update = sum(float(((after[k] - before[k]) ** 2).sum()) for k in before) ** 0.5
+        keys = ("clip_bias/factor", "clip_bias/grad_scale", "clip_bias/lr_scale", "grad_norm", "clip_bias/logprob_norm")
+        res[variant] = {"update_norm": update, **{k: m[k] for k in keys}}
+        del actor
+    return res
 
 
 def op_replay(case: dict, models: str, work: str) -> dict:
@@ -382,6 +405,7 @@ def _max_param_diff(a, b) -> float:
 
 
 OPS = {
+    "placement": op_placement,
     "sft": op_sft,
     "recompute": op_recompute,
     "compat": op_compat,
