@@ -129,7 +129,7 @@ def test_cli_writes_everything_and_gold_trajectories_score_1(tmp_path):
         traj = asyncio.run(gold_trajectory(factory, tok, encode_prompt(tok, row), plan))
         assert traj.finish_reason == "answer" and traj.num_searches == len(plan.searches)
         assert traj.num_turns == len(plan.searches) + 1 and traj.meta["gold"]
-        assert registry.score(row.data_source, traj.response_text, {"target": row.targets}) == 1.0
+        assert registry.score(row.data_source, traj.turn_texts, {"target": row.targets}) == 1.0
         assert "<information>Doc 1(Title:" in traj.response_text and (traj.rollout_logprobs == 0).all()
 
 
