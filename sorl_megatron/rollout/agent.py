@@ -13,10 +13,11 @@ retrieved passage can be taken for the policy's action or answer.
 
 The environment failing one episode never fails the others: a search the retrieval server
 rejects (HTTP 4xx, e.g. a query over its length limit) or cannot serve (unreachable, timed
-out, 5xx after the client's retries) becomes an observation saying so and is counted in
-``Trajectory.retrieval_errors``; a generation request the rollout server rejects (4xx) ends
-that episode with ``finish_reason="error"``. Only a rollout server that is down (errors no
-retry can fix) ends the whole ``run_many``, cancelling its other episodes.
+out, 5xx or 429 after the client's retries) becomes an observation saying so and is counted
+in ``Trajectory.retrieval_errors``; a generation request the rollout server rejects (4xx)
+ends that episode with ``finish_reason="error"``. Only what fails every episode alike ends
+the whole ``run_many``, cancelling its other episodes: a rollout server that is down, or a
+retrieval server answering 404 / 401 / 403 (wrong URL or credentials).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ SEARCH_REJECTED_MESSAGE = "The search was rejected by the retrieval server: use 
 SEARCH_FAILED_MESSAGE = "The search failed: the retrieval server did not answer. No results."
 # What a retriever may raise for one search (common.http wraps HTTP failures in ServerError).
 RETRIEVAL_ERRORS = (ServerError, aiohttp.ClientError, OSError)
+# 4xx answers that refuse this query (bad or too long: 400 ours, 422 FastAPI's, 413/414 size);
+# any other 4xx (404 wrong URL, 401/403 credentials) refuses every query: a setup error, raised.
+QUERY_REJECTED_STATUS = (400, 413, 414, 422)
 _ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
 
@@ -188,8 +192,12 @@ class SearchAgent:
         """Observation ids of one search, the error (None on success) and whether it was rejected."""
         try:
             passages = (await self.retriever.retrieve([query], self.cfg.topk))[0]
-        except RequestRejectedError as err:  # the query's fault (too long, ...): the policy can do better
-            return self._rejected_ids, str(err), True
+        except RequestRejectedError as err:
+            if err.status in QUERY_REJECTED_STATUS:  # the query's fault (too long, ...): the policy can do better
+                return self._rejected_ids, str(err), True
+            if err.status != 429:  # 429 (overloaded) is transient: a failed search like a 5xx
+                raise
+            return self._failed_ids, str(err), False
         except RETRIEVAL_ERRORS as err:  # the server's fault, after the client's retries
             return self._failed_ids, f"{type(err).__name__}: {err}", False
         return self.observation_ids(passages), None, False

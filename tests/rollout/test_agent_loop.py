@@ -417,3 +417,24 @@ def test_a_dead_rollout_server_ends_run_many_and_cancels_the_rest(tokenizer):
     calls = asyncio.run(go())
     assert len(policy.calls) == calls == 4  # the first turn of each episode, nothing after
     assert policy.policies[b[0]].calls == []  # the slow episodes were cancelled inside their first turn
+
+
+def test_a_wrong_retrieval_url_is_a_setup_error_not_an_observation(tokenizer):
+    """404 refuses every query alike (wrong URL): raised, naming the URL, not hidden in observations."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
+
+    server = BackgroundServer(web.Application(), "127.0.0.1", 0).start()  # no /retrieve route
+    policy = ScriptedPolicy(tokenizer, ["<search> capital of France </search>", "<answer> Paris </answer>"])
+
+    async def go():
+        async with RetrievalClient(server.url + "/v1", policy=FAST_RETRY) as retr:
+            agent = SearchAgent(policy, retr, tokenizer, AgentConfig(max_turns=3, max_turn_tokens=50))
+            return await agent.run_many([tokenizer.encode("Question: capital of France?")], n=2)
+
+    try:
+        with pytest.raises(RequestRejectedError, match=r"/v1/retrieve -> HTTP 404"):
+            asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        server.stop()
