@@ -1,8 +1,9 @@
 """Train an agent with RL on Megatron: ``python -m sorl_megatron.train --config RECIPE [key=value ...]``.
 
 The same command runs under ``torchrun --nnodes N --nproc_per_node G -m sorl_megatron.train
---config ...`` (torchrun's standard rendezvous). The recipe is validated before any process
-group or server starts; overrides are dotted keys (``algorithm.loss.name=so_ppo``).
+--config ...`` (torchrun's standard rendezvous). The recipe, then its input files (data rows,
+retrieval corpus, resume directory), are validated before any process group, server or run
+directory exists; overrides are dotted keys (``algorithm.loss.name=so_ppo``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import sys
 
 from .trainer.config import CONFIG_GROUPS, ConfigError, dump_config, load_recipe, validate_layout_for_launch
+from .trainer.inputs import InputError, validate_inputs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_config(cfg))
             return 0
         validate_layout_for_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        # every rank reads the data; only rank 0 starts the retrieval server, so only it scans the corpus
+        validate_inputs(cfg, check_corpus=int(os.environ.get("RANK", "0")) == 0)
+    except InputError as err:
+        print(f"input error: {err}", file=sys.stderr)
+        return 2
     except (ConfigError, FileNotFoundError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

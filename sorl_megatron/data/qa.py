@@ -8,6 +8,7 @@ scripts are read as they are.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,45 +57,100 @@ def make_row(question: str, targets: Sequence[str], data_source: str, split: str
     return QARow(data_source=data_source, prompt=prompt, targets=list(targets), extra_info=info)
 
 
-def _targets(value: Any, where: str) -> list[str]:
-    if isinstance(value, dict):
-        value = value.get("ground_truth", value)
+class DataError(ValueError):
+    """A data file that cannot be used; each problem is reported as ``file:row: what is wrong``."""
+
+
+def _targets(value: Any) -> list[str]:
+    """The target strings of a ``reward_model`` cell; ValueError says what is wrong."""
+    if not isinstance(value, dict):
+        raise ValueError(f"column 'reward_model' must be a mapping with 'ground_truth', got {value!r:.100}")
+    value = value.get("ground_truth", value)
     if isinstance(value, dict):
         if "target" not in value:
-            raise ValueError(f"{where}: reward_model.ground_truth has no 'target' (keys: {sorted(value)})")
+            raise ValueError(f"reward_model.ground_truth has no 'target' (keys: {sorted(value)})")
         value = value["target"]
     if isinstance(value, str):
-        return [value]
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, int, float)) for v in value):
-        return [str(v) for v in value]
-    raise ValueError(f"{where}: ground-truth target must be a string or non-empty list of strings, got {value!r}")
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"the ground-truth target must be a string or a non-empty list of strings, got {value!r:.100}")
+    out = []
+    for i, v in enumerate(value):
+        ok = isinstance(v, str) or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+        if not ok:
+            raise ValueError(f"target[{i}] must be a string, got {v!r:.100}")
+        if not str(v).strip():
+            # an empty target would reward an empty answer
+            raise ValueError(f"target[{i}] is empty (targets: {list(value)!r:.100})")
+        out.append(str(v))
+    return out
 
 
-def read_parquet(path: str | Path) -> list[QARow]:
-    """Rows of a verl / Search-R1 parquet file; errors name the file, row and column."""
-    table = pq.read_table(path)
+def _prompt(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"column 'prompt' must be a non-empty list of chat messages, got {value!r:.100}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise ValueError(f"prompt[{i}] must be a {{'role', 'content'}} message, got {m!r:.100}")
+        content, role = m.get("content"), m.get("role", "user")
+        if not isinstance(content, str) or not content.strip():
+            raise ValueError(f"prompt[{i}].content must be a non-empty string, got {content!r:.100}")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"prompt[{i}].role must be a non-empty string, got {role!r:.100}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _row(rec: dict[str, Any]) -> QARow:
+    source = rec["data_source"]
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"data_source must be a non-empty string naming the data set, got {source!r:.100}")
+    extra = rec.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"extra_info must be a mapping (e.g. {{'split', 'index'}}) or null, got {extra!r:.100}")
+    ability = rec.get("ability")
+    return QARow(
+        data_source=source,
+        prompt=_prompt(rec["prompt"]),
+        targets=_targets(rec["reward_model"]),
+        ability="" if ability is None else str(ability),
+        extra_info=dict(extra or {}),
+    )
+
+
+def read_parquet(path: str | Path, max_errors: int = 20) -> list[QARow]:
+    """Rows of a verl / Search-R1 parquet file (an empty file gives ``[]``).
+
+    Every row is checked: ``data_source`` a non-empty string, ``prompt`` a non-empty list of
+    messages with non-empty string content, at least one non-empty target, ``extra_info`` a
+    mapping or null. Problems raise :class:`DataError` listing up to ``max_errors`` of them as
+    ``file:row: what is wrong`` (rows count from 0, as in pandas); a missing file raises
+    FileNotFoundError.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if not path.is_file():
+        raise DataError(f"{path}: not a file")
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(f"{path}: not a readable parquet file ({err})") from None
     missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
     if missing:
-        raise ValueError(f"{path}: missing column(s) {missing} (has {table.column_names})")
-    rows = []
+        raise DataError(f"{path}: missing column(s) {missing} (has {table.column_names})")
+    rows, errors, bad = [], [], 0
     for i, rec in enumerate(table.to_pylist()):
-        where = f"{path} row {i}"
-        prompt = rec["prompt"]
-        if (
-            not isinstance(prompt, list)
-            or not prompt
-            or not all(isinstance(m, dict) and "content" in m for m in prompt)
-        ):
-            raise ValueError(f"{where}: column 'prompt' must be a non-empty list of chat messages")
-        rows.append(
-            QARow(
-                data_source=str(rec["data_source"]),
-                prompt=[{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in prompt],
-                targets=_targets(rec["reward_model"], where),
-                ability=str(rec.get("ability") or ""),
-                extra_info=dict(rec.get("extra_info") or {}),
-            )
-        )
+        try:
+            rows.append(_row(rec))
+        except ValueError as err:
+            bad += 1
+            if len(errors) < max_errors:
+                errors.append(f"{path}:{i}: {err}")
+    if bad:
+        more = f"\n... and {bad - len(errors)} more" if bad > len(errors) else ""
+        raise DataError(f"{bad} bad row(s) of {table.num_rows} in {path}:\n" + "\n".join(errors) + more)
     return rows
 
 

@@ -27,12 +27,22 @@ class Passage:
 
 
 def read_corpus(path: str | Path) -> Iterator[Passage]:
-    """Yield the passages of a JSONL corpus of ``{"id", "contents"}`` rows.
+    """Yield the passages of a JSONL corpus of ``{"id", "contents"}`` rows (UTF-8).
 
-    Errors name the file and line, so a broken row in a large corpus is found at once.
+    Errors name the file and line (from 1), so a broken row in a large corpus is found at
+    once: invalid UTF-8, invalid JSON, a row without a string ``contents``. A missing file
+    raises FileNotFoundError.
     """
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes: a decoding error can then name its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path}:{lineno}: not valid UTF-8 ({exc.reason} at byte {exc.start} of the line)"
+                ) from None
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
             if not line.strip():
                 continue
             try:
@@ -41,7 +51,9 @@ def read_corpus(path: str | Path) -> Iterator[Passage]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc})") from None
             if not isinstance(row, dict) or "contents" not in row:
                 raise ValueError(f"{path}:{lineno}: a corpus row needs a 'contents' key")
-            yield Passage(id=str(row.get("id", lineno - 1)), contents=str(row["contents"]))
+            if not isinstance(row["contents"], str):
+                raise ValueError(f"{path}:{lineno}: 'contents' must be a string, got {row['contents']!r:.100}")
+            yield Passage(id=str(row.get("id", lineno - 1)), contents=row["contents"])
 
 
 def format_passages(passages: Sequence[Passage]) -> str:

@@ -1,8 +1,15 @@
 """Rule rewards for question answering (Search-R1 conventions).
 
+Rewards read only what the policy wrote: a response is the list of the policy's own turn
+texts (``Trajectory.turn_texts``, the decoded loss-mask-1 spans), never the observations or
+messages the environment put between them; a bare string is one policy turn. A retrieved
+passage or an environment message that shows ``<answer>X</answer>`` can therefore never be
+taken for the policy's answer.
+
 Answers are read from the policy's last ``<answer>...</answer>`` block and compared with
 every target after SQuAD normalization (lower-case, no punctuation, no articles a/an/the,
-single spaces). A prediction scores the best value over all targets (aliases).
+single spaces). A prediction scores the best value over all targets (aliases); an answer
+that normalizes to nothing scores 0.
 """
 
 from __future__ import annotations
@@ -11,6 +18,9 @@ import re
 import string
 from collections import Counter
 from collections.abc import Iterable, Sequence
+
+# What a reward reads: the policy's turn texts in order, or one string (a single turn).
+PolicyResponse = str | Sequence[str]
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
@@ -24,14 +34,27 @@ def normalize_answer(text: str) -> str:
     return " ".join(text.split())
 
 
-def extract_answer(response: str) -> str | None:
-    """The content of the last ``<answer>`` block, or None when there is none.
+def policy_turns(response: PolicyResponse) -> list[str]:
+    """The policy's turn texts of a response (a string is one turn)."""
+    if isinstance(response, str):
+        return [response]
+    turns = list(response)
+    if not all(isinstance(t, str) for t in turns):
+        raise TypeError(f"a response is a string or a list of the policy's turn texts, got {response!r:.200}")
+    return turns
 
-    The last block counts because Search-R1 prompts may themselves show the tag; the
-    policy's own final answer comes last.
+
+def extract_answer(response: PolicyResponse) -> str | None:
+    """The content of the policy's last ``<answer>`` block, or None when there is none.
+
+    A block must open and close inside one policy turn: an ``<answer>`` cut off by a turn's
+    token budget and a ``</answer>`` in a later turn are not an answer.
     """
-    matches = _ANSWER_RE.findall(response)
-    return matches[-1].strip() if matches else None
+    for turn in reversed(policy_turns(response)):
+        matches = _ANSWER_RE.findall(turn)
+        if matches:
+            return matches[-1].strip()
+    return None
 
 
 def _targets(targets: str | Iterable[str]) -> list[str]:
@@ -44,9 +67,13 @@ def _targets(targets: str | Iterable[str]) -> list[str]:
 
 
 def exact_match(prediction: str, targets: str | Iterable[str]) -> float:
-    """1.0 if the normalized prediction equals any normalized target, else 0.0."""
+    """1.0 if the normalized prediction equals any normalized target, else 0.0.
+
+    An empty normalized prediction never matches (an empty target must not reward silence).
+    """
+    golds = [normalize_answer(t) for t in _targets(targets)]
     pred = normalize_answer(prediction)
-    return float(any(pred == normalize_answer(t) for t in _targets(targets)))
+    return float(bool(pred) and pred in golds)
 
 
 def _f1(pred_tokens: Sequence[str], gold_tokens: Sequence[str]) -> float:
@@ -92,27 +119,45 @@ def multiple_choice(prediction: str, targets: str | Iterable[str]) -> float:
 
 
 _TAG_RE = re.compile(r"<(think|search|answer|information)>|</(think|search|answer|information)>")
+# Tags of the agent protocol that the policy writes (``information`` is the environment's).
+ACTION_TAGS = ("think", "search", "answer")
+ACTION_TAG_RE = re.compile(r"</?(think|search|answer)>")
 
 
-def is_well_formed(response: str) -> bool:
-    """Structural check of a search-agent response.
-
-    Tags are balanced and never nested, and the response ends with exactly one
-    ``<answer>`` block as its last action.
-    """
+def _turn_actions(turn: str) -> list[str] | None:
+    """The actions (``search`` / ``answer``) closed in one policy turn, in order, or None when
+    its tags are unbalanced, nested, an ``<information>`` block (the environment's tag: a
+    policy that writes it fakes an observation) or followed by more tags after an action."""
     open_tag: str | None = None
-    answers = 0
-    for m in _TAG_RE.finditer(response):
+    actions: list[str] = []
+    for m in _TAG_RE.finditer(turn):
+        tag = m.group(1) or m.group(2)
+        if tag == "information" or actions:
+            return None  # an observation written by the policy, or a tag after its action
         if m.group(1):
             if open_tag is not None:
-                return False
-            open_tag = m.group(1)
+                return None
+            open_tag = tag
         else:
-            if open_tag != m.group(2):
-                return False
-            answers += open_tag == "answer"
+            if open_tag != tag:
+                return None
+            if tag != "think":
+                actions.append(tag)
             open_tag = None
-    if open_tag is not None or answers != 1:
+    return None if open_tag is not None else actions
+
+
+def is_well_formed(response: PolicyResponse) -> bool:
+    """Structural check of the policy's turns (the observations between them are not read).
+
+    Every turn has balanced, unnested tags and exactly one action, closed last: each turn
+    but the last is a ``<search>``, the last turn is the one ``<answer>``. A turn without a
+    valid action (it drew the environment's correction message) makes the episode malformed.
+    """
+    turns = policy_turns(response)
+    if not turns:
         return False
-    tail = response[response.rfind("</answer>") + len("</answer>") :]
-    return "<search>" not in tail
+    for i, turn in enumerate(turns):
+        if _turn_actions(turn) != ["answer" if i == len(turns) - 1 else "search"]:
+            return False
+    return True

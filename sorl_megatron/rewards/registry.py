@@ -1,8 +1,10 @@
 """Reward functions selected by a row's ``data_source`` (verl / Search-R1 convention).
 
-A reward function maps ``(response_text, ground_truth)`` to a float, where ``ground_truth``
-is the parquet's ``reward_model.ground_truth`` (``{"target": [answer, alias, ...]}``; a bare
-string or list is accepted too).
+A reward function maps ``(response, ground_truth)`` to a float. ``response`` is what the
+policy wrote: the list of its turn texts (``Trajectory.turn_texts``; a bare string is one
+turn), never a text with the environment's observations in it. ``ground_truth`` is the
+parquet's ``reward_model.ground_truth`` (``{"target": [answer, alias, ...]}``; a bare string
+or list is accepted too).
 """
 
 from __future__ import annotations
@@ -11,10 +13,18 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .qa import exact_match, extract_answer, is_well_formed, multiple_choice, substring_match, token_f1
+from .qa import (
+    PolicyResponse,
+    exact_match,
+    extract_answer,
+    is_well_formed,
+    multiple_choice,
+    substring_match,
+    token_f1,
+)
 
 Metric = Literal["em", "f1", "substring", "mc"]
-RewardFn = Callable[[str, Any], float]
+RewardFn = Callable[[PolicyResponse, Any], float]
 
 _METRICS: dict[str, Callable[[str, Iterable[str]], float]] = {
     "em": exact_match,
@@ -48,10 +58,11 @@ def targets_of(ground_truth: Any) -> list[str]:
 
 @dataclass(frozen=True)
 class QAReward:
-    """Score of the last ``<answer>`` block against the targets.
+    """Score of the policy's last ``<answer>`` block against the targets.
 
-    ``format_weight`` mixes in a structure reward: ``(1 - w) * metric + w * well_formed``.
-    Responses without an answer score 0 (plus nothing: a missing answer is malformed).
+    ``format_weight`` mixes in a structure reward: ``(1 - w) * metric + w * well_formed``,
+    both read from the policy's turns only. Responses without an answer score 0 (plus
+    nothing: a missing answer is malformed).
     """
 
     metric: Metric = "em"
@@ -63,7 +74,7 @@ class QAReward:
         if not 0.0 <= self.format_weight <= 1.0:
             raise ValueError(f"reward.format_weight must be in [0, 1], got {self.format_weight}")
 
-    def __call__(self, response: str, ground_truth: Any) -> float:
+    def __call__(self, response: PolicyResponse, ground_truth: Any) -> float:
         answer = extract_answer(response)
         score = 0.0 if answer is None else _METRICS[self.metric](answer, targets_of(ground_truth))
         if self.format_weight:
@@ -88,20 +99,26 @@ class RewardRegistry:
         self._custom[data_source] = fn
 
     def get(self, data_source: str) -> RewardFn:
+        if not isinstance(data_source, str) or not data_source:
+            # before ``default``: a null or numeric source is a broken row, not an unknown data set
+            raise KeyError(f"data_source must be a non-empty string naming the data set, got {data_source!r}")
         if data_source in self._custom:
             return self._custom[data_source]
         metric = DEFAULT_SOURCES.get(data_source, self.default)
         if metric is None:
-            known = sorted(set(DEFAULT_SOURCES) | set(self._custom))
-            raise KeyError(f"no reward registered for data_source {data_source!r} (known: {known})")
+            raise KeyError(f"no reward registered for data_source {data_source!r} (known: {self.known()})")
         if self.metric_override is not None and metric != "mc":
             metric = self.metric_override
         return QAReward(metric=metric, format_weight=self.format_weight)
 
-    def score(self, data_source: str, response: str, ground_truth: Any) -> float:
+    def known(self) -> list[str]:
+        """The data sources with a reward (``default`` covers any other string)."""
+        return sorted(set(DEFAULT_SOURCES) | set(self._custom))
+
+    def score(self, data_source: str, response: PolicyResponse, ground_truth: Any) -> float:
         return self.get(data_source)(response, ground_truth)
 
 
-def compute_score(data_source: str, response: str, ground_truth: Any, **registry_kwargs: Any) -> float:
-    """verl-style entry point: one response's reward."""
+def compute_score(data_source: str, response: PolicyResponse, ground_truth: Any, **registry_kwargs: Any) -> float:
+    """verl-style entry point: one response's reward (``response``: the policy's turn texts)."""
     return RewardRegistry(**registry_kwargs).score(data_source, response, ground_truth)

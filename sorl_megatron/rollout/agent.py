@@ -4,8 +4,20 @@ Each turn sends the whole token history to the rollout server and appends the sa
 exactly as returned (never re-tokenized). A turn stops at ``</search>``, ``</answer>``, EOS or
 its token budget. ``<search> q </search>`` calls the retriever and appends
 ``<information>...</information>`` observation tokens; a turn with neither a search nor an
-answer gets Search-R1's correction message as its observation. Observations carry loss mask
-0. The episode ends at an answer, EOS, the turn limit or the length limit.
+answer gets a correction message as its observation. Observations carry loss mask 0. The
+episode ends at an answer, EOS, the turn limit or the length limit.
+
+The environment's own messages contain no action tags (``<search>``, ``<answer>``, ...), and
+rewards read only the policy's turns (``Trajectory.turn_texts``), so neither a message nor a
+retrieved passage can be taken for the policy's action or answer.
+
+The environment failing one episode never fails the others: a search the retrieval server
+rejects (HTTP 4xx, e.g. a query over its length limit) or cannot serve (unreachable, timed
+out, 5xx or 429 after the client's retries) becomes an observation saying so and is counted
+in ``Trajectory.retrieval_errors``; a generation request the rollout server rejects (4xx)
+ends that episode with ``finish_reason="error"``. Only what fails every episode alike ends
+the whole ``run_many``, cancelling its other episodes: a rollout server that is down, or a
+retrieval server answering 404 / 401 / 403 (wrong URL or credentials).
 """
 
 from __future__ import annotations
@@ -17,20 +29,32 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import aiohttp
 import numpy as np
 
+from ..common.http import RequestRejectedError, ServerError
 from ..common.protocol import GenerateOutput, SamplingParams
 from ..retrieval.corpus import Passage, format_passages
 from .trajectory import Trajectory
 
 log = logging.getLogger("sorl_megatron.rollout.agent")
 
-# Search-R1's fixed correction observation (models trained with Search-R1 expect this text).
+# The correction observation after a turn with no valid action. Search-R1's wording, with
+# the tags named instead of written: its original text contains "<answer> and </answer>",
+# which a reward reading the whole response took for the answer "and".
 INVALID_ACTION_MESSAGE = (
     "\nMy previous action is invalid. If I want to search, I should put the query between "
-    "<search> and </search>. If I want to give the final answer, I should put the answer "
-    "between <answer> and </answer>. Let me try again.\n"
+    "the search tags. If I want to give the final answer, I should put the answer between "
+    "the answer tags. Let me try again.\n"
 )
+# Observation bodies of a search that returned no passages (wrapped in <information> tags).
+SEARCH_REJECTED_MESSAGE = "The search was rejected by the retrieval server: use a shorter, plain query."
+SEARCH_FAILED_MESSAGE = "The search failed: the retrieval server did not answer. No results."
+# What a retriever may raise for one search (common.http wraps HTTP failures in ServerError).
+RETRIEVAL_ERRORS = (ServerError, aiohttp.ClientError, OSError)
+# 4xx answers that refuse this query (bad or too long: 400 ours, 422 FastAPI's, 413/414 size);
+# any other 4xx (404 wrong URL, 401/403 credentials) refuses every query: a setup error, raised.
+QUERY_REJECTED_STATUS = (400, 413, 414, 422)
 _ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
 
@@ -152,13 +176,31 @@ class SearchAgent:
         close_tag = tokenizer.encode("</information>\n\n", add_special_tokens=False)
         self._obs_tags = (open_tag, close_tag)
         self._invalid_ids = tokenizer.encode(INVALID_ACTION_MESSAGE, add_special_tokens=False)
+        self._rejected_ids = self._wrap(tokenizer.encode(SEARCH_REJECTED_MESSAGE, add_special_tokens=False))
+        self._failed_ids = self._wrap(tokenizer.encode(SEARCH_FAILED_MESSAGE, add_special_tokens=False))
+
+    def _wrap(self, body: list[int]) -> list[int]:
+        open_tag, close_tag = self._obs_tags
+        room = max(self.cfg.max_obs_tokens - len(open_tag) - len(close_tag), 0)
+        return open_tag + body[:room] + close_tag
 
     def observation_ids(self, passages: Sequence[Passage]) -> list[int]:
         """``<information>`` block of the passages, cut to ``max_obs_tokens`` (tags kept)."""
-        open_tag, close_tag = self._obs_tags
-        body = self.tokenizer.encode(format_passages(passages).strip(), add_special_tokens=False)
-        room = max(self.cfg.max_obs_tokens - len(open_tag) - len(close_tag), 0)
-        return open_tag + body[:room] + close_tag
+        return self._wrap(self.tokenizer.encode(format_passages(passages).strip(), add_special_tokens=False))
+
+    async def _search(self, query: str) -> tuple[list[int], str | None, bool]:
+        """Observation ids of one search, the error (None on success) and whether it was rejected."""
+        try:
+            passages = (await self.retriever.retrieve([query], self.cfg.topk))[0]
+        except RequestRejectedError as err:
+            if err.status in QUERY_REJECTED_STATUS:  # the query's fault (too long, ...): the policy can do better
+                return self._rejected_ids, str(err), True
+            if err.status != 429:  # 429 (overloaded) is transient: a failed search like a 5xx
+                raise
+            return self._failed_ids, str(err), False
+        except RETRIEVAL_ERRORS as err:  # the server's fault, after the client's retries
+            return self._failed_ids, f"{type(err).__name__}: {err}", False
+        return self.observation_ids(passages), None, False
 
     def _sampling(self, budget: int, seed: int | None) -> SamplingParams:
         c = self.cfg
@@ -177,25 +219,34 @@ class SearchAgent:
     ) -> Trajectory:
         """One episode from a tokenized prompt."""
         c = self.cfg
+        meta = dict(meta or {})
         b = _Builder(prompt_ids, c.return_routed_experts)
         finish, answer, searches, turns, versions = "max_turns", None, 0, 0, []
+        texts: list[str] = []
+        errors = rejected = 0
         for turn in range(c.max_turns):
             room = c.max_total_tokens - b.length
             if room <= 0:
                 finish = "max_length"
                 break
-            outs = await self.policy.generate(
-                b.tokens(),
-                self._sampling(min(c.max_turn_tokens, room), None if seed is None else seed * 1000 + turn),
-                return_logprob=True,
-                return_routed_experts=c.return_routed_experts,
-                routed_experts_start_len=b.routed_len,
-            )
+            try:
+                outs = await self.policy.generate(
+                    b.tokens(),
+                    self._sampling(min(c.max_turn_tokens, room), None if seed is None else seed * 1000 + turn),
+                    return_logprob=True,
+                    return_routed_experts=c.return_routed_experts,
+                    routed_experts_start_len=b.routed_len,
+                )
+            except RequestRejectedError as err:  # this request is wrong (e.g. over the server's context)
+                finish, meta["error"] = "error", str(err)
+                break
             out = outs[0]
             b.add_policy(out, turn)
             turns += 1
             versions.append(out.weight_version)
-            kind, content = parse_action(self.tokenizer.decode(out.output_ids, skip_special_tokens=False))
+            text = self.tokenizer.decode(out.output_ids, skip_special_tokens=False)
+            texts.append(text)
+            kind, content = parse_action(text)
             if kind == "answer":
                 finish, answer = "answer", content
                 break
@@ -209,9 +260,12 @@ class SearchAgent:
                 finish = "max_length"
                 break
             if kind == "search":
-                passages = (await self.retriever.retrieve([content], c.topk))[0]
-                obs = self.observation_ids(passages)
+                obs, error, was_rejected = await self._search(content)
                 searches += 1
+                if error is not None:
+                    errors += 1
+                    rejected += was_rejected
+                    meta["retrieval_error"] = error
             else:
                 obs = self._invalid_ids
             if b.length + len(obs) >= c.max_total_tokens:  # no room to act on the observation
@@ -232,7 +286,10 @@ class SearchAgent:
             answer=answer,
             response_text=self.tokenizer.decode(ids[len(prompt_ids) :].tolist(), skip_special_tokens=False),
             weight_versions=versions,
-            meta=dict(meta or {}),
+            meta=meta,
+            turn_texts=texts,
+            retrieval_errors=errors,
+            retrieval_rejected=rejected,
         )
 
     async def run_many(
@@ -246,7 +303,9 @@ class SearchAgent:
         """``n`` episodes per prompt, all in flight at once (bounded by ``max_concurrency``).
 
         Results are prompt-major: the n samples of prompt 0, then of prompt 1, ...; each
-        trajectory's ``meta`` gets ``prompt_index`` and ``sample_index``.
+        trajectory's ``meta`` gets ``prompt_index`` and ``sample_index``. Searches that got no
+        passages are logged once per call (the first error is named); an exception that does
+        end the call cancels the episodes still in flight.
         """
         sem = asyncio.Semaphore(self.cfg.max_concurrency)
         bar = None
@@ -265,7 +324,20 @@ class SearchAgent:
             return traj
 
         try:
-            return list(await asyncio.gather(*(one(i, j) for i in range(len(prompts)) for j in range(n))))
+            async with asyncio.TaskGroup() as group:  # one failure cancels the rest: no orphaned requests
+                tasks = [group.create_task(one(i, j)) for i in range(len(prompts)) for j in range(n)]
+        except BaseExceptionGroup as eg:
+            # re-raise the episode's own error (callers catch ServerError etc., not groups)
+            raise eg.exceptions[0] from None
         finally:
             if bar is not None:
                 bar.close()
+        trajs = [t.result() for t in tasks]
+        failed = [t for t in trajs if t.retrieval_errors]
+        if failed:
+            log.warning(
+                "%d of %d searches got no passages (%d rejected by the server); first: %s",
+                sum(t.retrieval_errors for t in trajs), sum(t.num_searches for t in trajs),
+                sum(t.retrieval_rejected for t in trajs), failed[0].meta["retrieval_error"],
+            )
+        return trajs

@@ -6,6 +6,9 @@ tokens and -1 elsewhere; ``rollout_logprobs`` holds the sampler's log-prob of ea
 token at that token's position and 0 elsewhere; ``routed_experts`` holds, for every position
 that the rollout engine fed through the model, the experts it chose (-1 where none: the last
 token, which no engine feeds, and padding).
+
+``turn_texts`` are the decoded policy turns (one per loss-mask-1 span): what rewards read.
+``response_text`` also holds the observations between them and is for logs only.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ class Trajectory:
     turn_ids: np.ndarray  # int32 [N]
     rollout_logprobs: np.ndarray  # float32 [N]
     prompt_len: int
-    finish_reason: str  # answer | max_turns | max_length | eos
+    finish_reason: str  # answer | max_turns | max_length | eos | error
     num_turns: int
-    num_searches: int
+    num_searches: int  # search actions of the policy (failed ones included)
     routed_experts: np.ndarray | None = None  # int32 [N, layers, top_k]
     answer: str | None = None
-    response_text: str = ""
+    response_text: str = ""  # decoded response incl. observations: for logs, never for rewards
+    turn_texts: list[str] = field(default_factory=list)  # decoded policy turns: what rewards read
+    retrieval_errors: int = 0  # searches that got no passages (rejected or failed), see retrieval_rejected
+    retrieval_rejected: int = 0  # of those, rejected by the server (HTTP 4xx: a bad query)
     weight_versions: list[str | None] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -56,6 +62,12 @@ class Trajectory:
     @property
     def num_policy_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    def policy_spans(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each maximal run of ``loss_mask == 1``: the policy's turns."""
+        mask = np.r_[0, np.asarray(self.loss_mask, dtype=np.int8) != 0, 0].astype(np.int8)
+        edges = np.flatnonzero(np.diff(mask))
+        return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
 
 
 def collate(

@@ -4,17 +4,20 @@ A recipe is NeMo-style OmegaConf YAML: an optional ``defaults:`` list of other r
 (paths relative to the file, ``.yaml`` optional) merged in order, then the file itself, then
 dotted command-line overrides (``algorithm.loss.name=so_grpo``). The merged tree is checked
 against the dataclasses below before any process starts: unknown keys (with a
-did-you-mean), wrong types and impossible layouts or batch sizes are errors naming the key.
+did-you-mean), wrong types, non-finite numbers (YAML's ``.nan`` / ``.inf``), values out of
+range, malformed URLs and impossible layouts or batch sizes are errors naming the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
+from urllib.parse import urlsplit
 
 from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ..algorithms.config import PolicyLossConfig
@@ -103,7 +106,7 @@ class RetrievalConfig:
 class DataConfig:
     train: str = ""
     val: Optional[str] = ""  # empty or null (``data.val=``): no validation
-    max_prompt_tokens: int = 2048  # longer prompts are an error naming the row
+    max_prompt_tokens: int = 256  # longer prompts are an error naming the row; < rollout.max_total_tokens
     shuffle: bool = True
 
 
@@ -263,7 +266,55 @@ def _check_loss_and_estimator(loss: str, estimator: str) -> None:
         )
 
 
+def _check_finite(obj: Any, prefix: str = "") -> None:
+    """Every number in the recipe is finite: YAML reads ``.nan`` / ``.inf`` as floats, and a
+    NaN passes every ``<`` / ``>`` range check after this one."""
+    for f in dataclasses.fields(obj):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, key)
+            continue
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ConfigError(f"{key if i is None else f'{key}[{i}]'} must be a finite number, got {item}")
+
+
+def _in_range(key: str, value: float, low: float, high: float, high_open: bool = False) -> None:
+    if not (low <= value < high if high_open else low <= value <= high):
+        raise ConfigError(f"{key} must be in [{low:g}, {high:g}{')' if high_open else ']'}, got {value}")
+
+
+def _check_url(key: str, url: str) -> None:
+    """An http(s) URL with a host (the rollout / retrieval servers speak HTTP)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError for a port out of range or not a number
+    except ValueError as err:
+        raise ConfigError(f"{key}: {url!r} is not a valid URL ({err})") from None
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https") or not host or any(c.isspace() for c in url):
+        raise ConfigError(f"{key}: {url!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:30000")
+
+
+RESUME_MODES = ("auto", "none")
+
+
+def _check_resume(resume: str) -> None:
+    """``auto``, ``none`` or something that looks like a path: a bare word that is neither (a
+    typo of auto) must not silently become a relative directory that is then not found."""
+    if not resume.strip():
+        raise ConfigError("checkpoint.resume is empty: give auto, none or a checkpoint directory")
+    if resume in RESUME_MODES or os.sep in resume or "/" in resume or Path(resume).exists():
+        return
+    close = difflib.get_close_matches(resume.lower(), RESUME_MODES, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else " (write ./NAME for a directory here)"
+    raise ConfigError(f"checkpoint.resume: {resume!r} is not auto, none or a checkpoint directory{hint}")
+
+
 def _check_values(cfg: TrainConfig) -> None:
+    _check_finite(cfg)
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give the policy's HF model directory")
     if not cfg.data.train:
@@ -296,6 +347,25 @@ def _check_values(cfg: TrainConfig) -> None:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.rollout.temperature <= 0:
         raise ConfigError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
+    if r.top_k == 0 or r.top_k < -1:
+        raise ConfigError(f"rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
+    for key in ("max_obs_tokens", "max_turn_tokens"):
+        if getattr(r, key) >= r.max_total_tokens:
+            raise ConfigError(
+                f"rollout.{key}={getattr(r, key)} must be < rollout.max_total_tokens={r.max_total_tokens}"
+            )
+    if cfg.data.max_prompt_tokens >= r.max_total_tokens:
+        raise ConfigError(
+            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} must be < rollout.max_total_tokens="
+            f"{r.max_total_tokens} (a prompt that long leaves no room for the policy's turns)"
+        )
+    for i, url in enumerate(r.urls):
+        _check_url(f"rollout.urls[{i}]", url)
+    if cfg.retrieval.url:
+        _check_url("retrieval.url", cfg.retrieval.url)
+    _check_resume(cfg.checkpoint.resume)
+    if cfg.sft.lr <= 0:
+        raise ConfigError(f"sft.lr must be > 0, got {cfg.sft.lr}")
     trajectories = s.batch_size * cfg.rollout.group_size
     if trajectories % s.mini_batch_size:
         raise ConfigError(
@@ -317,6 +387,8 @@ def _check_values(cfg: TrainConfig) -> None:
             raise ConfigError(f"sft.direct_answer_fraction must be in [0, 1), got {cfg.sft.direct_answer_fraction}")
     a = cfg.algorithm
     _check_loss_and_estimator(a.loss.name, a.advantage.estimator)
+    _in_range("algorithm.advantage.gamma", a.advantage.gamma, 0, 1)
+    _in_range("algorithm.advantage.lam", a.advantage.lam, 0, 1)
     if a.advantage.estimator == "grpo" and cfg.rollout.group_size < 2:
         raise ConfigError("algorithm.advantage.estimator=grpo needs rollout.group_size >= 2")
     if a.advantage.estimator == "pvpo":

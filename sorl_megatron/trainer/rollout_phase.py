@@ -60,18 +60,24 @@ async def collect_rollouts(
 
 
 def score_trajectories(trajs: Sequence[Trajectory], rows: Sequence[QARow], rewards: RewardRegistry) -> torch.Tensor:
-    """Reward of each trajectory's final response against its row's targets."""
+    """Reward of each trajectory against its row's targets, read from the policy's own turns
+    (``turn_texts``): observations and environment messages never count as the answer."""
     out = []
     for i, (traj, row) in enumerate(zip(trajs, rows)):
         try:
-            out.append(rewards.score(row.data_source, traj.response_text, {"target": row.targets}))
+            out.append(rewards.score(row.data_source, traj.turn_texts, {"target": row.targets}))
         except (KeyError, ValueError) as err:
             raise ValueError(f"reward of trajectory {i} (data_source={row.data_source!r}): {err}") from None
     return torch.tensor(out, dtype=torch.float32)
 
 
 def rollout_metrics(trajs: Sequence[Trajectory], scores: torch.Tensor, prefix: str = "rollout") -> dict[str, float]:
-    """Reward, searches, turns, lengths and finish reasons of a set of trajectories."""
+    """Reward, searches, turns, lengths and finish reasons of a set of trajectories.
+
+    ``retrieval_errors`` counts the searches that got no passages (``retrieval_rejected``:
+    of those, the ones the server refused as bad requests); ``finish_error`` is the share of
+    episodes the rollout server refused to continue.
+    """
     if not trajs:
         return {}
     n = len(trajs)
@@ -82,6 +88,8 @@ def rollout_metrics(trajs: Sequence[Trajectory], scores: torch.Tensor, prefix: s
         f"{prefix}/response_length": sum(t.response_len for t in trajs) / n,
         f"{prefix}/policy_tokens": sum(t.num_policy_tokens for t in trajs) / n,
         f"{prefix}/sequence_length": sum(len(t) for t in trajs) / n,
+        f"{prefix}/retrieval_errors": float(sum(t.retrieval_errors for t in trajs)),
+        f"{prefix}/retrieval_rejected": float(sum(t.retrieval_rejected for t in trajs)),
     }
     for reason, count in Counter(t.finish_reason for t in trajs).items():
         metrics[f"{prefix}/finish_{reason}"] = count / n

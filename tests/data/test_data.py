@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from sorl_megatron.data import encode_prompt, make_row, read_parquet, write_parquet
+from sorl_megatron.data import DataError, encode_prompt, make_row, read_parquet, write_parquet
 from sorl_megatron.data.gold import cold_start_plans, gold_plan, gold_trajectory
 from sorl_megatron.data.synthetic import corpus, main, make_kb, questions, split_rows
 from sorl_megatron.data.tokenizer import ACTION_TAGS, train_tokenizer
@@ -66,8 +66,81 @@ def test_bad_files_name_row_and_column(tmp_path):
         },
     ]
     pq.write_table(pa.Table.from_pylist(bad), tmp_path / "b.parquet")
-    with pytest.raises(ValueError, match="b.parquet row 1"):
+    with pytest.raises(DataError, match=r"1 bad row\(s\) of 2 in .*b.parquet:\n.*b.parquet:1: the ground-truth target"):
         read_parquet(tmp_path / "b.parquet")
+
+
+def _record(**change):
+    rec = {
+        "data_source": "nq",
+        "prompt": [{"role": "user", "content": "Question: who?"}],
+        "ability": "fact-reasoning",
+        "reward_model": {"style": "rule", "ground_truth": {"target": ["Y"]}},
+        "extra_info": {"split": "train", "index": 0},
+    }
+    return {**rec, **change}
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"reward_model": {"style": "rule", "ground_truth": {"target": [""]}}}, r"target\[0\] is empty"),
+        ({"reward_model": {"style": "rule", "ground_truth": {"target": ["Y", "  "]}}}, r"target\[1\] is empty"),
+        ({"reward_model": {"style": "rule", "ground_truth": {"target": ["Y", None]}}}, r"target\[1\] must be a string"),
+        # (beside rows with a target, parquet stores a row without one as a null target)
+        ({"reward_model": {"style": "rule", "ground_truth": {"answers": ["Y"]}}}, r"target must be .* got None"),
+        ({"reward_model": None}, r"'reward_model' must be a mapping"),
+        ({"prompt": [{"role": "user", "content": ""}]}, r"prompt\[0\].content must be a non-empty string, got ''"),
+        ({"prompt": [{"role": "user", "content": None}]}, r"prompt\[0\].content must be a non-empty string, got None"),
+        ({"prompt": []}, r"column 'prompt' must be a non-empty list"),
+        ({"prompt": None}, r"column 'prompt' must be a non-empty list"),
+        ({"prompt": [{"role": None, "content": "q"}]}, r"prompt\[0\].role must be a non-empty string"),
+        ({"data_source": None}, r"data_source must be a non-empty string naming the data set, got None"),
+        ({"data_source": ""}, r"data_source must be a non-empty string"),
+    ],
+)
+def test_bad_rows_are_named_file_row_and_field(tmp_path, change, message):
+    """Issue 15, class 6: each of these used to load (empty targets then scored an empty
+    answer EM 1.0; empty or null content became the prompt "None") or failed unnamed."""
+    path = tmp_path / "rows.parquet"
+    # row 1 is the bad one; the good rows around it give pyarrow the column types
+    pq.write_table(pa.Table.from_pylist([_record(), _record(**change), _record()]), path)
+    with pytest.raises(DataError, match=rf"1 bad row\(s\) of 3 in .*rows.parquet:\n.*rows.parquet:1: .*{message}"):
+        read_parquet(path)
+
+
+def test_columns_of_the_wrong_type_are_named(tmp_path):
+    rows = [_record(extra_info="split=train"), _record(extra_info=None)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "e.parquet")
+    with pytest.raises(DataError, match=r"of 2 .*\n.*e.parquet:0: extra_info must be a mapping .*'split="):
+        read_parquet(tmp_path / "e.parquet")
+    pq.write_table(pa.Table.from_pylist([_record(data_source=3), _record(data_source=4)]), tmp_path / "i.parquet")
+    with pytest.raises(DataError, match=r"2 bad row\(s\) of 2 .*\n.*i.parquet:0: data_source .* got 3\n.*i.parquet:1"):
+        read_parquet(tmp_path / "i.parquet")
+    no_target = _record(reward_model={"style": "rule", "ground_truth": {"answers": ["Y"]}})
+    pq.write_table(pa.Table.from_pylist([no_target]), tmp_path / "t.parquet")
+    with pytest.raises(DataError, match=r"t.parquet:0: reward_model.ground_truth has no 'target' \(keys: \['answers"):
+        read_parquet(tmp_path / "t.parquet")
+
+
+def test_many_bad_rows_are_listed_up_to_a_limit(tmp_path):
+    rows = [_record(prompt=[{"role": "user", "content": ""}]) for _ in range(30)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "m.parquet")
+    with pytest.raises(DataError, match=r"30 bad row\(s\) of 30") as err:
+        read_parquet(tmp_path / "m.parquet", max_errors=5)
+    assert str(err.value).count("m.parquet:") == 5 + 1 and str(err.value).endswith("... and 25 more")
+
+
+def test_missing_empty_and_non_parquet_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.parquet: no such file"):
+        read_parquet(tmp_path / "nope.parquet")
+    (tmp_path / "x.parquet").write_text("data_source,prompt\nnq,q\n")
+    with pytest.raises(DataError, match="x.parquet: not a readable parquet file"):
+        read_parquet(tmp_path / "x.parquet")
+    with pytest.raises(DataError, match="not a file"):
+        read_parquet(tmp_path)
+    pq.write_table(pa.Table.from_pylist([_record()]).slice(0, 0), tmp_path / "empty.parquet")
+    assert read_parquet(tmp_path / "empty.parquet") == []
 
 
 def test_tokenizer_special_tokens_and_template():
@@ -129,7 +202,7 @@ def test_cli_writes_everything_and_gold_trajectories_score_1(tmp_path):
         traj = asyncio.run(gold_trajectory(factory, tok, encode_prompt(tok, row), plan))
         assert traj.finish_reason == "answer" and traj.num_searches == len(plan.searches)
         assert traj.num_turns == len(plan.searches) + 1 and traj.meta["gold"]
-        assert registry.score(row.data_source, traj.response_text, {"target": row.targets}) == 1.0
+        assert registry.score(row.data_source, traj.turn_texts, {"target": row.targets}) == 1.0
         assert "<information>Doc 1(Title:" in traj.response_text and (traj.rollout_logprobs == 0).all()
 
 

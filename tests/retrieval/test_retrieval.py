@@ -51,6 +51,21 @@ def test_read_corpus_and_format(corpus_file, tmp_path):
         list(read_corpus(bad))
 
 
+def test_corpus_errors_name_file_and_line(tmp_path):
+    """Issue 15, class 6: a non-UTF-8 corpus used to fail without naming file or line."""
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"id": "0", "contents": "ok"}\n\n{"id": "1", "contents": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl:3: not valid UTF-8 \(invalid continuation byte at byte 28"):
+        list(read_corpus(latin1))
+    null = tmp_path / "null.jsonl"
+    null.write_text('{"id": "0", "contents": null}\n')
+    with pytest.raises(ValueError, match=r"null.jsonl:1: 'contents' must be a string, got None"):
+        list(read_corpus(null))
+    bom = tmp_path / "bom.jsonl"  # a byte-order mark is not an error
+    bom.write_bytes(b'\xef\xbb\xbf{"id": "0", "contents": "\\"T\\"\\ncaf\xc3\xa9"}\n')
+    assert [p.contents for p in read_corpus(bom)] == ['"T"\ncafé']
+
+
 def test_index_ranks_and_scores(corpus_file):
     index = BM25Index.from_jsonl(corpus_file)
     hits = index.search(["capital of Germany", "france city"], topk=2)

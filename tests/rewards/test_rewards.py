@@ -59,8 +59,10 @@ def test_multiple_choice_letter():
 
 
 def test_format_check():
-    good = "<think>a</think>\n<search>q</search>\n<information>d</information>\n<answer>x</answer>"
-    assert is_well_formed(good)
+    good = ["<think>a</think>\n<search>q</search>", "<think>b</think>\n<answer>x</answer>"]  # the policy's turns
+    assert is_well_formed(good) and is_well_formed("<answer>x</answer>")
+    # the observations are not the policy's: a response text that includes them is not its turns
+    assert not is_well_formed("<search>q</search>\n<information>d</information>\n<answer>x</answer>")
     assert not is_well_formed("<answer>x</answer><answer>y</answer>")
     assert not is_well_formed("<think><search>q</search></think><answer>x</answer>")
     assert not is_well_formed("<search>q</search>")

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from sorl_megatron.common.http import RequestRejectedError, RetryPolicy, ServerUnavailableError
 from sorl_megatron.common.protocol import GenerateOutput
 from sorl_megatron.retrieval import BM25Index, Passage
 from sorl_megatron.retrieval.client import RetrievalClient
 from sorl_megatron.retrieval.server import start_retrieval_server
-from sorl_megatron.rollout.agent import INVALID_ACTION_MESSAGE, AgentConfig, SearchAgent, parse_action
+from sorl_megatron.rollout.agent import (
+    INVALID_ACTION_MESSAGE,
+    SEARCH_FAILED_MESSAGE,
+    SEARCH_REJECTED_MESSAGE,
+    AgentConfig,
+    SearchAgent,
+    parse_action,
+)
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.rollout.trajectory import collate
 
@@ -262,3 +271,170 @@ def test_end_to_end_on_embedded_servers(moe_server, moe_model, tokenizer, prompt
         assert np.array_equal(traj.routed_experts[:-1], routing.numpy())
         if traj.num_turns > 1:  # an observation sits between turns
             assert (traj.loss_mask[traj.prompt_len :] == 0).any()
+
+
+# -- the loop survives its environment (issue 15, class 4) ---------------------------------
+
+FAST_RETRY = RetryPolicy(timeout_s=5.0, connect_timeout_s=1.0, retries=1, backoff_s=0.05, retry_on_timeout=True)
+
+
+class ByPromptPolicy:
+    """One ScriptedPolicy per prompt (keyed by its first token); an exception in a script is raised."""
+
+    def __init__(self, tokenizer, scripts: dict[int, list], delay: float = 0.0):
+        self.policies = {k: ScriptedPolicy(tokenizer, v, delay) for k, v in scripts.items()}
+        self.calls: list[int] = []
+
+    async def generate(self, input_ids, sampling, **kw):
+        policy = self.policies[input_ids[0]]
+        self.calls.append(input_ids[0])
+        item = policy.script[min(policy._turn(input_ids), len(policy.script) - 1)]
+        if isinstance(item, Exception):
+            raise item
+        return await policy.generate(input_ids, sampling, **kw)
+
+
+def _paris_index():
+    return BM25Index(
+        [Passage("0", '"Paris"\nParis is the capital of France.'), Passage("1", '"Rome"\nRome is in Italy.')]
+    )
+
+
+def test_rejected_and_failed_searches_become_observations(tokenizer):
+    """A query over the real retrieval server's 4096-character limit gets HTTP 400: that
+    episode sees a rejection observation and goes on; the other episodes are untouched. Then
+    the server is gone: the search fails after the client's retries, also as an observation.
+    Neither ends run_many; both are counted."""
+    retrieval = start_retrieval_server(_paris_index())
+    long_query = "capital of France " * 300  # 5400 characters
+    a, b = tokenizer.encode("Question: long"), tokenizer.encode("entity 3 lives")
+    scripts = {
+        a[0]: [f"<search> {long_query} </search>", "<answer> Paris </answer>"],
+        b[0]: ["<search> capital of France </search>", "<answer> Paris </answer>"],
+    }
+    assert a[0] != b[0]
+    cfg = AgentConfig(max_turns=3, max_turn_tokens=4000, max_total_tokens=8192, topk=1)
+
+    async def go():
+        async with RetrievalClient(retrieval.url, policy=FAST_RETRY) as retr:
+            agent = SearchAgent(ByPromptPolicy(tokenizer, scripts), retr, tokenizer, cfg)
+            return await agent.run_many([a, b], n=2, seed=0)
+
+    try:
+        trajs = asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        retrieval.stop()
+    rejected, served = trajs[:2], trajs[2:]
+    for t in rejected:
+        assert t.finish_reason == "answer" and t.num_searches == 1
+        assert (t.retrieval_errors, t.retrieval_rejected) == (1, 1)
+        assert "HTTP 400" in t.meta["retrieval_error"] and "max-query-chars" in t.meta["retrieval_error"]
+        obs = tokenizer.decode(t.token_ids[segments(t)[2][2] : segments(t)[2][3]].tolist())
+        assert obs == f"\n\n<information>{SEARCH_REJECTED_MESSAGE}</information>\n\n"
+    for t in served:
+        assert t.finish_reason == "answer" and t.retrieval_errors == 0
+        assert "Paris is the capital of France" in t.response_text
+
+    # the retrieval server is stopped now: connection refused, after the retries
+    async def dead():
+        async with RetrievalClient(retrieval.url, policy=FAST_RETRY) as retr:
+            agent = SearchAgent(ByPromptPolicy(tokenizer, scripts), retr, tokenizer, cfg)
+            return await agent.run_many([b], n=2, seed=0)
+
+    t0 = time.monotonic()
+    trajs = asyncio.run(asyncio.wait_for(dead(), 60))
+    assert time.monotonic() - t0 < 30  # bounded by the retry policy, generous
+    for t in trajs:
+        assert t.finish_reason == "answer" and (t.retrieval_errors, t.retrieval_rejected) == (1, 0)
+        assert "ServerUnavailableError" in t.meta["retrieval_error"]
+        assert SEARCH_FAILED_MESSAGE in t.response_text
+
+
+def test_retrieval_server_errors_after_retries_are_counted_in_rollout_metrics(tokenizer):
+    """A retrieval server that answers 500: after the retries, each search is a failed
+    observation, and the rollout phase reports rollout/retrieval_errors."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
+    from sorl_megatron.data.qa import QARow
+    from sorl_megatron.rewards import RewardRegistry
+    from sorl_megatron.trainer.rollout_phase import collect_rollouts
+
+    calls = []
+
+    async def broken(request):
+        calls.append(1)
+        return web.json_response({"error": "index on fire"}, status=500)
+
+    app = web.Application()
+    app.router.add_post("/retrieve", broken)
+    server = BackgroundServer(app, "127.0.0.1", 0).start()
+    # (a prompt without the instruction's tags: ScriptedPolicy counts turns by tags)
+    rows = [QARow("nq", [{"role": "user", "content": "Question: capital of France?"}], ["Paris"])]
+    policy = ScriptedPolicy(tokenizer, ["<search> capital of France </search>", "<answer> Paris </answer>"])
+
+    async def go():
+        async with RetrievalClient(server.url, policy=FAST_RETRY) as retr:
+            agent = SearchAgent(policy, retr, tokenizer, AgentConfig(max_turns=3, max_turn_tokens=50))
+            return await collect_rollouts(agent, tokenizer, rows, [0], n=3, rewards=RewardRegistry())
+
+    try:
+        res = asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        server.stop()
+    assert len(calls) == 3 * 2  # each search tried twice (retries=1)
+    assert res.metrics["rollout/retrieval_errors"] == 3.0 and res.metrics["rollout/retrieval_rejected"] == 0.0
+    assert res.metrics["rollout/finish_answer"] == 1.0 and res.rewards.tolist() == [1.0] * 3
+    assert all("HTTP 500" in t.meta["retrieval_error"] for t in res.trajectories)
+
+
+def test_a_rejected_generation_fails_only_its_episode(tokenizer):
+    a, b = tokenizer.encode("Question: long"), tokenizer.encode("entity 3 lives")
+    scripts = {
+        a[0]: ["<search> q </search>", RequestRejectedError("POST /generate -> HTTP 400: too long", 400)],
+        b[0]: ["<answer> Paris </answer>"],
+    }
+    agent = SearchAgent(ByPromptPolicy(tokenizer, scripts), FakeRetriever(), tokenizer, AgentConfig())
+    trajs = asyncio.run(agent.run_many([a, b], n=1))
+    assert trajs[0].finish_reason == "error" and "HTTP 400" in trajs[0].meta["error"]
+    assert trajs[0].num_turns == 1 and trajs[0].turn_texts == ["<search> q </search>"]
+    assert trajs[1].finish_reason == "answer"
+
+
+def test_a_dead_rollout_server_ends_run_many_and_cancels_the_rest(tokenizer):
+    a, b = tokenizer.encode("Question: long"), tokenizer.encode("entity 3 lives")
+    scripts = {a[0]: [ServerUnavailableError("POST /generate is unreachable")], b[0]: ["<search> q </search>"]}
+    policy = ByPromptPolicy(tokenizer, scripts, delay=0.2)
+    agent = SearchAgent(policy, FakeRetriever(), tokenizer, AgentConfig(max_turns=50))
+
+    async def go():
+        with pytest.raises(ServerUnavailableError, match="unreachable"):
+            await agent.run_many([a, b], n=2)
+        calls = len(policy.calls)
+        await asyncio.sleep(0.5)  # the other episodes were cancelled: no more calls
+        return calls
+
+    calls = asyncio.run(go())
+    assert len(policy.calls) == calls == 4  # the first turn of each episode, nothing after
+    assert policy.policies[b[0]].calls == []  # the slow episodes were cancelled inside their first turn
+
+
+def test_a_wrong_retrieval_url_is_a_setup_error_not_an_observation(tokenizer):
+    """404 refuses every query alike (wrong URL): raised, naming the URL, not hidden in observations."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
+
+    server = BackgroundServer(web.Application(), "127.0.0.1", 0).start()  # no /retrieve route
+    policy = ScriptedPolicy(tokenizer, ["<search> capital of France </search>", "<answer> Paris </answer>"])
+
+    async def go():
+        async with RetrievalClient(server.url + "/v1", policy=FAST_RETRY) as retr:
+            agent = SearchAgent(policy, retr, tokenizer, AgentConfig(max_turns=3, max_turn_tokens=50))
+            return await agent.run_many([tokenizer.encode("Question: capital of France?")], n=2)
+
+    try:
+        with pytest.raises(RequestRejectedError, match=r"/v1/retrieve -> HTTP 404"):
+            asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        server.stop()

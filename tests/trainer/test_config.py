@@ -68,11 +68,79 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["logging.progress=rich"], r"logging.progress: 'rich' is not one of \['tqdm', 'plain', 'none'\]"),
         (["reward.metric=substring"], r"reward.metric: 'substring' is not one of"),
         (["reward.format_weight=1.5"], r"reward.format_weight must be in \[0, 1\]"),
+        # issue 15, class 6: non-finite and out-of-range numbers, URLs, enums
+        (["optimizer.lr=.nan"], r"optimizer.lr must be finite, got nan"),
+        (["optimizer.lr=.inf"], r"optimizer.lr must be finite, got inf"),
+        (["optimizer.critic_lr=-.inf"], r"optimizer.critic_lr must be finite and > 0, got -inf"),
+        (["rollout.temperature=.nan"], r"rollout.temperature must be a finite number, got nan"),
+        (["rollout.timeout_s=.inf"], r"rollout.timeout_s must be a finite number"),
+        (["algorithm.value_clip=.nan"], r"algorithm.value_clip must be a finite number"),
+        (["algorithm.loss.kl_coef=.nan"], r"algorithm.loss.kl_coef must be a finite number"),
+        (["sft.lr=.nan"], r"sft.lr must be a finite number"),
+        (["sft.lr=0"], r"sft.lr must be > 0"),
+        (["optimizer.clip_grad=-5"], r"optimizer.clip_grad must be >= 0 \(0 = off\), got -5"),
+        (["optimizer.weight_decay=-1"], r"optimizer.weight_decay must be >= 0, got -1"),
+        (["optimizer.adam_beta1=2"], r"optimizer.adam_beta1/adam_beta2 must be in \[0, 1\), got 2"),
+        (["optimizer.adam_beta2=1"], r"optimizer.adam_beta1/adam_beta2 must be in \[0, 1\), got 0.9/1"),
+        (["optimizer.adam_eps=0"], r"optimizer.adam_eps must be > 0"),
+        (["optimizer.min_lr=1.0"], r"optimizer.min_lr must be in \[0, lr\], got 1.0"),
+        (["optimizer.min_lr=-1e-9"], r"optimizer.min_lr must be in \[0, lr\]"),
+        (["algorithm.advantage.gamma=5"], r"algorithm.advantage.gamma must be in \[0, 1\], got 5"),
+        (["algorithm.advantage.lam=-1"], r"algorithm.advantage.lam must be in \[0, 1\], got -1"),
+        (["rollout.max_obs_tokens=640"], r"rollout.max_obs_tokens=640 must be < rollout.max_total_tokens=640"),
+        (["rollout.max_turn_tokens=700"], r"rollout.max_turn_tokens=700 must be < rollout.max_total_tokens=640"),
+        (["data.max_prompt_tokens=2048"], r"data.max_prompt_tokens=2048 must be < rollout.max_total_tokens=640"),
+        (["rollout.top_k=0"], r"rollout.top_k must be -1 \(off\) or >= 1"),
+        (["checkpoint.resume=atuo"], r"checkpoint.resume: 'atuo' is not auto, none or a checkpoint directory "
+                                     r"\(did you mean auto\?\)"),
+        (["checkpoint.resume=Non"], r"\(did you mean none\?\)"),
+        (["checkpoint.resume=''"], r"checkpoint.resume is empty"),
+        (["rollout.urls=[not_a_url]"], r"rollout.urls\[0\]: 'not_a_url' is not an http\(s\) URL"),
+        (["rollout.urls=[http://a:30000,localhost:30000]"], r"rollout.urls\[1\]: 'localhost:30000' is not an http"),
+        (["rollout.urls=[http://a:99999]"], r"rollout.urls\[0\]: 'http://a:99999' is not a valid URL"),
+        (["retrieval.url=ftp://x"], r"retrieval.url: 'ftp://x' is not an http\(s\) URL"),
+        (["retrieval.url=http://"], r"retrieval.url: 'http://' is not an http\(s\) URL with a host"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_recipe(BASE, overrides)
+
+
+@pytest.mark.parametrize("resume", ["auto", "none", "runs/x/checkpoints/step_4", "./step_4", "/abs/step_4"])
+def test_resume_takes_auto_none_or_a_path(resume):
+    assert load_recipe(BASE, [f"checkpoint.resume={resume}"]).checkpoint.resume == resume
+
+
+def test_print_config_rejects_bad_values_naming_the_key(capsys):
+    from sorl_megatron.train import main
+
+    for override, key in [("optimizer.lr=.nan", "optimizer.lr"), ("checkpoint.resume=atuo", "checkpoint.resume"),
+                          ("retrieval.url=ftp://x", "retrieval.url"), ("algorithm.advantage.gamma=5", "gamma")]:
+        assert main(["--config", str(BASE), "--print-config", override]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("config error: ") and key in err and "Traceback" not in err
+
+
+def test_every_float_field_gets_the_finite_check():
+    """Walk the schema: each float key set to NaN is refused naming that key."""
+    import dataclasses
+    import typing
+
+    def float_keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            key = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(hint):
+                yield from float_keys(hint, key + ".")
+            elif hint is float or float in typing.get_args(hint):
+                yield key
+
+    keys = list(float_keys(TrainConfig))
+    assert len(keys) > 20 and "optimizer.lr" in keys and "algorithm.loss.is_correction.cap" in keys
+    for key in keys:
+        with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}.* finite"):
+            load_recipe(BASE, [f"{key}=.nan"])
 
 
 def test_missing_and_cyclic_recipes(tmp_path):

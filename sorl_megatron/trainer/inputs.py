@@ -1,0 +1,113 @@
+"""The run's input files, checked before any server, engine or run directory exists.
+
+``validate_inputs(cfg)`` reads every file the recipe names: ``data.train`` and ``data.val``
+(every row against the verl / Search-R1 schema, each ``data_source`` against the reward
+registry, each row's targets against its metric), ``retrieval.corpus`` when the embedded
+retrieval server will serve it (every line: UTF-8, JSON, ``contents``) and
+``checkpoint.resume`` when it names a directory. Problems raise :class:`InputError` naming
+the key and the file, and each bad row or line as ``file:row: what is wrong``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..common.typed_config import ConfigError
+from ..data.qa import DataError, QARow, read_parquet
+from ..retrieval.corpus import read_corpus
+from ..rewards.qa import choice_letter, normalize_answer
+from ..rewards.registry import DEFAULT_SOURCES, RewardRegistry
+from .config import TrainConfig
+
+MAX_LISTED = 20  # bad rows named in one error
+
+
+class InputError(ConfigError):
+    """An input file (data, corpus, checkpoint) that cannot be used; the message names the key and file."""
+
+
+@dataclass(frozen=True)
+class InputSummary:
+    train_rows: int
+    val_rows: int
+    passages: int | None  # None: not checked (an external retrieval.url, or not this rank's job)
+
+
+def validate_inputs(cfg: TrainConfig, check_corpus: bool = True) -> InputSummary:
+    """Check the recipe's input files; return what they hold.
+
+    ``check_corpus=False`` skips the full scan of ``retrieval.corpus`` (only the rank that
+    starts the embedded retrieval server needs it; the file's existence is still checked).
+    """
+    registry = RewardRegistry(metric_override=cfg.reward.metric, format_weight=cfg.reward.format_weight)
+    train = _rows("data.train", cfg.data.train, registry)
+    if not train:
+        raise InputError(f"data.train: {cfg.data.train} has no rows: there is nothing to train on")
+    val = _rows("data.val", cfg.data.val, registry) if cfg.data.val else []
+    if cfg.data.val and not val:
+        raise InputError(f"data.val: {cfg.data.val} has no rows (set data.val= to run without validation)")
+    passages = None
+    if not cfg.retrieval.url:
+        _file("retrieval.corpus", cfg.retrieval.corpus)
+        if check_corpus:
+            passages = _corpus(cfg.retrieval.corpus)
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and not Path(resume).is_dir():
+        raise InputError(f"checkpoint.resume: {resume} is not a directory (auto, none or a checkpoint directory)")
+    return InputSummary(len(train), len(val), passages)
+
+
+def _file(key: str, path: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{key}: {path} does not exist")
+    if not p.is_file():
+        raise InputError(f"{key}: {path} is not a file")
+    if not os.access(p, os.R_OK):
+        raise InputError(f"{key}: {path} is not readable")
+    if p.stat().st_size == 0:
+        raise InputError(f"{key}: {path} is empty")
+    return p
+
+
+def _rows(key: str, path: str, registry: RewardRegistry) -> list[QARow]:
+    _file(key, path)
+    try:
+        rows = read_parquet(path, max_errors=MAX_LISTED)
+    except (DataError, FileNotFoundError) as err:
+        raise InputError(f"{key}: {err}") from None
+    listed = [f"{path}:{i}: {e}" for i, row in enumerate(rows) if (e := _reward_problem(row, registry))]
+    if listed:
+        more = f"\n... and {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
+        raise InputError(
+            f"{key}: {len(listed)} row(s) of {path} cannot be scored:\n" + "\n".join(listed[:MAX_LISTED]) + more
+        )
+    return rows
+
+
+def _reward_problem(row: QARow, registry: RewardRegistry) -> str | None:
+    """Why the row's reward cannot work, or None: an unknown ``data_source`` (the trainer
+    would otherwise score it with some default metric), or targets its metric can never
+    match (every target empty after SQuAD normalization, or no option letter)."""
+    try:
+        registry.get(row.data_source)
+    except KeyError:
+        return f"data_source {row.data_source!r} has no reward (known: {', '.join(registry.known())})"
+    if DEFAULT_SOURCES.get(row.data_source) == "mc":
+        if not any(choice_letter(t) for t in row.targets):
+            return f"no option letter in the targets {row.targets!r:.100} of a multiple-choice source"
+    elif not any(normalize_answer(t) for t in row.targets):
+        return f"every target is empty after answer normalization ({row.targets!r:.100}): the row can never score"
+    return None
+
+
+def _corpus(path: str) -> int:
+    try:
+        count = sum(1 for _ in read_corpus(path))
+    except ValueError as err:  # names file and line
+        raise InputError(f"retrieval.corpus: {err}") from None
+    if count == 0:
+        raise InputError(f"retrieval.corpus: {path} has no passages")
+    return count
