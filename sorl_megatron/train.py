@@ -13,7 +13,7 @@ import os
 import sys
 
 from .trainer.config import CONFIG_GROUPS, ConfigError, dump_config, load_recipe, validate_layout_for_launch
-from .trainer.inputs import InputError, validate_inputs
+from .trainer.inputs import InputError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,19 +43,19 @@ def main(argv: list[str] | None = None) -> int:
             print(dump_config(cfg))
             return 0
         validate_layout_for_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        # every rank reads the data; only rank 0 starts the retrieval server, so only it scans the corpus
-        validate_inputs(cfg, check_corpus=int(os.environ.get("RANK", "0")) == 0)
-    except InputError as err:
-        print(f"input error: {err}", file=sys.stderr)
-        return 2
     except (ConfigError, FileNotFoundError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    # the engines, transformers and the clients load only once the recipe is known to be good
     from .trainer.metrics_log import show_trainer_log
     from .trainer.rl_loop import RLTrainer
 
     show_trainer_log()
-    metrics = RLTrainer(cfg).run()
+    try:
+        metrics = RLTrainer(cfg).run()  # checks the input files first (data rows, corpus, resume directory)
+    except InputError as err:
+        print(f"input error: {err}", file=sys.stderr)
+        return 2
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         shown = {k: round(v, 4) for k, v in metrics.items() if k in ("rollout/reward", "val/em")}
         print(f"done: {shown}")

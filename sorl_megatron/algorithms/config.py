@@ -81,8 +81,8 @@ class ClipBiasConfig:
         _positive(prefix, "delta", self.delta)
         _choice(prefix, "form", self.form, get_args(ClipBiasForm))
         _positive(prefix, "relative_threshold", self.relative_threshold)
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f"{prefix}.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if not (math.isfinite(self.ema_decay) and 0 <= self.ema_decay < 1):
+            raise ValueError(f"{prefix}.ema_decay must be a finite number in [0, 1), got {self.ema_decay}")
         _choice(prefix, "apply_to", self.apply_to, get_args(ClipBiasApply))
         _choice(prefix, "indicator", self.indicator, get_args(ClipBiasIndicator))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from ..common.typed_config import ConfigError
 from ..data.qa import DataError, QARow, read_parquet
@@ -35,13 +36,16 @@ class InputSummary:
     passages: int | None  # None: not checked (an external retrieval.url, or not this rank's job)
 
 
-def validate_inputs(cfg: TrainConfig, check_corpus: bool = True) -> InputSummary:
+def validate_inputs(
+    cfg: TrainConfig, check_corpus: bool = True, rewards: Optional[RewardRegistry] = None
+) -> InputSummary:
     """Check the recipe's input files; return what they hold.
 
     ``check_corpus=False`` skips the full scan of ``retrieval.corpus`` (only the rank that
     starts the embedded retrieval server needs it; the file's existence is still checked).
+    ``rewards``: the registry the run scores with (default: the recipe's ``reward`` group).
     """
-    registry = RewardRegistry(metric_override=cfg.reward.metric, format_weight=cfg.reward.format_weight)
+    registry = rewards or RewardRegistry(metric_override=cfg.reward.metric, format_weight=cfg.reward.format_weight)
     train = _rows("data.train", cfg.data.train, registry)
     if not train:
         raise InputError(f"data.train: {cfg.data.train} has no rows: there is nothing to train on")

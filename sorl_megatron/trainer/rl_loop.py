@@ -44,6 +44,7 @@ from ..rollout.agent import AgentConfig, SearchAgent
 from ..rollout.client import RolloutClient, RolloutClientConfig
 from ..rollout.trajectory import Trajectory, collate
 from .config import TrainConfig, dump_config
+from .inputs import validate_inputs
 from .metrics_log import MetricsLogger
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
 from .rollout_phase import RolloutResult, collect_rollouts, rollout_metrics
@@ -118,8 +119,7 @@ class RLTrainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.logging.dir) / cfg.logging.run_name
         self.ckpt_root = Path(cfg.checkpoint.dir)
-        self.rewards = RewardRegistry(default="em", metric_override=cfg.reward.metric,
-                                      format_weight=cfg.reward.format_weight)
+        self.rewards = RewardRegistry(metric_override=cfg.reward.metric, format_weight=cfg.reward.format_weight)
         # data (run)
         self.rows: list[QARow] = []
         self.val_rows: list[QARow] = []
@@ -370,7 +370,7 @@ class RLTrainer:
         with timer("validate"):
             if _rank() == 0:
                 res = self.rollouts(list(range(len(self.val_rows))), 1, seed=0, greedy=True, rows=self.val_rows,
-                                    rewards=RewardRegistry(metric_override="em", default="em"))
+                                    rewards=RewardRegistry(metric_override="em"))
                 payload = {
                     "val/em": float(res.rewards.mean()),
                     **rollout_metrics(res.trajectories, res.rewards, prefix="val"),
@@ -432,8 +432,11 @@ class RLTrainer:
     # -- the run -----------------------------------------------------------------------
 
     def run(self) -> dict[str, float]:
+        """The whole run. Its input files are checked first (``InputError``, naming the file and
+        row), before any server, engine or run directory exists."""
         init_distributed()  # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
         cfg = self.cfg
+        validate_inputs(cfg, check_corpus=_rank() == 0, rewards=self.rewards)  # rank 0 alone starts retrieval
         self.rows = read_parquet(cfg.data.train)
         self.val_rows = read_parquet(cfg.data.val) if cfg.data.val else []
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

@@ -7,7 +7,8 @@ from sorl_megatron.algorithms import POLICY_LOSSES
 from sorl_megatron.common.typed_config import build_dataclass
 from sorl_megatron.trainer.config import ConfigError, TrainConfig, dump_config, load_recipe, validate_layout_for_launch
 
-RECIPES = sorted(Path(__file__).resolve().parents[2].joinpath("recipes").rglob("*.yaml"))
+RECIPES = sorted(p for p in Path(__file__).resolve().parents[2].joinpath("recipes").rglob("*.yaml")
+                 if p.parent.name != "study")  # study recipes: tests/test_study.py
 BASE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_search_base.yaml"
 GPU = BASE.parent / "gpu"
 
