@@ -389,7 +389,7 @@ class Engine:
             for i, s in enumerate(seqs):
                 if s.req.return_routed_experts:
                     s.routing.append(routing[i, width - int(lens[i]) :])
-        if keep > 1 or any(_wants_input_logprobs(s.req) for s in seqs):
+        if any(_wants_input_logprobs(s.req) for s in seqs):
             self._input_logprobs(seqs, logits, lens, width)
         last = logits[:, -1]
         temps = torch.tensor([s.req.params.temperature for s in seqs])
