@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import math
+import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -18,6 +20,11 @@ from typing import Any
 import numpy as np
 
 TOP_K_OFF = 1 << 30  # SGLang's "no top-k" value
+MAX_TOKENS_FIELD = 2**31 - 1  # max/min_new_tokens fit an int32, as in SGLang's batch tensors
+SEED_RANGE = (-(2**63), 2**63)  # torch.Generator.manual_seed(seed + sample index) accepts these
+MAX_N = 1024
+MAX_STOPS = 256  # stop strings / stop token ids per request: each is checked at every sampled token
+GREEDY_EPS = 1e-6  # temperatures below this sample greedily (SGLang's _SAMPLING_EPS)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp8")
 
 
@@ -28,6 +35,44 @@ class ProtocolError(ValueError):
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ProtocolError(msg)
+
+
+def check_text(s: str, where: str) -> None:
+    """Lone surrogates (JSON ``"\\ud800"``) are not text: no tokenizer can encode them."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(
+            f"{where} is not valid Unicode text: lone surrogate {s[exc.start]!r} at character {exc.start}"
+        ) from None
+
+
+def short(x: Any, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters: error messages never echo a huge value back."""
+    if isinstance(x, int) and abs(x) >= 10**60:  # repr of a huge int is slow and says nothing
+        return f"{'-' if x < 0 else ''}<{x.bit_length()}-bit integer>"
+    r = repr(x)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+# Environment variables holding the servers' API keys: the servers read them when --api-key is
+# not given and the clients when no key is configured, so a key set once covers both sides
+# (and never shows in a process list, as a command-line argument would).
+ROLLOUT_API_KEY_ENV = "SORL_ROLLOUT_API_KEY"
+RETRIEVAL_API_KEY_ENV = "SORL_RETRIEVAL_API_KEY"
+
+
+def bearer_headers(api_key: str | None, env: str | None = None) -> dict[str, str]:
+    """Headers for a server started with ``--api-key`` (SGLang's scheme); none without a key.
+
+    ``api_key=None`` falls back to the environment variable ``env`` when it is set.
+    """
+    if api_key is None and env is not None:
+        api_key = os.environ.get(env) or None
+    if api_key is None:
+        return {}
+    _check(bool(api_key) and api_key.isprintable(), "api_key must be a non-empty printable string")
+    return {"Authorization": f"Bearer {api_key}"}
 
 
 def _is_int(x: Any) -> bool:
@@ -71,15 +116,18 @@ class SamplingParams:
         p = cls()
         for key in ("max_new_tokens", "top_k", "min_new_tokens", "n"):
             if key in raw and raw[key] is not None:
-                _check(_is_int(raw[key]), f"{where}.{key} must be an integer, got {raw[key]!r}")
+                _check(_is_int(raw[key]), f"{where}.{key} must be an integer, got {short(raw[key])}")
                 setattr(p, key, raw[key])
         for key in ("temperature", "top_p", "min_p"):
             if key in raw and raw[key] is not None:
-                _check(_is_num(raw[key]), f"{where}.{key} must be a number, got {raw[key]!r}")
-                setattr(p, key, float(raw[key]))
+                _check(_is_num(raw[key]), f"{where}.{key} must be a number, got {short(raw[key])}")
+                try:
+                    setattr(p, key, float(raw[key]))
+                except OverflowError:
+                    raise ProtocolError(f"{where}.{key} is out of range, got {short(raw[key])}") from None
         for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if key in raw and raw[key] is not None:
-                _check(isinstance(raw[key], bool), f"{where}.{key} must be a boolean, got {raw[key]!r}")
+                _check(isinstance(raw[key], bool), f"{where}.{key} must be a boolean, got {short(raw[key])}")
                 setattr(p, key, raw[key])
         stop = raw.get("stop")
         if stop is not None:
@@ -88,27 +136,49 @@ class SamplingParams:
                 isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
                 f"{where}.stop must be a non-empty string or list of them",
             )
+            _check(len(stop) <= MAX_STOPS, f"{where}.stop has {len(stop)} strings, at most {MAX_STOPS} are allowed")
+            for i, s in enumerate(stop):
+                check_text(s, f"{where}.stop[{i}]")
             p.stop = list(stop)
         ids = raw.get("stop_token_ids")
         if ids is not None:
-            _check(
-                isinstance(ids, list) and all(_is_int(i) and i >= 0 for i in ids),
-                f"{where}.stop_token_ids must be a list of token ids",
-            )
+            _check(isinstance(ids, list), f"{where}.stop_token_ids must be a list of token ids")
+            _check(len(ids) <= MAX_STOPS, f"{where}.stop_token_ids has {len(ids)} ids, at most {MAX_STOPS} are allowed")
+            _check(all(_is_int(i) and i >= 0 for i in ids), f"{where}.stop_token_ids must be a list of token ids")
             p.stop_token_ids = list(ids)
         seed = raw.get("sampling_seed", raw.get("seed"))
         if seed is not None:
-            _check(_is_int(seed), f"{where}.sampling_seed must be an integer, got {seed!r}")
+            _check(_is_int(seed), f"{where}.sampling_seed must be an integer, got {short(seed)}")
             p.sampling_seed = seed
-        _check(p.max_new_tokens >= 0, f"{where}.max_new_tokens must be >= 0")
-        _check(p.temperature >= 0, f"{where}.temperature must be >= 0")
-        _check(0 < p.top_p <= 1, f"{where}.top_p must be in (0, 1]")
-        _check(p.top_k == -1 or p.top_k >= 1, f"{where}.top_k must be >= 1 (or -1 for off)")
-        _check(0 <= p.min_p <= 1, f"{where}.min_p must be in [0, 1]")
-        _check(1 <= p.n <= 1024, f"{where}.n must be in [1, 1024]")
-        _check(p.min_new_tokens >= 0, f"{where}.min_new_tokens must be >= 0")
+        _check(
+            0 <= p.max_new_tokens <= MAX_TOKENS_FIELD,
+            f"{where}.max_new_tokens must be in [0, {MAX_TOKENS_FIELD}], got {short(p.max_new_tokens)}",
+        )
+        _check(
+            0 <= p.min_new_tokens <= p.max_new_tokens,
+            f"{where}.min_new_tokens must be in [0, max_new_tokens={p.max_new_tokens}], got {short(p.min_new_tokens)}",
+        )
+        _check(
+            math.isfinite(p.temperature) and p.temperature >= 0,
+            f"{where}.temperature must be a finite number >= 0, got {p.temperature}",
+        )
+        _check(0 < p.top_p <= 1, f"{where}.top_p must be in (0, 1], got {p.top_p}")
+        _check(
+            p.top_k == -1 or 1 <= p.top_k <= TOP_K_OFF,
+            f"{where}.top_k must be -1 (off) or in [1, 2**30], got {short(p.top_k)}",
+        )
+        _check(0 <= p.min_p <= 1, f"{where}.min_p must be in [0, 1], got {p.min_p}")
+        _check(1 <= p.n <= MAX_N, f"{where}.n must be in [1, {MAX_N}], got {short(p.n)}")
+        if p.sampling_seed is not None:
+            lo, hi = SEED_RANGE
+            _check(
+                lo <= p.sampling_seed < hi,
+                f"{where}.sampling_seed must be in [-2**63, 2**63), got {short(p.sampling_seed)}",
+            )
         if p.top_k == -1:
             p.top_k = TOP_K_OFF
+        if p.temperature < GREEDY_EPS:
+            p.temperature = 0.0
         return p
 
 
@@ -124,6 +194,8 @@ class GenRequest:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    sample_offset: int = 0  # a client's n samples may be split over requests: this one's first index
+    total_n: int | None = None  # the client's n (None: params.n)
     future: cf.Future = field(default_factory=cf.Future)
     arrival: float = field(default_factory=time.perf_counter)
 

@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 
 from ..common.http import BadResponseError, RetryPolicy, request
+from ..common.protocol import RETRIEVAL_API_KEY_ENV, bearer_headers
 from .corpus import Passage
 
 
@@ -26,15 +27,17 @@ def _passage(item: Any, url: str) -> Passage:
 class RetrievalClient:
     """``await client.retrieve(queries, topk)`` -> one best-first passage list per query."""
 
-    def __init__(self, url: str, policy: RetryPolicy | None = None, topk: int = 3):
+    def __init__(self, url: str, policy: RetryPolicy | None = None, topk: int = 3, api_key: str | None = None):
         self.url = url.rstrip("/")
         self.policy = policy or RetryPolicy(timeout_s=60.0, retry_on_timeout=True)
         self.topk = topk
+        # For a server started with --api-key; None uses $SORL_RETRIEVAL_API_KEY if set.
+        self._headers = bearer_headers(api_key, RETRIEVAL_API_KEY_ENV)
         self._session: aiohttp.ClientSession | None = None
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(headers=self._headers)
         return self._session
 
     async def retrieve(self, queries: Sequence[str], topk: int | None = None) -> list[list[Passage]]:

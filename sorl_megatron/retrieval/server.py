@@ -4,7 +4,9 @@
 
 Request ``{"queries": [str], "topk": int, "return_scores": bool}``; answer
 ``{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}`` (documents alone
-without ``return_scores``). Bad requests answer HTTP 400 ``{"error": ...}``.
+without ``return_scores``). Bad requests answer HTTP 400 ``{"error": ...}`` with the reason;
+bodies above ``--max-body-mb`` get 413 before they are buffered; with ``--api-key`` every
+endpoint but ``/health`` needs ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from ..common.background import BackgroundServer
+from ..common.protocol import RETRIEVAL_API_KEY_ENV, check_text, short
+from ..common.serving import BodyError, MiB, OffLoop, api_key_middleware, parse_json, read_body
 from .bm25 import BM25Index
 
 log = logging.getLogger("sorl_megatron.retrieval.server")
@@ -32,6 +37,8 @@ class RetrievalServerConfig:
     max_topk: int = 100
     max_queries: int = 1024
     max_query_chars: int = 4096
+    max_body_mb: int = 32  # 1024 queries x 4096 characters fit even if all are \u-escaped (24 MiB)
+    api_key: str | None = field(default=None, repr=False)
 
 
 class BadRequest(ValueError):
@@ -55,27 +62,32 @@ def _validate(body: Any, cfg: RetrievalServerConfig) -> tuple[list[str], int, bo
             raise BadRequest(f"queries[{i}] is empty")
         if len(q) > cfg.max_query_chars:
             raise BadRequest(f"queries[{i}] has {len(q)} characters > --max-query-chars {cfg.max_query_chars}")
+        try:
+            check_text(q, f"queries[{i}]")
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
     topk = body.get("topk", cfg.default_topk)
     if topk is None:
         topk = cfg.default_topk
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= cfg.max_topk:
-        raise BadRequest(f"'topk' must be an integer in [1, {cfg.max_topk}], got {topk!r}")
+        raise BadRequest(f"'topk' must be an integer in [1, {cfg.max_topk}], got {short(topk)}")
     return_scores = body.get("return_scores", False)
     if not isinstance(return_scores, bool):
-        raise BadRequest(f"'return_scores' must be a boolean, got {return_scores!r}")
+        raise BadRequest(f"'return_scores' must be a boolean, got {short(return_scores)}")
     return queries, topk, return_scores
 
 
 def build_app(index: BM25Index, cfg: RetrievalServerConfig) -> web.Application:
     lock = asyncio.Lock()
+    off_loop = OffLoop("retrieval-validate")
+    limit = cfg.max_body_mb * MiB
 
     async def retrieve(request: web.Request) -> web.Response:
         try:
-            body = await request.json()
-        except ValueError:
-            return web.json_response({"error": "body is not valid JSON"}, status=400)
-        try:
-            queries, topk, return_scores = _validate(body, cfg)
+            raw = await read_body(request, limit, "--max-body-mb")
+            queries, topk, return_scores = await off_loop.run(lambda: _validate(parse_json(raw), cfg))
+        except BodyError as exc:
+            return web.json_response({"error": str(exc)}, status=exc.status)
         except BadRequest as exc:
             return web.json_response({"error": str(exc)}, status=400)
         async with lock:  # bm25s is not documented as thread-safe
@@ -94,7 +106,10 @@ def build_app(index: BM25Index, cfg: RetrievalServerConfig) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "num_passages": len(index)})
 
-    app = web.Application(client_max_size=64 * 1024**2)
+    middlewares = [api_key_middleware(cfg.api_key)] if cfg.api_key else []
+    # Bodies are read by read_body (refused before buffering); aiohttp's limit is a backstop.
+    app = web.Application(client_max_size=limit, middlewares=middlewares)
+    app.on_cleanup.append(off_loop.close)
     app.router.add_post("/retrieve", retrieve)
     app.router.add_get("/health", health)
     return app
@@ -122,10 +137,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-topk", type=int, default=100, help="largest topk a request may ask for (default 100)")
     p.add_argument("--max-queries", type=int, default=1024, help="most queries in one request (default 1024)")
     p.add_argument("--max-query-chars", type=int, default=4096, help="longest query in characters (default 4096)")
+    p.add_argument(
+        "--max-body-mb", type=int, default=32, help="largest request body in MiB, refused with 413 (default 32)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /retrieve (/health stays open); default: the environment "
+        f"variable {RETRIEVAL_API_KEY_ENV}, which unlike argv is not visible to other local users",
+    )
     p.add_argument("--bm25-k1", type=float, default=1.5, help="BM25 k1 (default 1.5)")
     p.add_argument("--bm25-b", type=float, default=0.75, help="BM25 b (default 0.75)")
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.api_key is None:
+        args.api_key = os.environ.get(RETRIEVAL_API_KEY_ENV) or None
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         max_topk=args.max_topk,
         max_queries=args.max_queries,
         max_query_chars=args.max_query_chars,
+        max_body_mb=args.max_body_mb,
+        api_key=args.api_key,
     )
     web.run_app(build_app(index, cfg), host=cfg.host, port=cfg.port, print=lambda s: log.info("%s", s))
 

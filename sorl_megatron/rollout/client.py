@@ -19,7 +19,14 @@ import aiohttp
 import torch
 
 from ..common.http import RequestRejectedError, RetryPolicy, ServerError, ServerUnavailableError, request
-from ..common.protocol import GenerateOutput, ProtocolError, SamplingParams, parse_generate_output
+from ..common.protocol import (
+    ROLLOUT_API_KEY_ENV,
+    GenerateOutput,
+    ProtocolError,
+    SamplingParams,
+    bearer_headers,
+    parse_generate_output,
+)
 from .weights import serialize_named_tensors
 
 
@@ -36,6 +43,9 @@ class RolloutClientConfig:
         down_cooldown_s: how long a server that refused connections is skipped.
         routing_shape: ``(num_moe_layers, top_k)`` to decode ``routed_experts``; None asks
             ``/model_info`` (the embedded server reports it) or the model's HF config.
+        api_key: sent as ``Authorization: Bearer <key>`` to servers started with ``--api-key``
+            (SGLang or the embedded server); None uses ``$SORL_ROLLOUT_API_KEY`` if set, else
+            sends no header.
     """
 
     urls: tuple[str, ...]
@@ -45,6 +55,7 @@ class RolloutClientConfig:
     control_retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(timeout_s=600.0, retries=2))
     down_cooldown_s: float = 10.0
     routing_shape: tuple[int, int] | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.urls, str):
@@ -78,7 +89,9 @@ class RolloutClient:
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # One pool for all servers; the semaphore, not the connector, bounds concurrency.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), headers=bearer_headers(self.cfg.api_key, ROLLOUT_API_KEY_ENV)
+            )
             self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
         return self._session
 

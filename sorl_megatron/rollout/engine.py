@@ -5,7 +5,14 @@ One scheduler thread owns the model. It takes every waiting request (up to
 prefilled together, then decoded together with a KV cache; finished sequences leave the
 batch (their cache rows are dropped) so the rest decode at the live batch size. Control
 operations (weight updates) run on the same thread between waves, so a wave always sees
-one set of weights and reports that ``weight_version``.
+one set of weights and reports that ``weight_version``; tensors sent between
+``begin_update`` and ``end_update`` (and their version) take effect together at the end.
+
+Isolation: requests are validated by the server before they get here; if a wave still
+fails, each of its requests is retried alone, so only the one that fails gets the error.
+A request asking for prompt log-probs runs in a wave of its own (its logits cost
+``n x prompt positions x vocab`` floats). ``abort`` marks only requests that are queued or
+running (SGLang ignores unknown ids too), so its bookkeeping is bounded by the queue.
 
 Log-probs are ``log_softmax(logits / temperature)`` of the sampled token (temperature 0
 means greedy and is scored at temperature 1), i.e. the quantity a trainer recomputes at
@@ -95,6 +102,10 @@ class _RouterTap:
         return torch.stack(recs, dim=2)
 
 
+def _wants_input_logprobs(req: GenRequest) -> bool:
+    return req.return_logprob and req.logprob_start_len >= 0
+
+
 def _eos_ids(config, tokenizer, gen_config) -> set[int]:
     ids: set[int] = set()
     for src in (getattr(config, "eos_token_id", None), getattr(gen_config, "eos_token_id", None)):
@@ -129,9 +140,12 @@ class Engine:
         self._build_model()
         self._generator = torch.Generator().manual_seed(cfg.random_seed)
         self._queue: queue.Queue = queue.Queue()
-        self._aborted: set[str] = set()
+        self._lock = threading.Lock()  # guards _live and _aborted (HTTP thread vs scheduler)
+        self._live: dict[str, int] = {}  # rid -> requests queued or running with it
+        self._aborted: set[str] = set()  # always a subset of _live
         self._in_update = False
         self._dirty = False
+        self._pending_version: str | None = None  # applied with the weights at end_update
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self.num_waves = 0
@@ -145,6 +159,11 @@ class Engine:
         self.model = model
         self.tap = _RouterTap(model)
         self._dirty = False
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head: valid token ids are ``[0, vocab_size)``."""
+        return int(self.hf_config.vocab_size)
 
     @property
     def is_moe(self) -> bool:
@@ -166,6 +185,8 @@ class Engine:
         self._thread.join(timeout=30)
 
     def submit(self, req: GenRequest) -> cf.Future:
+        with self._lock:
+            self._live[req.rid] = self._live.get(req.rid, 0) + 1
         self._queue.put(req)
         return req.future
 
@@ -175,8 +196,32 @@ class Engine:
         self._queue.put((fn, fut))
         return fut
 
-    def abort(self, rid: str) -> None:
-        self._aborted.add(rid)
+    def abort(self, rid: str) -> bool:
+        """Stop the queued or running requests with ``rid``; False (and nothing kept) if none."""
+        with self._lock:
+            if rid not in self._live:
+                return False
+            self._aborted.add(rid)
+            return True
+
+    @property
+    def num_tracked_aborts(self) -> int:
+        return len(self._aborted)
+
+    def _finish(self, req: GenRequest, result: Any) -> None:
+        """Resolve ``req`` (a result list or an exception) and drop its abort bookkeeping."""
+        if not req.future.done():
+            if isinstance(result, BaseException):
+                req.future.set_exception(result)
+            else:
+                req.future.set_result(result)
+        with self._lock:
+            left = self._live.get(req.rid, 1) - 1
+            if left > 0:
+                self._live[req.rid] = left
+            else:
+                self._live.pop(req.rid, None)
+                self._aborted.discard(req.rid)
 
     # ----- weight updates (scheduler thread only, via call) -----
 
@@ -186,6 +231,7 @@ class Engine:
         self.state = new
         self._build_model()
         self.model_path = model_path
+        self._pending_version = None  # tensors sent before are replaced by the checkpoint
         if weight_version is not None:
             self.weight_version = weight_version
         return f"loaded {len(new)} tensors from {model_path}"
@@ -199,17 +245,31 @@ class Engine:
         for k, v in named.items():
             self.state[k] = v.detach().to(torch.float32).clone()
         self._dirty = True
-        if not self._in_update:  # older protocol without begin/end: apply at once
-            self._build_model()
         if weight_version is not None:
-            self.weight_version = weight_version
+            self._pending_version = weight_version
+        if not self._in_update:  # older protocol without begin/end: apply at once
+            self._apply_pending()
         return f"updated {len(named)} tensors"
 
     def end_update(self) -> str:
         self._in_update = False
+        self._apply_pending()
+        return "weight update ended"
+
+    def set_weight_version(self, version: str) -> str:
+        """``/update_weight_version``: within begin/end it labels the weights applied at the end."""
+        if self._in_update:
+            self._pending_version = version
+            return f"weight_version {version} takes effect at /end_weight_update"
+        self.weight_version = version
+        return f"weight_version set to {version}"
+
+    def _apply_pending(self) -> None:
+        # The served model and the version it reports change together, between waves.
         if self._dirty:
             self._build_model()
-        return "weight update ended"
+        if self._pending_version is not None:
+            self.weight_version, self._pending_version = self._pending_version, None
 
     # ----- scheduler -----
 
@@ -240,7 +300,14 @@ class Engine:
                     pending.pop(0)
                     self._run_control(*head)
                     continue
-                if batch and rows + head.params.n > self.cfg.max_running_requests:
+                if head.future.cancelled():  # its HTTP client went away while it waited
+                    self._finish(pending.pop(0), None)
+                    continue
+                if batch and (
+                    rows + head.params.n > self.cfg.max_running_requests
+                    or _wants_input_logprobs(head)
+                    or _wants_input_logprobs(batch[0])
+                ):
                     break
                 batch.append(pending.pop(0))
                 rows += head.params.n
@@ -256,40 +323,46 @@ class Engine:
 
     def _run_wave(self, batch: list[GenRequest]) -> None:
         self.num_waves += 1
+        version = self.weight_version  # control ops run on this thread: fixed for the wave
         try:
             with torch.inference_mode():
                 seqs = self._generate(batch)
-            version = self.weight_version
             by_req: dict[int, list[_Seq]] = {}
             for s in seqs:
                 by_req.setdefault(id(s.req), []).append(s)
-            for req in batch:
-                self._aborted.discard(req.rid)
-                if not req.future.cancelled():
-                    req.future.set_result([self._result(s, version) for s in by_req[id(req)]])
+            results = {id(req): [self._result(s, version) for s in by_req[id(req)]] for req in batch}
         except Exception as exc:
-            log.exception("generation wave failed")
-            for req in batch:
-                if not req.future.done():
-                    req.future.set_exception(exc)
+            if len(batch) > 1:  # find the culprit: each request alone, so only it fails
+                log.warning("a wave of %d requests failed (%s: %s); retrying each alone", len(batch),
+                            type(exc).__name__, exc)
+                for req in batch:
+                    self._run_wave([req])
+                return
+            log.exception("generation failed for request %s", batch[0].rid)
+            self._finish(batch[0], exc)
+            return
+        for req in batch:
+            self._finish(req, results[id(req)])
 
     def _seqs(self, batch: list[GenRequest]) -> list[_Seq]:
         seqs = []
         for req in batch:
             for j in range(req.params.n):
                 seed = req.params.sampling_seed
-                gen = None if seed is None else torch.Generator().manual_seed(seed + j)
-                seqs.append(_Seq(req=req, sample=j, generator=gen))
+                k = req.sample_offset + j  # sample index within the client's n
+                gen = None if seed is None else torch.Generator().manual_seed(seed + k)
+                seqs.append(_Seq(req=req, sample=k, generator=gen))
         return seqs
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache, all_logits: bool):
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache, keep: int):
+        """Logits of the last ``keep`` positions (1 while decoding)."""
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=0 if all_logits else 1,
+            logits_to_keep=keep,
         )
         return out.logits.float()
 
@@ -303,16 +376,20 @@ class Engine:
         mask = (torch.arange(width)[None, :] >= (width - lens)[:, None]).long()
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         want_routing = self.is_moe and any(s.req.return_routed_experts for s in seqs)
-        want_input_lp = any(s.req.return_logprob and s.req.logprob_start_len >= 0 for s in seqs)
+        # Prompt log-probs: only the positions some row asks for (from its logprob_start_len on).
+        keep = max(
+            (len(s.req.input_ids) - max(s.req.logprob_start_len, 1) + 1 for s in seqs if _wants_input_logprobs(s.req)),
+            default=1,
+        )
         self.tap.active = want_routing
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, pos, cache, all_logits=want_input_lp)
+        logits = self._forward(ids, mask, pos, cache, keep)
         if want_routing:
             routing = self.tap.take(len(seqs), width).numpy()
             for i, s in enumerate(seqs):
                 if s.req.return_routed_experts:
                     s.routing.append(routing[i, width - int(lens[i]) :])
-        if want_input_lp:
+        if any(_wants_input_logprobs(s.req) for s in seqs):
             self._input_logprobs(seqs, logits, lens, width)
         last = logits[:, -1]
         temps = torch.tensor([s.req.params.temperature for s in seqs])
@@ -337,7 +414,7 @@ class Engine:
                 break
             mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype)], dim=1)
             pos = pos[:, -1:] + 1
-            logits = self._forward(tokens[:, None], mask, pos, cache, all_logits=False)
+            logits = self._forward(tokens[:, None], mask, pos, cache, keep=1)
             last = logits[:, -1]
             if want_routing:
                 routing = self.tap.take(len(live), 1).numpy()
@@ -355,16 +432,19 @@ class Engine:
         return [live[k] for k in keep], last[idx], mask[idx], pos[idx], temps[idx]
 
     def _input_logprobs(self, seqs: list[_Seq], logits: torch.Tensor, lens: torch.Tensor, width: int) -> None:
+        base = width - logits.shape[1]  # absolute position of logits[:, 0]
         for i, s in enumerate(seqs):
             start = s.req.logprob_start_len
-            if not (s.req.return_logprob and start >= 0):
+            if not _wants_input_logprobs(s.req):
                 continue
             t = s.req.params.temperature or 1.0
-            off = width - int(lens[i])
+            off = width - int(lens[i])  # left padding
             toks = torch.tensor(s.req.input_ids)
-            lp = torch.log_softmax(logits[i, off : width - 1] / t, dim=-1).gather(-1, toks[1:, None])[:, 0].tolist()
-            values: list[float | None] = [None] + lp
-            s.input_logprobs = [[values[j], int(toks[j]), None] for j in range(start, len(toks))]
+            first = max(start, 1)  # token j is scored by the logits at position j - 1
+            rows = logits[i, off + first - 1 - base : width - 1 - base]
+            lp = torch.log_softmax(rows / t, dim=-1).gather(-1, toks[first:, None])[:, 0].tolist()
+            values: list[float | None] = ([None] if start == 0 else []) + lp
+            s.input_logprobs = [[v, tok, None] for v, tok in zip(values, toks[start:].tolist())]
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq], temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row; returns tokens and their log-probs (see module doc)."""
@@ -413,7 +493,7 @@ class Engine:
             t = float(temp) or 1.0
             top = torch.log_softmax(logits / t, dim=-1).topk(s.req.top_logprobs_num)
             s.top.append([[v, i, None] for v, i in zip(top.values.tolist(), top.indices.tolist())])
-        if s.req.rid in self._aborted:
+        if s.req.rid in self._aborted or s.req.future.cancelled():
             s.finish = {
                 "type": "abort",
                 "message": "aborted by /abort_request",
@@ -440,7 +520,7 @@ class Engine:
         if not p.no_stop_trim and isinstance(matched, int) and out and out[-1] == matched:
             out, lps, top = out[:-1], lps[:-1], top[:-1]
         meta: dict[str, Any] = {
-            "id": req.rid if p.n == 1 else f"{req.rid}-{s.sample}",
+            "id": req.rid if (req.total_n or p.n) == 1 else f"{req.rid}-{s.sample}",
             "finish_reason": fr,
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(s.out),

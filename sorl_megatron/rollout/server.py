@@ -14,26 +14,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from aiohttp import web
 
 from ..common.background import BackgroundServer
-from ..common.protocol import PRECISIONS, GenRequest, ProtocolError, SamplingParams, _is_int
+from ..common.protocol import (
+    PRECISIONS,
+    ROLLOUT_API_KEY_ENV,
+    GenRequest,
+    ProtocolError,
+    SamplingParams,
+    _is_int,
+    check_text,
+    short,
+)
+from ..common.serving import BodyError, MiB, OffLoop, api_key_middleware, parse_json, read_body
 
 if TYPE_CHECKING:  # torch/transformers load lazily so that --help answers at once
     from .engine import Engine, EngineConfig
 
 log = logging.getLogger("sorl_megatron.rollout.server")
-
-
-def _error(msg: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": msg}}, status=status)
-
-
-def _result(ok: bool, msg: str, status: int | None = None) -> web.Response:
-    return web.json_response({"success": ok, "message": msg}, status=status or (200 if ok else 400))
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
@@ -44,8 +48,63 @@ def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
-def parse_generate(body: Any, engine: Engine) -> tuple[list[GenRequest], bool]:
-    """Validate a ``/generate`` body into per-prompt requests; returns (requests, is_batch)."""
+@dataclass(frozen=True)
+class ServerOptions:
+    """Limits and authentication of the HTTP front end (the engine's settings are EngineConfig).
+
+    Attributes:
+        max_body_mb: largest body of ``/generate`` and the control endpoints (MiB).
+        max_weight_body_mb: largest body of ``/update_weights_from_tensor`` (MiB).
+        max_prompts_per_request: most sequences one ``/generate`` may ask for (prompts x n).
+        max_tokens_per_request: most tokens one ``/generate`` may ask for: the sum over its
+            sequences of prompt tokens plus ``max_new_tokens`` (capped by the context length).
+        api_key: when set, every endpoint but ``/health*`` needs ``Authorization: Bearer <key>``.
+    """
+
+    max_body_mb: int = 64
+    max_weight_body_mb: int = 1024
+    max_prompts_per_request: int = 1024
+    max_tokens_per_request: int = 1 << 20
+    api_key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_mb", "max_weight_body_mb", "max_prompts_per_request", "max_tokens_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+
+    def public(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "api_key"}
+        return {**d, "api_key_required": self.api_key is not None}
+
+
+def token_ids(value: Any, where: str, vocab: int) -> list[int]:
+    """A non-empty list of ints in ``[0, vocab)``, checked in C (bodies hold millions of ids)."""
+    if not isinstance(value, list) or not value:
+        raise ProtocolError(f"{where} must be a non-empty list of token ids")
+    if not set(map(type, value)) <= {int}:  # bool is not a token id
+        k = next(i for i, t in enumerate(value) if type(t) is not int)
+        raise ProtocolError(f"{where}[{k}] is {short(value[k])}, not an integer token id")
+    try:
+        arr = np.array(value, dtype=np.int64)
+        ok = bool(arr.min() >= 0 and arr.max() < vocab)
+    except OverflowError:
+        ok = False
+    if not ok:
+        k = next(i for i, t in enumerate(value) if not 0 <= t < vocab)
+        raise ProtocolError(f"{where}[{k}] = {short(value[k])} is not a token id in [0, {vocab})")
+    return value
+
+
+def parse_generate(body: Any, engine: Engine, opts: ServerOptions | None = None) -> tuple[list[GenRequest], bool]:
+    """Validate a ``/generate`` body into per-prompt requests; returns (requests, is_batch).
+
+    Everything is checked before anything is queued, cheapest first (counts, lengths,
+    totals, then every token id), so one bad element rejects the whole body with 400
+    naming it (SGLang also rejects a batch whose element fails validation).
+    """
+    opts = opts or ServerOptions()
     if not isinstance(body, dict):
         raise ProtocolError("body must be a JSON object")
     if body.get("stream"):
@@ -53,30 +112,66 @@ def parse_generate(body: Any, engine: Engine) -> tuple[list[GenRequest], bool]:
     ids, text = body.get("input_ids"), body.get("text")
     if ids is None and text is None:
         raise ProtocolError("one of input_ids or text is required")
+    if ids is not None and text is not None:
+        raise ProtocolError("give either input_ids or text, not both")
+    vocab, ctx = engine.vocab_size, engine.context_length
     if ids is None:
-        if engine.tokenizer is None:
-            raise ProtocolError("text input needs a tokenizer (server started with --skip-tokenizer-init)")
         is_batch = isinstance(text, list)
-        texts = text if is_batch else [text]
-        if not all(isinstance(t, str) for t in texts):
-            raise ProtocolError("text must be a string or a list of strings")
-        prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        raw = text if is_batch else [text]
+        name = "text"
     else:
         if not isinstance(ids, list) or not ids:
             raise ProtocolError("input_ids must be a non-empty list of token ids (or a list of such lists)")
         is_batch = isinstance(ids[0], list)
-        prompts = ids if is_batch else [ids]
-    vocab = int(engine.hf_config.vocab_size)
-    for i, p in enumerate(prompts):
-        where = f"input_ids[{i}]" if is_batch else "input_ids"
-        if not isinstance(p, list) or not p:
-            raise ProtocolError(f"{where} must be a non-empty list of token ids")
-        if not all(_is_int(t) and 0 <= t < vocab for t in p):
-            raise ProtocolError(f"{where} holds a value that is not a token id in [0, {vocab})")
-        if len(p) >= engine.context_length:
-            raise ProtocolError(f"{where} has {len(p)} tokens, the context length is {engine.context_length}")
-    n = len(prompts)
+        raw = ids if is_batch else [ids]
+        name = "input_ids"
+    if not raw:
+        raise ProtocolError(f"{name} must not be an empty list")
+    cap = opts.max_prompts_per_request
+    if len(raw) > cap:
+        raise ProtocolError(f"{len(raw)} prompts in one request; the limit is {cap} (--max-prompts-per-request)")
+    n = len(raw)
+
+    def where(field_name: str, i: int) -> str:
+        return f"{field_name}[{i}]" if is_batch else field_name
+
     sps = _per_prompt(body.get("sampling_params"), n, "sampling_params")
+    params = [SamplingParams.from_json(sps[i], where("sampling_params", i)) for i in range(n)]
+    sequences = sum(p.n for p in params)
+    if sequences > cap:
+        raise ProtocolError(
+            f"{sequences} sequences (prompts x n) in one request; the limit is {cap} (--max-prompts-per-request)"
+        )
+    if ids is None:
+        if engine.tokenizer is None:
+            raise ProtocolError("text input needs a tokenizer (server started with --skip-tokenizer-init)")
+        for i, t in enumerate(raw):
+            if not isinstance(t, str):
+                raise ProtocolError(f"{where('text', i)} must be a string, got {type(t).__name__}")
+            check_text(t, where("text", i))
+        prompts = engine.tokenizer(list(raw), add_special_tokens=False)["input_ids"]
+    else:
+        prompts = raw
+    total = 0
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        if not isinstance(prompt, list) or not prompt:
+            raise ProtocolError(f"{where(name, i)} must be a non-empty list of token ids")
+        if len(prompt) >= ctx:
+            raise ProtocolError(f"{where(name, i)} has {len(prompt)} tokens, the context length is {ctx}")
+        total += sp.n * (len(prompt) + min(sp.max_new_tokens, ctx - len(prompt)))
+    if total > opts.max_tokens_per_request:
+        raise ProtocolError(
+            f"the request asks for {total} tokens (prompt + max_new_tokens, times n, over its prompts); "
+            f"the limit is {opts.max_tokens_per_request} (--max-tokens-per-request)"
+        )
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        token_ids(prompt, where("input_ids", i), vocab)
+        if sp.stop_token_ids:
+            token_ids(sp.stop_token_ids, where("sampling_params", i) + ".stop_token_ids", vocab)
+        if sp.stop and engine.tokenizer is None:
+            raise ProtocolError(
+                "stop strings need a tokenizer (server started with --skip-tokenizer-init); use stop_token_ids"
+            )
     ret_lp = _per_prompt(body.get("return_logprob", False), n, "return_logprob")
     starts = _per_prompt(body.get("logprob_start_len", -1), n, "logprob_start_len")
     tops = _per_prompt(body.get("top_logprobs_num", 0), n, "top_logprobs_num")
@@ -89,80 +184,117 @@ def parse_generate(body: Any, engine: Engine) -> tuple[list[GenRequest], bool]:
         raise ProtocolError("return_routed_experts needs the server flag --enable-return-routed-experts")
     if routed and not engine.is_moe:
         raise ProtocolError("return_routed_experts: the served model has no MoE routers")
+    max_top = min(64, vocab)
     reqs = []
-    for i, p in enumerate(prompts):
-        sp = SamplingParams.from_json(sps[i], "sampling_params" + (f"[{i}]" if is_batch else ""))
-        if sp.stop and engine.tokenizer is None:
-            raise ProtocolError(
-                "stop strings need a tokenizer (server started with --skip-tokenizer-init); use stop_token_ids"
-            )
+    for i, (p, sp) in enumerate(zip(prompts, params)):
         if not isinstance(ret_lp[i], bool):
-            raise ProtocolError("return_logprob must be a boolean")
+            raise ProtocolError(f"{where('return_logprob', i)} must be a boolean")
         if not _is_int(starts[i]) or not -1 <= starts[i] < len(p):
-            raise ProtocolError(f"logprob_start_len must be -1 or in [0, {len(p)}), got {starts[i]!r}")
-        if not _is_int(tops[i]) or not 0 <= tops[i] <= 64:
-            raise ProtocolError(f"top_logprobs_num must be an integer in [0, 64], got {tops[i]!r}")
-        if not _is_int(r_start) or not 0 <= r_start <= len(p):
-            raise ProtocolError(f"routed_experts_start_len must be in [0, {len(p)}], got {r_start!r}")
-        if rids[i] is not None and not isinstance(rids[i], str):
-            raise ProtocolError("rid must be a string")
-        kw = {"rid": rids[i]} if rids[i] else {}
-        reqs.append(
-            GenRequest(
-                input_ids=list(p),
-                params=sp,
-                return_logprob=ret_lp[i],
-                logprob_start_len=starts[i],
-                top_logprobs_num=tops[i],
-                return_routed_experts=routed,
-                routed_experts_start_len=r_start,
-                **kw,
+            raise ProtocolError(
+                f"{where('logprob_start_len', i)} must be -1 or in [0, {len(p)}), got {short(starts[i])}"
             )
-        )
+        if not _is_int(tops[i]) or not 0 <= tops[i] <= max_top:
+            raise ProtocolError(
+                f"{where('top_logprobs_num', i)} must be an integer in [0, {max_top}], got {short(tops[i])}"
+            )
+        if not _is_int(r_start) or not 0 <= r_start <= len(p):
+            raise ProtocolError(f"routed_experts_start_len must be in [0, {len(p)}], got {short(r_start)}")
+        if rids[i] is not None and not isinstance(rids[i], str):
+            raise ProtocolError(f"{where('rid', i)} must be a string")
+        if rids[i] is not None:
+            check_text(rids[i], where("rid", i))
+        kw = {"rid": rids[i]} if rids[i] else {}
+        # n larger than a wave is split into wave-sized requests (seeds follow the sample index).
+        step = max(1, engine.cfg.max_running_requests)
+        for lo in range(0, sp.n, step):
+            part = sp if sp.n <= step else replace(sp, n=min(step, sp.n - lo))
+            reqs.append(
+                GenRequest(
+                    input_ids=list(p),
+                    params=part,
+                    return_logprob=ret_lp[i],
+                    logprob_start_len=starts[i],
+                    top_logprobs_num=tops[i],
+                    return_routed_experts=routed,
+                    routed_experts_start_len=r_start,
+                    sample_offset=lo,
+                    total_n=sp.n,
+                    **kw,
+                )
+            )
     return reqs, is_batch
 
 
-async def _json(request: web.Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError as exc:
-        raise ProtocolError(f"body is not valid JSON: {exc}") from None
+def _error(msg: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": msg}}, status=status)
 
 
-def build_app(engine: Engine) -> web.Application:
+def _result(ok: bool, msg: str, status: int | None = None) -> web.Response:
+    return web.json_response({"success": ok, "message": msg}, status=status or (200 if ok else 400))
+
+
+def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Application:
     from .weights import WeightError, deserialize_named_tensors
+
+    opts = opts or ServerOptions()
+    body_limit = opts.max_body_mb * MiB
+    weight_limit = opts.max_weight_body_mb * MiB
+    off_loop = OffLoop("rollout-validate")
 
     async def run_control(fn) -> Any:
         return await asyncio.wrap_future(engine.call(fn))
 
+    async def read_json(request: web.Request, limit: int, flag: str) -> Any:
+        raw = await read_body(request, limit, flag)
+        return await off_loop.run(lambda: parse_json(raw))
+
     async def generate(request: web.Request) -> web.Response:
+        raw = bytearray()
         try:
-            reqs, is_batch = parse_generate(await _json(request), engine)
+            raw = await read_body(request, body_limit, "--max-body-mb")
+            reqs, is_batch = await off_loop.run(lambda: parse_generate(parse_json(raw), engine, opts))
+        except BodyError as exc:
+            return _error(str(exc), exc.status)
         except ProtocolError as exc:
             return _error(str(exc))
+        except Exception as exc:  # a bug, or a tokenizer refusing the text: this request only
+            log.exception("validating a /generate request failed")
+            return _error(f"could not validate the request: {type(exc).__name__}: {exc}", 500)
+        finally:
+            raw = bytearray()  # drop the body now, not when the (long) generation ends
         futures = [asyncio.wrap_future(engine.submit(r)) for r in reqs]
         try:
             results = await asyncio.gather(*futures)
-        except asyncio.CancelledError:  # client went away: stop its sequences
-            for r in reqs:
-                engine.abort(r.rid)
+        except asyncio.CancelledError:  # client went away: its queued/running sequences stop
+            for f in futures:
+                f.cancel()
             raise
         except Exception as exc:
-            log.exception("generation failed")
+            for f in futures:
+                f.cancel()
             return _error(f"generation failed: {type(exc).__name__}: {exc}", 500)
         flat = [obj for per_prompt in results for obj in per_prompt]
         if not is_batch and len(flat) == 1:
             return web.json_response(flat[0])
         return web.json_response(flat)
 
-    def weight_handler(fn_of_body):
+    def weight_handler(fn_of_body, limit: int = body_limit, flag: str = "--max-body-mb"):
         async def handler(request: web.Request) -> web.Response:
+            raw = bytearray()
             try:
-                body = await _json(request) if request.can_read_body else {}
-                if not isinstance(body, dict):
-                    raise ProtocolError("body must be a JSON object")
-                fn = fn_of_body(body)
+                raw = await read_body(request, limit, flag)
+
+                def prepare():  # off the event loop: JSON and tensor payloads can be large
+                    body = parse_json(raw) if raw.strip() else {}
+                    if not isinstance(body, dict):
+                        raise ProtocolError("body must be a JSON object")
+                    return fn_of_body(body)
+
+                fn = await off_loop.run(prepare)
+                raw = bytearray()  # drop the body before the (slow) update runs
                 msg = await run_control(fn)
+            except BodyError as exc:
+                return _result(False, str(exc), exc.status)
             except (ProtocolError, WeightError) as exc:
                 return _result(False, str(exc))
             except Exception as exc:
@@ -172,16 +304,21 @@ def build_app(engine: Engine) -> web.Application:
 
         return handler
 
-    def _version(body: dict) -> str | None:
-        v = body.get("weight_version")
-        if v is not None and not isinstance(v, str):
-            raise ProtocolError("weight_version must be a string")
+    def _version(body: dict, key: str = "weight_version") -> str | None:
+        v = body.get(key)
+        if v is not None:
+            if not isinstance(v, str):
+                raise ProtocolError(f"{key} must be a string")
+            check_text(v, key)
         return v
 
     def from_disk(body: dict):
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise ProtocolError("model_path (string) is required")
+        check_text(path, "model_path")
+        if "\x00" in path:
+            raise ProtocolError("model_path contains a NUL character")
         version = _version(body)
         return lambda: engine.update_from_disk(path, version)
 
@@ -191,21 +328,19 @@ def build_app(engine: Engine) -> web.Application:
             payloads = [payloads]
         if not isinstance(payloads, list) or not payloads or not all(isinstance(x, str) for x in payloads):
             raise ProtocolError("serialized_named_tensors must be a list of base64 strings (one per TP rank)")
+        fmt = body.get("load_format")
+        if fmt is not None and not isinstance(fmt, str):
+            raise ProtocolError("load_format must be a string")
         # The embedded server has one rank: every entry must carry the same tensors; use rank 0's.
-        named = deserialize_named_tensors(payloads[0], body.get("load_format"))
+        named = deserialize_named_tensors(payloads[0], fmt)
         version = _version(body)
         return lambda: engine.update_from_tensors(named, version)
 
     def set_version(body: dict):
-        v = body.get("new_version")
-        if not isinstance(v, str):
+        v = _version(body, "new_version")
+        if v is None:
             raise ProtocolError("new_version (string) is required")
-
-        def fn():
-            engine.weight_version = v
-            return f"weight_version set to {v}"
-
-        return fn
+        return lambda: engine.set_weight_version(v)
 
     async def flush_cache(_: web.Request) -> web.Response:
         # No prefix cache is kept between requests, so there is nothing to drop.
@@ -227,28 +362,41 @@ def build_app(engine: Engine) -> web.Application:
         return web.json_response(engine.info())
 
     async def server_info(_: web.Request) -> web.Response:
-        return web.json_response({**engine.cfg.__dict__, **engine.info(), "num_waves": engine.num_waves})
+        return web.json_response(
+            {
+                **engine.cfg.__dict__,
+                **engine.info(),
+                **opts.public(),
+                "num_waves": engine.num_waves,
+                "num_tracked_aborts": engine.num_tracked_aborts,
+            }
+        )
 
     async def abort(request: web.Request) -> web.Response:
         try:
-            body = await _json(request)
-        except ProtocolError as exc:
-            return _error(str(exc))
+            body = await read_json(request, MiB, "(fixed 1 MiB for /abort_request)")
+        except BodyError as exc:
+            return _error(str(exc), exc.status)
         rid = body.get("rid") if isinstance(body, dict) else None
         if not isinstance(rid, str):
             return _error("rid (string) is required")
-        engine.abort(rid)
+        engine.abort(rid)  # unknown ids are ignored, as in SGLang: nothing accumulates
         return web.Response(text="")
 
     async def memory_noop(_: web.Request) -> web.Response:
         return _result(True, "CPU server keeps weights and cache resident; nothing to release")
 
-    app = web.Application(client_max_size=1024**3)
+    middlewares = [api_key_middleware(opts.api_key)] if opts.api_key else []
+    # Bodies are read by read_body with per-endpoint limits; aiohttp's own limit is a backstop.
+    app = web.Application(client_max_size=max(body_limit, weight_limit), middlewares=middlewares)
+    app.on_cleanup.append(off_loop.close)
     r = app.router
     r.add_post("/generate", generate)
     r.add_post("/update_weights_from_disk", weight_handler(from_disk))
     r.add_post("/begin_weight_update", weight_handler(lambda b: engine.begin_update))
-    r.add_post("/update_weights_from_tensor", weight_handler(from_tensor))
+    r.add_post(
+        "/update_weights_from_tensor", weight_handler(from_tensor, weight_limit, "--max-weight-body-mb")
+    )
     r.add_post("/end_weight_update", weight_handler(lambda b: engine.end_update))
     r.add_post("/update_weight_version", weight_handler(set_version))
     r.add_route("*", "/flush_cache", flush_cache)
@@ -280,12 +428,14 @@ class RolloutServer:
         self.engine.stop()
 
 
-def start_rollout_server(cfg: EngineConfig, host: str = "127.0.0.1", port: int = 0) -> RolloutServer:
+def start_rollout_server(
+    cfg: EngineConfig, host: str = "127.0.0.1", port: int = 0, options: ServerOptions | None = None
+) -> RolloutServer:
     """Start an embedded server in this process (port 0 picks a free port)."""
     from .engine import Engine
 
     engine = Engine(cfg).start()
-    return RolloutServer(engine, BackgroundServer(build_app(engine), host, port).start())
+    return RolloutServer(engine, BackgroundServer(build_app(engine, options), host, port).start())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -342,8 +492,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="accepted for SGLang compatibility; no prefix cache is kept anyway",
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health* (as SGLang's --api-key); "
+        f"default: the environment variable {ROLLOUT_API_KEY_ENV}, which unlike argv is not visible to other "
+        "local users",
+    )
+    p.add_argument(
+        "--max-body-mb", type=int, default=64, help="largest body of /generate and control requests in MiB (default 64)"
+    )
+    p.add_argument(
+        "--max-weight-body-mb",
+        type=int,
+        default=1024,
+        help="largest body of /update_weights_from_tensor in MiB (default 1024)",
+    )
+    p.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=1024,
+        help="most sequences one /generate may ask for, prompts x n (default 1024)",
+    )
+    p.add_argument(
+        "--max-tokens-per-request",
+        type=int,
+        default=1 << 20,
+        help="most tokens one /generate may ask for: prompt + max_new_tokens per sequence, summed (default 1048576)",
+    )
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)
+    if args.api_key is None:
+        args.api_key = os.environ.get(ROLLOUT_API_KEY_ENV) or None
     if args.precision is None:
         args.precision = "fp8" if args.quantization == "fp8" else ("bf16" if args.dtype == "bfloat16" else "fp32")
     return args
@@ -370,12 +550,20 @@ def main(argv: list[str] | None = None) -> None:
         random_seed=args.random_seed,
         weight_version=args.weight_version,
     )
+    opts = ServerOptions(
+        max_body_mb=args.max_body_mb,
+        max_weight_body_mb=args.max_weight_body_mb,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_tokens_per_request=args.max_tokens_per_request,
+        api_key=args.api_key,
+    )
     engine = Engine(cfg).start()
     log.info(
-        "serving %s (%s, moe=%s) on http://%s:%d", args.model_path, args.precision, engine.is_moe, args.host, args.port
+        "serving %s (%s, moe=%s) on http://%s:%d (%s)", args.model_path, args.precision, engine.is_moe, args.host,
+        args.port, "API key required" if opts.api_key else "no API key: anyone who can connect may update weights",
     )
     try:
-        web.run_app(build_app(engine), host=args.host, port=args.port, print=lambda s: log.info("%s", s))
+        web.run_app(build_app(engine, opts), host=args.host, port=args.port, print=lambda s: log.info("%s", s))
     finally:
         engine.stop()
 

@@ -34,7 +34,11 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
         raise WeightError(f"no *.safetensors file in {d} (only safetensors checkpoints are served)")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        for k, v in load_file(f).items():
+        try:
+            tensors = load_file(f)
+        except Exception as exc:  # a pickle or truncated file named *.safetensors is the caller's input
+            raise WeightError(f"{f} is not a readable safetensors file: {type(exc).__name__}: {exc}") from None
+        for k, v in tensors.items():
             if k in state:
                 raise WeightError(f"tensor {k} appears twice ({f.name} and an earlier shard)")
             state[k] = v.float() if v.is_floating_point() else v

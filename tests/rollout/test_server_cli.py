@@ -29,6 +29,11 @@ FLAGS = [
     "--weight-version",
     "--num-threads",
     "--disable-radix-cache",
+    "--api-key",
+    "--max-body-mb",
+    "--max-weight-body-mb",
+    "--max-prompts-per-request",
+    "--max-tokens-per-request",
     "--log-level",
 ]
 

@@ -1,0 +1,148 @@
+"""Issue 15, class 3 for the retrieval server: bounded bodies, 400s with the reason, --api-key."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+from urllib.parse import urlparse
+
+import psutil
+import pytest
+
+from sorl_megatron.common.background import free_port, wait_healthy
+from sorl_megatron.common.http import RequestRejectedError, RetryPolicy
+from sorl_megatron.retrieval import RetrievalClient
+
+CORPUS = [
+    {"id": "0", "contents": '"Paris"\nParis is the capital and largest city of France.'},
+    {"id": "1", "contents": '"Berlin"\nBerlin is the capital of Germany.'},
+]
+KEY = "retrieval-key-42"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def call(url, method, path, body=None, headers=None):
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    data = body if isinstance(body, (bytes, bytearray)) or body is None else json.dumps(body).encode()
+    try:
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        text = r.read().decode()
+    finally:
+        conn.close()
+    try:
+        return r.status, json.loads(text)
+    except ValueError:
+        return r.status, text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("retr")
+    corpus = d / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
+    port = free_port()
+    log = open(d / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sorl_megatron.retrieval.server", "--corpus", str(corpus), "--port", str(port),
+         "--max-query-chars", "64", "--max-queries", "8", "--log-level", "warning"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "SORL_RETRIEVAL_API_KEY": KEY},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout_s=60, proc=proc)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+
+
+def _send_oversized(url: str, total: int, chunked: bool) -> int:
+    u = urlparse(url)
+    sock = socket.create_connection((u.hostname, u.port), timeout=30)
+    head = f"POST /retrieve HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+    head += "Transfer-Encoding: chunked\r\n\r\n" if chunked else f"Content-Length: {total}\r\n\r\n"
+    sock.sendall(head.encode())
+    block = b'{"queries": ["' + b"a" * (1024**2 - 14)
+    frame = f"{len(block):x}\r\n".encode() + block + b"\r\n" if chunked else block
+    sent = 0
+    try:
+        while sent < total:
+            sock.sendall(frame)
+            sent += len(block)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    try:
+        answer = sock.recv(4096).decode(errors="replace")
+    except ConnectionResetError:
+        answer = ""
+    sock.close()
+    return int(answer.split()[1]) if answer.startswith("HTTP/1.1") else -1
+
+
+def test_413_before_buffering_keeps_memory_flat(server):
+    url, proc = server
+    rss = psutil.Process(proc.pid)
+    assert call(url, "POST", "/retrieve", {"queries": ["Paris"]}, AUTH)[0] == 200
+    base = rss.memory_info().rss
+    statuses = [_send_oversized(url, 100 * 1024**2, chunked=c) for c in (False, False, False, True, True, True)]
+    grown = (rss.memory_info().rss - base) / 1024**2
+    print(f"\n[retrieval body limit] statuses {statuses}; RSS grew {grown:.0f} MiB after six 100 MiB POSTs")
+    assert statuses == [413] * 6
+    assert grown < 128  # was ~64 MB kept per refused POST
+    status, obj = call(url, "POST", "/retrieve", b"x" * (33 * 1024**2), AUTH)
+    assert status == 413 and "--max-body-mb" in obj["error"]
+    assert call(url, "POST", "/retrieve", {"queries": ["Paris"]}, AUTH)[0] == 200
+
+
+@pytest.mark.parametrize(
+    "body,msg",
+    [
+        ({"queries": ["x" * 65]}, "queries[0] has 65 characters > --max-query-chars 64"),
+        ({"queries": ["a"] * 9}, "too many queries: 9 > --max-queries 8"),
+        ({"queries": ["ok", "bad \ud800"]}, "queries[1] is not valid Unicode text: lone surrogate"),
+        ({"queries": ["ok"], "topk": 10**30}, "'topk' must be an integer in [1, 100], got 100000000000000000"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"queries": ["a"], "topk": NaN}', "NaN is not a JSON number"),
+        (b"", "empty"),
+    ],
+)
+def test_bad_bodies_get_400_with_the_reason(server, body, msg):
+    url, _ = server
+    status, obj = call(url, "POST", "/retrieve", body, AUTH)
+    assert status == 400 and msg in obj["error"]
+
+
+def test_api_key(server, monkeypatch):
+    url, _ = server
+    assert call(url, "GET", "/health")[0] == 200  # open: probes need no key
+    status, obj = call(url, "POST", "/retrieve", {"queries": ["Paris"]})
+    assert status == 401 and "Unauthorized" in obj["error"]
+    assert call(url, "POST", "/retrieve", {"queries": ["Paris"]}, {"Authorization": f"Bearer {KEY}x"})[0] == 401
+
+    async def go(key):
+        async with RetrievalClient(url, RetryPolicy(timeout_s=10, retries=0), api_key=key) as c:
+            return await c.retrieve(["capital of Germany"], topk=1)
+
+    assert asyncio.run(go(KEY))[0][0].id == "1"
+    with pytest.raises(RequestRejectedError, match="401"):
+        asyncio.run(go(None))
+    monkeypatch.setenv("SORL_RETRIEVAL_API_KEY", KEY)  # the client falls back to the server's variable
+    assert asyncio.run(go(None))[0][0].id == "1"
+
+
+def test_cli_help_documents_new_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "sorl_megatron.retrieval.server", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0
+    assert "--max-body-mb" in out.stdout and "--api-key" in out.stdout and "SORL_RETRIEVAL_API_KEY" in out.stdout
