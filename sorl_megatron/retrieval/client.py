@@ -28,7 +28,8 @@ class RetrievalClient:
     """``await client.retrieve(queries, topk)`` -> one best-first passage list per query."""
 
     def __init__(self, url: str, policy: RetryPolicy | None = None, topk: int = 3, api_key: str | None = None):
-        self.url = url.rstrip("/")
+        # Search-R1 recipes write the endpoint itself (http://host:8000/retrieve)
+        self.url = url.rstrip("/").removesuffix("/retrieve")
         self.policy = policy or RetryPolicy(timeout_s=60.0, retry_on_timeout=True)
         self.topk = topk
         # For a server started with --api-key; None uses $SORL_RETRIEVAL_API_KEY if set.

@@ -133,6 +133,7 @@ class RLTrainer:
         # servers (rank 0)
         self.retrieval_url: Optional[str] = None
         self.rollout_urls: list[str] = []
+        self.api_keys: dict[str, str] = {}  # of the embedded servers; others: $SORL_*_API_KEY
         # PVPO
         self.pvpo: Optional[PVPOState] = None
         self._gold_cache: dict[int, Optional[Trajectory]] = {}  # ground truth by prompt index (None: none usable)
@@ -227,10 +228,11 @@ class RLTrainer:
         """The one way the trainer talks to the rollout servers (generation and weight sync)."""
         r = self.cfg.rollout
         return RolloutClient(RolloutClientConfig(urls=tuple(self.rollout_urls), max_concurrency=r.concurrency,
-                                                 generate_retry=RetryPolicy(timeout_s=r.timeout_s, retries=2)))
+                                                 generate_retry=RetryPolicy(timeout_s=r.timeout_s, retries=2),
+                                                 api_key=self.api_keys.get("rollout")))
 
     def _retrieval_client(self) -> RetrievalClient:
-        return RetrievalClient(self.retrieval_url, topk=self.cfg.retrieval.topk)
+        return RetrievalClient(self.retrieval_url, topk=self.cfg.retrieval.topk, api_key=self.api_keys.get("retrieval"))
 
     def rollouts(
         self, indices: list[int], n: int, seed: int, greedy: bool = False, rows=None, rewards=None
@@ -444,6 +446,7 @@ class RLTrainer:
         self.stream.indices = list(range(len(self.rows)))
         with ExitStack() as stack:
             servers = stack.enter_context(EmbeddedServers(self.run_dir))
+            self.api_keys = servers.api_keys  # filled as the servers start
             if _rank() == 0:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.yaml").write_text(dump_config(cfg))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Optional
 
 from ..common.background import free_port, wait_healthy
 from ..common.procutil import die_with_parent_preexec
+from ..common.protocol import RETRIEVAL_API_KEY_ENV, ROLLOUT_API_KEY_ENV
 
 
 @dataclass
@@ -32,6 +34,7 @@ class ServerSpec:
     module: str
     args: list[str]
     health_timeout_s: float = 300.0
+    api_key_env: Optional[str] = None  # the server's --api-key variable (see start)
 
 
 @dataclass
@@ -41,10 +44,20 @@ class EmbeddedServers:
     run_dir: Path
     host: str = "127.0.0.1"
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    api_keys: dict[str, str] = field(default_factory=dict)  # server name -> its --api-key
     _logs: list = field(default_factory=list)
 
     def start(self, spec: ServerSpec) -> str:
-        """Launch ``spec`` on a free port, wait for ``/health``, return its URL."""
+        """Launch ``spec`` on a free port, wait for ``/health``, return its URL.
+
+        Loopback is reachable by every local user, so each server gets an API key: the one in
+        its key variable, else a fresh random one for this run, passed in the child's
+        environment (never in argv, which ``ps`` shows) and kept in ``api_keys`` for the
+        trainer's clients.
+        """
+        env = dict(os.environ)
+        if spec.api_key_env:
+            env[spec.api_key_env] = self.api_keys[spec.name] = env.get(spec.api_key_env) or secrets.token_urlsafe(32)
         port = free_port(self.host)
         log_dir = self.run_dir / "servers"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -56,6 +69,7 @@ class EmbeddedServers:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=env,
             start_new_session=True,
             preexec_fn=die_with_parent_preexec(),
         )
@@ -110,14 +124,15 @@ def rollout_server_spec(model_path: str, precision: str, routed_experts: bool, s
         args.append("--enable-return-routed-experts")
     if max_running_requests:
         args += ["--max-running-requests", str(max_running_requests)]
-    return ServerSpec("rollout", "sorl_megatron.rollout.server", args)
+    return ServerSpec("rollout", "sorl_megatron.rollout.server", args, api_key_env=ROLLOUT_API_KEY_ENV)
 
 
 def retrieval_server_spec(corpus: str, topk: int) -> ServerSpec:
     if not corpus or not Path(corpus).is_file():
         raise FileNotFoundError(f"retrieval.corpus: {corpus!r} is not a file (and no retrieval.url was given)")
     return ServerSpec(
-        "retrieval", "sorl_megatron.retrieval.server", ["--corpus", corpus, "--topk", str(topk)], health_timeout_s=120.0
+        "retrieval", "sorl_megatron.retrieval.server", ["--corpus", corpus, "--topk", str(topk)],
+        health_timeout_s=120.0, api_key_env=RETRIEVAL_API_KEY_ENV,
     )
 
 

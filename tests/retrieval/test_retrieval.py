@@ -167,3 +167,10 @@ def test_cli_server_subprocess(corpus_file):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_client_takes_the_search_r1_endpoint_url():
+    from sorl_megatron.retrieval.client import RetrievalClient
+
+    for url in ("http://127.0.0.1:8000/retrieve", "http://127.0.0.1:8000/retrieve/", "http://127.0.0.1:8000"):
+        assert RetrievalClient(url).url == "http://127.0.0.1:8000"

@@ -1,6 +1,7 @@
 """The trainer's embedded servers start on loopback and are always stopped (real processes)."""
 
 import json
+import urllib.error
 import urllib.request
 
 import pytest
@@ -15,20 +16,26 @@ def _corpus(tmp_path):
     return path
 
 
-def _retrieve(url, query):
+def _retrieve(url, query, key=None):
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(f"{url}/retrieve", data=json.dumps({"queries": [query], "topk": 1}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers)
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
 
-def test_servers_stop_after_an_error(tmp_path):
+def test_servers_stop_after_an_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("SORL_RETRIEVAL_API_KEY", raising=False)
     servers = EmbeddedServers(tmp_path)
     with pytest.raises(RuntimeError, match="boom"):
         with servers:
             url = servers.start(retrieval_server_spec(str(_corpus(tmp_path)), topk=1))
             assert url.startswith("http://127.0.0.1:")
-            assert "town3" in json.dumps(_retrieve(url, "town3"))
+            key = servers.api_keys["retrieval"]  # a random per-run key, not in argv
+            assert len(key) >= 32 and key not in " ".join(servers.procs["retrieval"].args)
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                _retrieve(url, "town3")  # another local user, without the key
+            assert "town3" in json.dumps(_retrieve(url, "town3", key))
             proc = servers.procs["retrieval"]
             raise RuntimeError("boom")
     assert proc.poll() is not None  # the child is gone

@@ -1,0 +1,301 @@
+"""A stability study: a grid of losses x off-policy stress levels x seeds, one training run per
+cell, all from one shared starting policy; resumable; summarized with a band over seeds.
+
+    python -m sorl_megatron.study --config recipes/study/tiny_stability.yaml [--parallel N]
+
+A study recipe (YAML) names the training recipe every cell starts from, the starting policy
+(e.g. the CPU demo's SFT model), the grid, and overrides applied to every cell. Each cell is
+``python -m sorl_megatron.train`` in its own process, writing ``<out>/runs/<loss>__<stress>__s<seed>``.
+A cell whose metrics reach ``schedule.total_steps`` is done and skipped; an interrupted one
+resumes from its last checkpoint (``checkpoint.resume=auto``), so re-running the command
+continues the study. ``<out>/summary.md`` and ``<out>/figures/*.png`` are rewritten at the
+end (``--summarize`` does only that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from .common.typed_config import ConfigError, build_dataclass
+from .trainer.config import load_recipe
+from .trainer.metrics_log import read_metrics
+
+# What the summary plots and tables (SORL Figs. 2-8): score, KL, clip ratio, gradient norm, ||C||.
+FIGURE_METRICS: dict[str, str] = {
+    "val/em": "validation exact match",
+    "rollout/reward": "training reward",
+    "actor/approx_kl_k3": "KL(old || new), k3",
+    "actor/clip_frac": "clip ratio",
+    "actor/grad_norm": "gradient norm (before clipping)",
+    "actor/clip_bias/logprob_norm": "||C|| (log-prob space)",
+    "actor/clip_bias/factor": "normalization factor",
+}
+
+
+@dataclass
+class StudyConfig:
+    """A study recipe. ``recipe`` is relative to the study file; ``start_policy``, ``data`` and
+    ``out`` to the working directory (the repository root, as the demo's ``runs/``).
+
+    recipe: the training recipe every cell starts from.
+    start_policy: HF directory of the shared starting policy (``model.path`` of every cell,
+        SFT off); the CPU demo's is ``runs/tiny_search/so_grpo/sft_model``.
+    data: the synthetic set (``runs/tiny``: corpus, train / validation parquet).
+    losses / stress: name -> overrides of that loss / off-policy stress level.
+    seeds: ``schedule.seed`` of each repetition.
+    overrides: applied to every cell (after the loss's and the stress level's).
+    parallel: cells run at once (each is a trainer with its own servers).
+    collapse_fraction: a run *collapses* when a validation EM after its first falls below this
+        fraction of the best validation EM it reached before (and that best was >= 0.05).
+    """
+
+    recipe: str
+    start_policy: str
+    data: str = "runs/tiny"
+    out: str = "runs/study"
+    losses: dict[str, list[str]] = field(default_factory=dict)
+    stress: dict[str, list[str]] = field(default_factory=dict)
+    seeds: list[int] = field(default_factory=lambda: [1])
+    overrides: list[str] = field(default_factory=list)
+    parallel: int = 1
+    collapse_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.losses or not self.stress or not self.seeds:
+            raise ValueError("losses, stress and seeds must each name at least one entry")
+        if self.parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {self.parallel}")
+        if not 0 < self.collapse_fraction < 1:
+            raise ValueError(f"collapse_fraction must be in (0, 1), got {self.collapse_fraction}")
+        for group in (self.losses, self.stress):
+            bad = [n for n in group if "__" in n or "/" in n]
+            if bad:
+                raise ValueError(f"names may not contain '__' or '/': {bad}")
+
+
+@dataclass(frozen=True)
+class Cell:
+    loss: str
+    stress: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.loss}__{self.stress}__s{self.seed}"
+
+
+def load_study(path: str | Path, overrides: list[str] = ()) -> tuple[StudyConfig, Path]:
+    """The study recipe with its paths resolved against the file's directory."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"study recipe {path} not found")
+    merged = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+    cfg = build_dataclass(StudyConfig, OmegaConf.to_container(merged, resolve=True), "study")
+    base = path.resolve().parent
+    for key in ("recipe",):
+        setattr(cfg, key, str((base / getattr(cfg, key)).resolve()))
+    return cfg, base
+
+
+def cells(cfg: StudyConfig) -> list[Cell]:
+    return [Cell(loss, stress, seed) for stress in cfg.stress for loss in cfg.losses for seed in cfg.seeds]
+
+
+def cell_overrides(cfg: StudyConfig, cell: Cell, out: Path) -> list[str]:
+    data = Path(cfg.data)
+    return [
+        f"model.path={cfg.start_policy}", "sft.enabled=false",
+        f"retrieval.corpus={data / 'corpus.jsonl'}", f"data.train={data / 'train.parquet'}",
+        f"data.val={data / 'validation.parquet'}",
+        *cfg.losses[cell.loss], *cfg.stress[cell.stress], *cfg.overrides,
+        f"schedule.seed={cell.seed}", f"logging.dir={out / 'runs'}", f"logging.run_name={cell.name}",
+        "logging.progress=none", "checkpoint.resume=auto",
+    ]
+
+
+def is_done(run_dir: Path, total_steps: int) -> bool:
+    try:
+        return any(row.get("step") == total_steps for row in read_metrics(run_dir))
+    except FileNotFoundError:
+        return False
+
+
+def run_cell(cfg: StudyConfig, cell: Cell, out: Path) -> tuple[Cell, int, str]:
+    """One cell in its own process (logs in ``<run>/study.log``); returns its exit code."""
+    overrides = cell_overrides(cfg, cell, out)
+    train_cfg = load_recipe(cfg.recipe, overrides)  # a bad grid entry fails here, naming the key
+    run_dir = out / "runs" / cell.name
+    if is_done(run_dir, train_cfg.schedule.total_steps):
+        return cell, 0, "done before"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                                                     // max(1, cfg.parallel)))))
+    cmd = [sys.executable, "-m", "sorl_megatron.train", "--config", cfg.recipe, *overrides]
+    with open(run_dir / "study.log", "ab") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
+    return cell, code, "ran" if code == 0 else f"failed (exit {code}; see {run_dir / 'study.log'})"
+
+
+def run_study(cfg: StudyConfig, parallel: Optional[int] = None) -> list[tuple[Cell, int, str]]:
+    out = Path(cfg.out)
+    if not Path(cfg.start_policy, "config.json").is_file():
+        raise ConfigError(f"study.start_policy: {cfg.start_policy} has no config.json (run `make demo` for the "
+                          "demo's SFT policy, or point it at an HF model directory)")
+    todo = cells(cfg)
+    results = []
+    with cf.ThreadPoolExecutor(max_workers=parallel or cfg.parallel) as pool:
+        for cell, code, what in pool.map(lambda c: run_cell(cfg, c, out), todo):
+            print(f"[study] {cell.name}: {what}", flush=True)
+            results.append((cell, code, what))
+    return results
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
+    return {int(r["step"]): float(r[key]) for r in rows if isinstance(r.get(key), (int, float))
+            and math.isfinite(float(r[key]))}
+
+
+def cell_statistics(rows: list[dict[str, Any]], collapse_fraction: float) -> dict[str, float]:
+    """Final / best EM, area under the EM curve (mean EM over the steps it spans, trapezoids),
+    max KL, max gradient norm and whether the run collapsed (see ``StudyConfig``)."""
+    em = sorted(_series(rows, "val/em").items())
+    out: dict[str, float] = {}
+    if em:
+        steps, values = zip(*em)
+        out["final_em"], out["best_em"] = values[-1], max(values)
+        span = steps[-1] - steps[0]
+        out["em_auc"] = (sum((steps[i + 1] - steps[i]) * (values[i] + values[i + 1]) / 2
+                             for i in range(len(em) - 1)) / span) if span else values[0]
+        best, collapsed = values[0], 0.0
+        for v in values[1:]:
+            if best >= 0.05 and v < collapse_fraction * best:
+                collapsed = 1.0
+            best = max(best, v)
+        out["collapsed"] = collapsed
+    for key, name in (("actor/approx_kl_k3", "max_kl"), ("actor/grad_norm", "max_grad_norm")):
+        series = _series(rows, key)
+        if series:
+            out[name] = max(series.values())
+    return out
+
+
+def summarize(cfg: StudyConfig) -> Path:
+    """``summary.md`` (a table per stress level: mean ± std over seeds) and one figure per metric."""
+    out = Path(cfg.out)
+    runs: dict[Cell, list[dict[str, Any]]] = {}
+    for cell in cells(cfg):
+        try:
+            runs[cell] = read_metrics(out / "runs" / cell.name)
+        except FileNotFoundError:
+            continue
+    lines = [f"# Study summary ({len(runs)} of {len(cells(cfg))} runs found)", "",
+             f"Collapse: a validation EM below {cfg.collapse_fraction:g} x the best EM reached before it "
+             "(best >= 0.05). Mean ± std over seeds; `collapsed` counts runs.", ""]
+    columns = ("final_em", "best_em", "em_auc", "max_kl", "max_grad_norm")
+    for stress in cfg.stress:
+        lines += [f"## stress: {stress} (`{' '.join(cfg.stress[stress])}`)", "",
+                  "| loss | seeds | " + " | ".join(columns) + " | collapsed |",
+                  "|---|---|" + "---|" * (len(columns) + 1)]
+        for loss in cfg.losses:
+            mine = [c for c in runs if (c.loss, c.stress) == (loss, stress)]
+            stats = [cell_statistics(runs[c], cfg.collapse_fraction) for c in mine]
+            if not stats:
+                continue
+            cells_txt = []
+            for col in columns:
+                vals = [s[col] for s in stats if col in s]
+                cells_txt.append(_mean_std(vals))
+            collapsed = sum(int(s.get("collapsed", 0)) for s in stats)
+            lines.append(f"| {loss} | {len(stats)} | " + " | ".join(cells_txt) + f" | {collapsed}/{len(stats)} |")
+        lines.append("")
+    figures = _figures(cfg, runs, out / "figures")
+    lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
+    path = out / "summary.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _mean_std(values: list[float]) -> str:
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return f"{mean:.3g} ± {std:.2g}"
+
+
+def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: Path) -> list[Path]:
+    """Per metric: one panel per stress level, one line per loss (mean over seeds) with a
+    min-max band over seeds."""
+    import matplotlib  # only summaries pay for it; the file backend is chosen before pyplot loads
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for key, title in FIGURE_METRICS.items():
+        fig, axes = plt.subplots(1, len(cfg.stress), figsize=(5 * len(cfg.stress), 3.4), squeeze=False)
+        drawn = False
+        for ax, stress in zip(axes[0], cfg.stress):
+            for loss in cfg.losses:
+                series = [_series(runs[c], key) for c in runs if (c.loss, c.stress) == (loss, stress)]
+                series = [s for s in series if s]
+                if not series:
+                    continue
+                steps = sorted(set.intersection(*(set(s) for s in series)))
+                if not steps:
+                    continue
+                values = [[s[t] for s in series] for t in steps]
+                mean = [sum(v) / len(v) for v in values]
+                line = ax.plot(steps, mean, label=f"{loss} (n={len(series)})")[0]
+                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values],
+                                color=line.get_color(), alpha=0.2)
+                drawn = True
+            ax.set_title(f"stress: {stress}")
+            ax.set_xlabel("RL step")
+            ax.set_ylabel(title)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+        if drawn:
+            axes[0][-1].legend(fontsize=7)
+            fig.tight_layout()
+            path = fig_dir / f"{key.replace('/', '_')}.png"
+            fig.savefig(path, dpi=80)
+            written.append(path)
+        plt.close(fig)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sorl_megatron.study", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="study recipe (YAML)")
+    parser.add_argument("--parallel", type=int, default=None, help="cells at once (default: the recipe's)")
+    parser.add_argument("--summarize", action="store_true", help="only rewrite summary.md and the figures")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of the study recipe, e.g. seeds=[1]")
+    args = parser.parse_args(argv)
+    try:
+        cfg, _ = load_study(args.config, args.overrides)
+        results = [] if args.summarize else run_study(cfg, args.parallel)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    path = summarize(cfg)
+    print(f"[study] summary: {path}")
+    return 1 if any(code for _, code, _ in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""The study runner's quick variant: two losses x one stress level x one seed, one RL step each,
+from a tiny random policy; then a re-run skips the finished cells and rewrites the summary."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sorl_megatron.study import Cell, cell_statistics, load_study, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cell_statistics_and_the_collapse_rule():
+    rows = [{"step": 0, "val/em": 0.4}, {"step": 4, "val/em": 0.6, "actor/grad_norm": 2.0},
+            {"step": 8, "val/em": 0.2, "actor/approx_kl_k3": 0.3}, {"step": 12, "val/em": 0.5}]
+    s = cell_statistics(rows, 0.5)
+    assert (s["final_em"], s["best_em"], s["max_kl"], s["max_grad_norm"], s["collapsed"]) == (0.5, 0.6, 0.3, 2.0, 1.0)
+    assert s["em_auc"] == pytest.approx((4 * 0.5 + 4 * 0.4 + 4 * 0.35) / 12)
+    assert cell_statistics(rows, 0.3)["collapsed"] == 0.0  # 0.2 is not below 0.3 x 0.6
+    assert cell_statistics([{"step": 0, "val/em": 0.0}, {"step": 4, "val/em": 0.0}], 0.5)["collapsed"] == 0.0
+
+
+def test_bad_study_recipes_name_the_key(tmp_path):
+    from sorl_megatron.common.typed_config import ConfigError
+
+    path = tmp_path / "s.yaml"
+    path.write_text("recipe: x.yaml\nstart_policy: p\nlosses: {a: []}\nstress: {b: []}\nparalel: 2\n")
+    with pytest.raises(ConfigError, match=r"study.paralel \(did you mean study.parallel\?\)"):
+        load_study(path)
+    path.write_text("recipe: x.yaml\nstart_policy: p\nlosses: {}\nstress: {b: []}\n")
+    with pytest.raises(ConfigError, match="losses, stress and seeds must each name at least one entry"):
+        load_study(path)
+
+
+@pytest.mark.slow
+def test_quick_study_runs_resumes_and_summarizes(tmp_path, capsys):
+    data = tmp_path / "data"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'kernels'}")
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_data.py"), "--out", str(data),
+                    "--num-people", "8", "--make-model", "--vocab-size", "512", "--tie-embeddings"],
+                   check=True, capture_output=True, env=env, cwd=ROOT)
+    study = tmp_path / "study.yaml"
+    study.write_text(f"""
+recipe: {ROOT / 'recipes' / 'tiny_search_so_grpo.yaml'}
+start_policy: {data / 'model'}
+data: {data}
+out: {tmp_path / 'out'}
+seeds: [5]
+losses:
+  grpo: [algorithm.loss.name=grpo]
+  so_grpo_relative: [algorithm.loss.name=so_grpo, algorithm.loss.clip_bias.form=relative]
+stress:
+  high: [schedule.mini_batch_size=8, schedule.ppo_epochs=2]
+overrides: [schedule.total_steps=1, schedule.batch_size=2, rollout.group_size=4, schedule.micro_batch_size=4,
+            schedule.val_every=1, rollout.max_turns=2, rollout.max_total_tokens=400, data.max_prompt_tokens=400]
+""")
+    assert main(["--config", str(study)]) == 0
+    out = capsys.readouterr().out
+    assert "grpo__high__s5: ran" in out and "so_grpo_relative__high__s5: ran" in out
+    for cell in (Cell("grpo", "high", 5), Cell("so_grpo_relative", "high", 5)):
+        assert (tmp_path / "out" / "runs" / cell.name / "metrics.jsonl").is_file()
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| grpo | 1 |" in summary and "| so_grpo_relative | 1 |" in summary and "0/1 |" in summary
+    assert (tmp_path / "out" / "figures" / "val_em.png").is_file()
+    # a second invocation finds both cells done and only rewrites the summary
+    assert main(["--config", str(study)]) == 0
+    assert capsys.readouterr().out.count("done before") == 2
+
+
+def test_the_shipped_study_recipes_load():
+    for path in sorted((ROOT / "recipes" / "study").glob("*.yaml")):
+        cfg, _ = load_study(path)
+        assert Path(cfg.recipe).is_file() and len(cfg.seeds) >= 3, path
+        for cell in [Cell(loss, stress, cfg.seeds[0]) for loss in cfg.losses for stress in cfg.stress]:
+            from sorl_megatron.study import cell_overrides
+            from sorl_megatron.trainer.config import load_recipe
+
+            load_recipe(cfg.recipe, cell_overrides(cfg, cell, Path(cfg.out)))  # every cell validates
