@@ -57,7 +57,7 @@ losses:
 stress:
   high: [schedule.mini_batch_size=8, schedule.ppo_epochs=2]
 overrides: [schedule.total_steps=1, schedule.batch_size=2, rollout.group_size=4, schedule.micro_batch_size=4,
-            schedule.val_every=1, rollout.max_turns=2, rollout.max_total_tokens=400, data.max_prompt_tokens=400]
+            schedule.val_every=1, rollout.max_turns=2, rollout.max_total_tokens=400, data.max_prompt_tokens=300]
 """)
     assert main(["--config", str(study)]) == 0
     out = capsys.readouterr().out
