@@ -189,6 +189,7 @@ def write_dataset(
         for q, source, plan in items:
             f.write(json.dumps({"question": q, "data_source": source, **asdict(plan), "turns": plan.turns()}) + "\n")
     if make_model:
+        # the model, tokenizer and chat template need torch / transformers: only with --make-model
         import jinja2
 
         from ..retrieval.corpus import Passage, format_passages

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import aiohttp
 import numpy as np
+from tqdm import tqdm
 
 from ..common.http import RequestRejectedError, ServerError
 from ..common.protocol import GenerateOutput, SamplingParams
@@ -310,8 +311,6 @@ class SearchAgent:
         sem = asyncio.Semaphore(self.cfg.max_concurrency)
         bar = None
         if progress:
-            from tqdm import tqdm
-
             bar = tqdm(total=len(prompts) * n, desc="rollouts", unit="traj")
 
         async def one(i: int, j: int) -> Trajectory:

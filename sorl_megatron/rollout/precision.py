@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from ..common.fp8 import dequantize_block_fp8, quantize_block_fp8
 from ..common.protocol import PRECISIONS
 
 Precision = Literal["fp32", "bf16", "fp8"]
@@ -25,8 +26,6 @@ def fp8_block_roundtrip(weight: torch.Tensor, block: int = 128) -> torch.Tensor:
     (``sorl_megatron.common.fp8``), so the embedded server sees exactly the weights an FP8
     server would load from that export.
     """
-    from ..common.fp8 import dequantize_block_fp8, quantize_block_fp8
-
     tiles = (block, block)
     mats = weight.detach().reshape(-1, *weight.shape[-2:])
     out = torch.stack([dequantize_block_fp8(*quantize_block_fp8(m, tiles), torch.float32, tiles) for m in mats])

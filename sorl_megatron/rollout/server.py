@@ -234,7 +234,7 @@ def _result(ok: bool, msg: str, status: int | None = None) -> web.Response:
 
 
 def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Application:
-    from .weights import WeightError, deserialize_named_tensors
+    from .weights import WeightError, deserialize_named_tensors  # torch: after --help, like the engine
 
     opts = opts or ServerOptions()
     body_limit = opts.max_body_mb * MiB

@@ -326,7 +326,7 @@ def _check_values(cfg: TrainConfig) -> None:
         _positive_int(f"parallelism.{key}", getattr(p, key))
     if p.etp is not None:
         _positive_int("parallelism.etp", p.etp)
-    if p.vpp > 1 and p.pp == 1:  # the rule of megatron/layout.py validate_layout
+    if p.vpp > 1 and p.pp == 1:  # the rule of bridge/layout.py validate_layout
         raise ConfigError(f"parallelism.vpp={p.vpp} needs parallelism.pp > 1 (interleaving splits pipeline stages)")
     s = cfg.schedule
     for key in ("total_steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "critic_epochs"):
@@ -404,7 +404,7 @@ def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
     """Checks that need the world size and the model's HF config (heads, experts, layers).
 
     Reads ``<model.path>/config.json`` (and ``model.critic_path``'s when set): a missing one is
-    an error. The layout rules are megatron/layout.py's ``validate_layout`` (the ones the
+    an error. The layout rules are bridge/layout.py's ``validate_layout`` (the ones the
     engines apply when they build), run here before any process or server starts.
     """
     p = cfg.parallelism
@@ -469,7 +469,7 @@ def _check_model_layout(cfg: TrainConfig, hf_config, key: str) -> None:
 
 
 def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) -> None:
-    """megatron/layout.py's rules (expert layout vs the world size, expert FFN vs ETP, ...)."""
+    """bridge/layout.py's rules (expert layout vs the world size, expert FFN vs ETP, ...)."""
     from ..bridge.layout import LayoutError, UnsupportedModelError, validate_layout
 
     layout = p = cfg.parallelism
@@ -482,7 +482,7 @@ def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) 
     except LayoutError as err:
         raise ConfigError(f"{where}: {err}") from None
     if num_experts_of(hf_config) and layout.tp > 1 and not layout.use_sequence_parallel:
-        # megatron/model.py refuses this when it builds the model
+        # bridge/build.py refuses this when it builds the model
         raise ConfigError(
             f"parallelism.sequence_parallel=false with tp={p.tp}: MoE models need sequence parallelism under TP"
         )

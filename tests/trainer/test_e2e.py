@@ -79,19 +79,24 @@ def shared_servers(tiny_data, tmp_path_factory):
     from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
 
     servers = EmbeddedServers(tmp_path_factory.mktemp("shared_servers"))
-    try:
-        retrieval = servers.start(retrieval_server_spec(str(tiny_data / "corpus.jsonl"), 2))
-        rollout = servers.start(rollout_server_spec(str(tiny_data / "model"), "fp32", True, 1234))
-        yield [f"rollout.urls=[{rollout}]", f"retrieval.url={retrieval}"]
-    finally:
-        servers.stop()
+    with pytest.MonkeyPatch.context() as env:
+        try:
+            retrieval = servers.start(retrieval_server_spec(str(tiny_data / "corpus.jsonl"), 2))
+            rollout = servers.start(rollout_server_spec(str(tiny_data / "model"), "fp32", True, 1234))
+            # servers the trainer did not start: their keys reach it as a user's would, by variable
+            env.setenv("SORL_RETRIEVAL_API_KEY", servers.api_keys["retrieval"])
+            env.setenv("SORL_ROLLOUT_API_KEY", servers.api_keys["rollout"])
+            yield [f"rollout.urls=[{rollout}]", f"retrieval.url={retrieval}"]
+        finally:
+            servers.stop()
 
 
 class LengthReward(RewardRegistry):
     """Crafted reward in {0, .25, .5, .75, 1}: the response length mod 5 (see module doc)."""
 
     def score(self, data_source, response, ground_truth):
-        return (len(response) % 5) / 4
+        text = response if isinstance(response, str) else "".join(response)  # the policy's turns
+        return (len(text) % 5) / 4
 
 
 @pytest.fixture
