@@ -105,9 +105,17 @@ def write_manifest(root: str) -> None:
         raise CheckpointFileError(f"{os.path.join(root, odd[0])}: links and special files are not checkpointed")
     sizes = {f: os.path.getsize(os.path.join(root, f)) for f in files} if rank_and_world()[0] == 0 else {}
     sizes = broadcast_object(sizes)
-    mine = {f: sha256_file(os.path.join(root, f)) for f in _share(files, sizes)}
+    mine, error = {}, None
+    try:
+        mine = {f: sha256_file(os.path.join(root, f)) for f in _share(files, sizes)}
+    except OSError as e:  # reported on every rank below, so that no rank waits for this one
+        error = f"{e.filename}: cannot hash ({e.strerror})"
+    parts = all_gather_object((mine, error))
+    errors = [err for _, err in parts if err]
+    if errors:
+        raise CheckpointFileError(errors[0])
     entries: dict[str, dict] = {}
-    for part in all_gather_object(mine):
+    for part, _ in parts:
         entries.update({f: {"size": n, "sha256": digest} for f, (digest, n) in part.items()})
     if rank_and_world()[0] != 0:
         return
@@ -163,14 +171,22 @@ def _local_problems(root: str) -> list[tuple[str, str]]:
     sizes = {}
     for rel in files:
         if rel in expected:
-            size = os.path.getsize(os.path.join(root, rel))
+            try:
+                size = os.path.getsize(os.path.join(root, rel))
+            except OSError as e:
+                problems.append((rel, f"unreadable ({e.strerror})"))
+                continue
             if size != expected[rel]["size"]:
                 want = expected[rel]["size"]
                 problems.append((rel, f"{size} bytes, the manifest says {want} (truncated or damaged)"))
             else:
                 sizes[rel] = size
     for rel in _share(sorted(sizes), sizes):
-        digest, _ = sha256_file(os.path.join(root, rel))
+        try:
+            digest, _ = sha256_file(os.path.join(root, rel))
+        except OSError as e:  # a problem like any other: every rank must reach the gather
+            problems.append((rel, f"unreadable ({e.strerror})"))
+            continue
         if digest != expected[rel]["sha256"]:
             problems.append((rel, "sha256 differs from the manifest (damaged or modified after the save)"))
     return problems

@@ -3,10 +3,12 @@
 Torch DCP writes its ``.metadata`` with plain ``pickle`` and reads it back with
 ``pickle.load``; megatron's ``common.pt`` and DCP's byte items are ``torch.save`` archives.
 Unpickling calls whatever the pickle names (``os.system`` is two opcodes away), so
-``weights_only=True`` on our own loads is not enough. :func:`check_pickle` walks the opcodes
-(``pickletools.genops``, no object is built) and allows only ``GLOBAL`` / ``STACK_GLOBAL``
-references on an explicit allow-list: the classes these files really contain (found by
-scanning checkpoints the tests save), all inert constructors or values.
+``weights_only=True`` on our own loads is not enough. :func:`check_pickle` runs the opcodes
+symbolically (``pickletools.genops``, no object is built) and allows only ``GLOBAL`` /
+``STACK_GLOBAL`` references on an explicit allow-list: the classes these files really
+contain (found by scanning checkpoints the tests save), all inert constructors or values.
+It also refuses what no checkpoint needs and gadgets use: calls of anything but a named
+global, BUILD / item assignment on a class, extension codes, out-of-band buffers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import io
 import os
 import pickle
 import pickletools
-from typing import AbstractSet, Optional, Union
+from typing import AbstractSet, Union
 
 import torch
 
@@ -60,9 +62,27 @@ TORCH_SAVE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"}  # bytes strings: not names
 _MEMO_GET = {"GET", "BINGET", "LONG_BINGET"}
-_MEMO_PUT = {"PUT", "BINPUT", "LONG_BINPUT"}
+_MEMO_PUT = {"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"}
+_CALLS = {"REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ"}  # the callable is the first operand
+_MUTATES = {"BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS"}  # the target is the first
 _PERSISTENT = {"PERSID", "BINPERSID"}
 _NEVER = {"EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER"}
+
+# What the symbolic stack knows of a value: ("str", s) a literal string, ("global", (module,
+# name)) a class or function, or _OTHER.
+_OTHER = ("other",)
+# name -> (operands below the mark or in all, whether it consumes down to the last MARK)
+_OPERANDS = {
+    op.name: (op.stack_before.index(pickletools.markobject), True) if pickletools.markobject in op.stack_before
+    else (len(op.stack_before), False)
+    for op in pickletools.opcodes
+}
+# ops that only push one plain value (ints, floats, bytes, None, bools, empty containers): the fast path
+_SIMPLE_PUSH = {
+    op.name for op in pickletools.opcodes
+    if not op.stack_before and len(op.stack_after) == 1 and op.stack_after[0] is not pickletools.markobject
+    and op.name not in {"GLOBAL", "PERSID"} | _NEVER | _MEMO_GET | _STRING_OPS
+}
 
 
 def _as_loaded(module: str, name: str, protocol: int) -> tuple[str, str]:
@@ -75,42 +95,85 @@ def _as_loaded(module: str, name: str, protocol: int) -> tuple[str, str]:
 
 
 def pickle_globals(data: bytes, where: str, persistent_ids: bool = False) -> list[tuple[str, str]]:
-    """Every global the pickle in ``data`` would import, in order. Raises UnsafeCheckpointError
-    for what cannot be checked statically (extension codes, a STACK_GLOBAL whose operands are
-    not literal strings, persistent ids where the loader has no persistent_load)."""
+    """Every global the pickle in ``data`` would import, in order, from a symbolic run of its
+    opcodes (their stack effects as pickletools documents them). Raises UnsafeCheckpointError
+    for what cannot be checked statically or is never legitimate: extension codes, a
+    STACK_GLOBAL whose operands are not literal strings, a call of anything but a global,
+    BUILD / item assignment on a global (that would set attributes of a class), persistent
+    ids where the loader has no persistent_load, a malformed stack."""
     found: list[tuple[str, str]] = []
-    # Literal strings on top of the stack: ops that only push a string (or fetch one from
-    # the memo) append; memo writes leave the stack alone; any other op resets it (its
-    # effect on the stack is not modelled), so the top entries here are exact.
-    pushed: list[Optional[str]] = []
-    memo: dict[int, Optional[str]] = {}
+    stack: list[tuple] = []
+    marks: list[int] = []  # stack heights at each MARK (pickle keeps marks on a separate metastack)
+    memo: dict[int, tuple] = {}
     protocol = 0
+
+    def malformed(what: str):
+        return UnsafeCheckpointError(where, f"malformed pickle ({what})")
+
+    def pop(n: int) -> list[tuple]:
+        if n > len(stack) - (marks[-1] if marks else 0):
+            raise malformed("stack underflow")
+        out = stack[len(stack) - n:]
+        del stack[len(stack) - n:]
+        return out
+
     try:
         for op, arg, _pos in pickletools.genops(io.BytesIO(data)):
             name = op.name
+            if name in _SIMPLE_PUSH:
+                stack.append(_OTHER)
+                continue
+            if name in _NEVER:
+                raise UnsafeCheckpointError(where, f"pickle opcode {name}")
+            if name in _PERSISTENT and not persistent_ids:
+                raise UnsafeCheckpointError(where, f"persistent id opcode {name} in a plain pickle")
             if name == "PROTO":
                 protocol = int(arg)
-            elif name in _STRING_OPS:
-                pushed.append(arg if isinstance(arg, str) else None)
-            elif name in _MEMO_GET:
-                pushed.append(memo.get(int(arg)))
-            elif name in _MEMO_PUT or name == "MEMOIZE":
-                memo[len(memo) if name == "MEMOIZE" else int(arg)] = pushed[-1] if pushed else None
-            elif name == "FRAME":
-                pass
+                continue
+            if name == "MARK":
+                marks.append(len(stack))
+                continue
+            if name in _MEMO_PUT:
+                if len(stack) == (marks[-1] if marks else 0):
+                    raise malformed(f"{name} with nothing to memoize")
+                memo[len(memo) if name == "MEMOIZE" else int(arg)] = stack[-1]
+                continue
+            if name in _MEMO_GET:
+                stack.append(memo.get(int(arg), _OTHER))
+                continue
+            if name == "DUP":
+                stack.extend(pop(1) * 2)
+                continue
+            n_below, uses_mark = _OPERANDS[name]
+            if uses_mark:
+                if not marks:
+                    raise malformed(f"{name} without a mark")
+                at = marks.pop()
+                above = stack[at:]
+                del stack[at:]
+                operands = pop(n_below) + above
             else:
-                if name in ("GLOBAL", "INST"):
-                    module, _, attr = str(arg).partition(" ")
-                    found.append(_as_loaded(module, attr, protocol))
-                elif name == "STACK_GLOBAL":
-                    if len(pushed) < 2 or pushed[-1] is None or pushed[-2] is None:
-                        raise UnsafeCheckpointError(where, "a STACK_GLOBAL whose module/name are not literal strings")
-                    found.append((pushed[-2], pushed[-1]))
-                elif name in _PERSISTENT and not persistent_ids:
-                    raise UnsafeCheckpointError(where, f"persistent id opcode {name} in a plain pickle")
-                elif name in _NEVER:
-                    raise UnsafeCheckpointError(where, f"pickle opcode {name}")
-                pushed = []
+                operands = pop(n_below)
+            result = _OTHER
+            if name in _STRING_OPS:
+                result = ("str", arg)
+            elif name in ("GLOBAL", "INST"):
+                module, _, attr = str(arg).partition(" ")
+                found.append(_as_loaded(module, attr, protocol))
+                result = ("global", found[-1]) if name == "GLOBAL" else _OTHER
+            elif name == "STACK_GLOBAL":
+                if any(o[0] != "str" for o in operands):
+                    raise UnsafeCheckpointError(where, "a STACK_GLOBAL whose module/name are not literal strings")
+                found.append(_as_loaded(operands[0][1], operands[1][1], protocol))
+                result = ("global", found[-1])
+            elif name in _CALLS and operands[0][0] != "global":
+                raise UnsafeCheckpointError(where, f"{name} calls something that is not a named global")
+            elif name in _MUTATES:
+                if operands[0][0] == "global":
+                    module, attr = operands[0][1]
+                    raise UnsafeCheckpointError(where, f"{name} on {module}.{attr} itself (would change the class)")
+                result = operands[0]
+            stack.extend([result] * len(op.stack_after))
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # truncated or not a pickle: genops raises ValueError and friends

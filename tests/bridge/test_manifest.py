@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from sorl_megatron.bridge import manifest
+from sorl_megatron.bridge import CheckpointFileError, manifest
 from sorl_megatron.bridge.manifest import MANIFEST_FILE, CheckpointDamagedError, verify_manifest, write_manifest
 
 
@@ -91,3 +91,19 @@ def test_verified_directory_is_not_hashed_again_until_a_file_changes(ckpt, monke
     meta.write_bytes(b"mETA")  # same size; a later mtime (set explicitly: some file systems tick coarsely)
     os.utime(meta, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     assert "sha256 differs" in _damaged(ckpt, "model/.metadata")
+
+
+def test_unreadable_file_is_a_named_problem_not_a_crash(ckpt, monkeypatch):
+    """As root (here) chmod cannot make a file unreadable: the read error is simulated. A
+    raise would leave the other ranks waiting in the gather; a problem is reported by all."""
+    real = manifest.sha256_file
+
+    def unreadable(path):
+        if path.endswith("__0_0.distcp"):
+            raise PermissionError(13, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr(manifest, "sha256_file", unreadable)
+    assert "unreadable (Permission denied)" in _damaged(ckpt, "model/__0_0.distcp")
+    with pytest.raises(CheckpointFileError, match=r"__0_0\.distcp: cannot hash \(Permission denied\)"):
+        write_manifest(str(ckpt))

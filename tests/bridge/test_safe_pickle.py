@@ -121,3 +121,26 @@ def test_every_allowed_global_exists(allowed):
     """A renamed torch class would make the allow-list refuse real checkpoints: fail here first."""
     for module, name in allowed:
         assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
+
+
+def test_build_on_a_class_and_calls_of_non_globals_are_refused():
+    # torch.Size (allowed) fetched as a global, then BUILD with state (None, {"__eq__": 1}):
+    # pickle would setattr on the class itself
+    size = _short_str("torch") + _short_str("Size") + _op("STACK_GLOBAL")
+    state = _op("NONE") + _op("EMPTY_DICT") + _short_str("__eq__") + _op("BININT1") + b"\x01" + _op("SETITEM")
+    data = _op("PROTO") + b"\x04" + size + state + _op("TUPLE2") + _op("BUILD") + _op("STOP")
+    with pytest.raises(UnsafeCheckpointError, match=r"BUILD on torch\.Size itself"):
+        check_pickle(data, DCP_METADATA_GLOBALS, "b")
+    # calling the result of a call (not a named global)
+    called = (_op("PROTO") + b"\x04" + size + _op("EMPTY_TUPLE") + _op("REDUCE") + _op("EMPTY_TUPLE")
+              + _op("REDUCE") + _op("STOP"))
+    with pytest.raises(UnsafeCheckpointError, match="not a named global"):
+        check_pickle(called, DCP_METADATA_GLOBALS, "c")
+    with pytest.raises(UnsafeCheckpointError, match="stack underflow"):
+        check_pickle(_op("PROTO") + b"\x04" + _op("TUPLE2") + _op("STOP"), DCP_METADATA_GLOBALS, "d")
+
+
+def test_stack_global_under_a_protocol_2_header_is_remapped_like_pickle_does():
+    data = (_op("PROTO") + b"\x02" + _short_str("__builtin__") + _short_str("eval") + _op("STACK_GLOBAL")
+            + _op("STOP"))
+    assert pickle_globals(data, "q") == [("builtins", "eval")]
