@@ -4,8 +4,13 @@ A checkpoint directory holds
   model/               the dist_checkpointing files (sharded tensors under global names)
   hf/                  config.json + tokenizer files, so it can be rebuilt or exported to HF
   sorl_megatron.json   what was saved: model_type, layout, value_head, dtype, step
+  MANIFEST.json        size and sha256 of every file above, written last (manifest.py)
 Sharded tensors carry their global offsets (layers, TP shards, experts), so a run saved at
 one TP/PP/VPP/EP layout loads at any other layout that `validate_layout` accepts.
+
+Loading verifies the manifest, then scans every pickle megatron / torch DCP would unpickle
+(``.metadata``, ``common.pt``, the byte items inside the ``.distcp`` shards) against an
+allow-list (safe_pickle.py) before ``dist_checkpointing.load`` touches the directory.
 """
 
 from __future__ import annotations
@@ -21,7 +26,15 @@ import torch
 from .build import build_model
 from .hf_config import CheckpointFileError
 from .layout import ParallelLayout
+from .manifest import verify_manifest, write_manifest
 from .model import MegatronModel, ModelOptions
+from .safe_pickle import (
+    DCP_METADATA_GLOBALS,
+    UnsafeCheckpointError,
+    check_torch_save,
+    check_torch_save_file,
+    load_checked_pickle,
+)
 from .weights import copy_tokenizer_files
 
 META_FILE = "sorl_megatron.json"
@@ -39,8 +52,11 @@ def _sharded_state_dict(model: MegatronModel) -> dict[str, Any]:
     return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
 
 
-def save_megatron_checkpoint(model: MegatronModel, ckpt_dir: str, extra: Optional[dict] = None) -> None:
-    """Save the model chunks (all ranks call this)."""
+def save_megatron_checkpoint(
+    model: MegatronModel, ckpt_dir: str, extra: Optional[dict] = None, manifest: bool = True
+) -> None:
+    """Save the model chunks (all ranks call this). ``manifest=False`` when the caller writes
+    one manifest for a larger directory (engine checkpoints)."""
     from megatron.core import dist_checkpointing
 
     model_dir = os.path.join(ckpt_dir, "model")
@@ -68,6 +84,9 @@ def save_megatron_checkpoint(model: MegatronModel, ckpt_dir: str, extra: Optiona
         with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
     torch.distributed.barrier()
+    if manifest:
+        write_manifest(ckpt_dir)
+        torch.distributed.barrier()
 
 
 def _write_config(model: MegatronModel, hf_dir: str) -> None:
@@ -97,10 +116,58 @@ def read_checkpoint_meta(ckpt_dir: str) -> dict:
     return meta
 
 
-def load_megatron_checkpoint_into(model: MegatronModel, ckpt_dir: str) -> dict:
-    """Load a checkpoint into already built chunks (any layout). Returns the checkpoint meta."""
+def check_dist_checkpoint(dist_dir: str) -> None:
+    """Refuse a megatron dist_checkpointing directory whose pickles reference anything off the
+    allow-lists, before megatron or torch DCP unpickles them (UnsafeCheckpointError names the
+    file and the global). Also refuses shard paths that leave the directory."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    md_path = os.path.join(dist_dir, ".metadata")
+    if not os.path.isfile(md_path):
+        raise CheckpointFileError(f"{md_path} not found: {dist_dir!r} is not a complete dist checkpoint")
+    metadata = load_checked_pickle(md_path, DCP_METADATA_GLOBALS)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise UnsafeCheckpointError(md_path, "no storage_data (not torch DCP metadata)")
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", ".."):
+            raise UnsafeCheckpointError(md_path, f"shard path {rel!r} is not a file of this directory")
+    for name in sorted(os.listdir(dist_dir)):
+        if name.endswith(".pt"):  # common.pt; ShardedObjects of other megatron strategies
+            check_torch_save_file(os.path.join(dist_dir, name))
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, BytesStorageMetadata):
+            continue
+        # DCP hands byte items to torch.load(weights_only=False) (DefaultLoadPlanner.load_bytes)
+        info = storage.get(MetadataIndex(key))
+        if info is None or info.transform_descriptors:
+            raise UnsafeCheckpointError(md_path, f"byte item {key!r} has no plain storage entry")
+        shard = os.path.join(dist_dir, info.relative_path)
+        with open(shard, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        if len(data) != info.length:
+            raise CheckpointFileError(f"{shard}: byte item {key!r} is truncated")
+        check_torch_save(data, f"{shard} (byte item {key!r})")
+
+
+def load_dist_checkpoint(sharded_state_dict: dict, dist_dir: str) -> dict:
+    """``dist_checkpointing.load`` after :func:`check_dist_checkpoint` (every rank scans the
+    files it is about to read)."""
     from megatron.core import dist_checkpointing
 
+    check_dist_checkpoint(dist_dir)
+    return dist_checkpointing.load(sharded_state_dict, dist_dir)
+
+
+def load_megatron_checkpoint_into(model: MegatronModel, ckpt_dir: str, verify: bool = True) -> dict:
+    """Load a checkpoint into already built chunks (any layout). Returns the checkpoint meta.
+
+    All ranks call it. ``verify=False`` only when the caller verified a manifest that covers
+    ``ckpt_dir`` (engine checkpoints)."""
+    if verify:
+        verify_manifest(ckpt_dir)
     meta = read_checkpoint_meta(ckpt_dir)
     if bool(meta["value_head"]) != model.options.value_head:
         kind = lambda v: "value (critic)" if v else "LM"  # noqa: E731
@@ -113,7 +180,7 @@ def load_megatron_checkpoint_into(model: MegatronModel, ckpt_dir: str) -> dict:
             f"checkpoint {ckpt_dir!r} is {meta['model_type']!r}, the model is {model.hf_config.model_type!r}"
         )
     sharded = _sharded_state_dict(model)
-    loaded = dist_checkpointing.load(sharded, os.path.join(ckpt_dir, "model"))
+    loaded = load_dist_checkpoint(sharded, os.path.join(ckpt_dir, "model"))
     chunks = model.unwrapped()
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for chunk, key in zip(chunks, keys):
@@ -127,10 +194,11 @@ def load_megatron_checkpoint(
     options: Optional[ModelOptions] = None,
 ) -> MegatronModel:
     """Build the model from the checkpoint's config at `layout` and load its weights."""
+    verify_manifest(ckpt_dir)  # before its config is read
     meta = read_checkpoint_meta(ckpt_dir)
     if options is None:
         options = ModelOptions(value_head=bool(meta["value_head"]))
     hf_dir = os.path.join(ckpt_dir, "hf")
     model = build_model(hf_dir, layout, options, load_weights=False)
-    load_megatron_checkpoint_into(model, ckpt_dir)
+    load_megatron_checkpoint_into(model, ckpt_dir)  # verified above: the cache makes this a stat
     return model

@@ -179,14 +179,15 @@ class RLTrainer:
             if not (path / "trainer.json").is_file():
                 raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no trainer.json)")
             return path
-        done = self.complete_checkpoints()
-        return done[-1] if done else None
+        from ..engine.checkpoint import newest_checkpoint
+
+        return newest_checkpoint(self.ckpt_root)  # verified; a damaged newer one is skipped with a warning
 
     def complete_checkpoints(self) -> list[Path]:
-        """``step_<k>`` directories with a trainer.json, oldest first. A run killed mid-save
-        leaves ``step_<k>.tmp`` (or ``.old``) with a trainer.json: those are not checkpoints."""
-        done = [p.parent for p in self.ckpt_root.glob("step_*/trainer.json") if p.parent.name[5:].isdigit()]
-        return sorted(done, key=lambda d: int(d.name[5:]))
+        """``step_<k>`` checkpoints whose save finished, oldest first (not ``.tmp`` / ``.old``)."""
+        from ..engine.checkpoint import complete_checkpoints
+
+        return complete_checkpoints(self.ckpt_root)
 
     def save(self, step: int) -> None:
         extra = {"step": step}

@@ -6,9 +6,12 @@ one single-process run that also resumes the checkpoints the 2-process run saved
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
+
+from sorl_megatron.bridge.dist_ckpt import check_dist_checkpoint
 
 from .cases import LOGIT_TOL, MP_CASES, SINGLE_CASES
 from .harness import result
@@ -120,13 +123,17 @@ def test_megatron_checkpoint_resumes_at_other_layouts(mp_results, single_results
 
 @pytest.mark.slow
 def test_checkpoint_layout_files(work_dir, mp_results):
-    import json
 
     ck = work_dir / "ck_qwen3_moe_tp2"
     meta = json.loads((ck / "sorl_megatron.json").read_text())
     assert meta["saved_layout"]["tp"] == 2 and meta["world_size"] == 2 and meta["extra"] == {"step": 7}
     assert (ck / "model" / "metadata.json").is_file()
     assert {"config.json", "tokenizer.json"} <= set(os.listdir(ck / "hf"))
+    manifest = json.loads((ck / "MANIFEST.json").read_text())["files"]
+    assert "model/.metadata" in manifest and "sorl_megatron.json" in manifest
+    # the allow-lists cover what real checkpoints (TP, EP, PP+VPP, MoE) contain
+    for saved in work_dir.glob("ck_*"):
+        check_dist_checkpoint(str(saved / "model"))
 
 
 @pytest.mark.slow

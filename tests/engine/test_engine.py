@@ -173,6 +173,11 @@ def test_resume_equals_uninterrupted(ws2, tag):
     assert r["critic_max_diff"] < TOL
     assert r["loss_diff"] < 1e-6
     assert r["no_tmp_left"]
+    # a flipped bit in step_2 (hashed by one rank only): both ranks fall back to step_1 and a
+    # direct load of step_2 fails on both with the same error naming the file
+    assert [os.path.basename(p) for p in r["newest"]] == ["step_1", "step_1"]
+    assert r["damaged_error"][0] == r["damaged_error"][1]
+    assert r["damaged_error"][0].startswith(f"CheckpointDamagedError: {r['damaged_file']}: sha256 differs")
 
 
 # ---------------------------------------------------------------- bad input

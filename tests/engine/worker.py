@@ -8,7 +8,9 @@ Megatron's groups are re-initialized per case, so one launch covers several layo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import shutil
 import sys
 import time
 
@@ -17,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from batches import make_batch  # noqa: E402
+from ckpt_attacks import evil_pickle, evil_torch_save, flip_bit, plant_in_byte_item, truncate, write  # noqa: E402
 
 from sorl_megatron.algorithms import PolicyLossConfig, clip_bias_surrogate, compute_policy_loss  # noqa: E402
 from sorl_megatron.bridge import ParallelLayout, iter_hf_weights  # noqa: E402
@@ -237,25 +240,31 @@ def op_sft(case: dict, models: str, work: str) -> dict:
     return {"nll": [m["sft/nll"] for m in steps]}
 
 
+def resume_engines(src: str, layout: str):
+    cfg = actor_config(mbs=2)
+    cfg.batching.shuffle = True
+    cfg.batching.mini_batch_size = 4  # two optimizer steps per update
+    actor = PolicyEngine(src, ParallelLayout.from_string(layout), cfg)
+    critic = ValueEngine(src, ParallelLayout.from_string(layout),
+                         CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=3, adam_eps=1e-6),
+                                      batching=BatchingConfig(micro_batch_size=2)))
+    return actor, critic
+
+
+def resume_batch():
+    batch = make_batch(rows=8, seq=12, seed=9)
+    return batch.replace(old_logprobs=batch.old_logprobs * 0 + (-4.8) * batch.attention_mask)
+
+
 def op_resume(case: dict, models: str, work: str) -> dict:
-    """Uninterrupted k+1 steps vs save after k, rebuild at `resume_layout`, load, one step."""
-    from sorl_megatron.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+    """Uninterrupted k+1 steps vs save after k, rebuild at `resume_layout`, load, one step.
+    Then the damaged-checkpoint paths with every rank verifying its share of the files."""
+    from sorl_megatron.engine.checkpoint import load_engine_checkpoint, newest_checkpoint, save_engine_checkpoint
 
     src = os.path.join(models, case["model"])
     ckpt = os.path.join(work, case["tag"] + "_ckpt")
-
-    def engines(layout):
-        cfg = actor_config(mbs=2)
-        cfg.batching.shuffle = True
-        cfg.batching.mini_batch_size = 4  # two optimizer steps per update
-        actor = PolicyEngine(src, ParallelLayout.from_string(layout), cfg)
-        critic = ValueEngine(src, ParallelLayout.from_string(layout),
-                             CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=3, adam_eps=1e-6),
-                                          batching=BatchingConfig(micro_batch_size=2)))
-        return actor, critic
-
-    batch = make_batch(rows=8, seq=12, seed=9)
-    batch = batch.replace(old_logprobs=batch.old_logprobs * 0 + (-4.8) * batch.attention_mask)
+    engines = functools.partial(resume_engines, src)
+    batch = resume_batch()
     actor, critic = engines(case["layout"])
     actor.update(batch)
     critic.update(batch)
@@ -270,6 +279,21 @@ def op_resume(case: dict, models: str, work: str) -> dict:
     critic.update(batch)
     got_actor, got_critic = params_of(actor), params_of(critic)
     diff = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in a)  # noqa: E731
+    # step_2 damaged in one shard: every rank must agree to fall back to step_1, and a direct
+    # load of step_2 must fail on every rank with the same error (no rank left waiting)
+    root = os.path.join(work, case["tag"] + "_runs")
+    bad = os.path.join(root, "step_2", "critic", "optim", "__0_1.distcp")
+    if rank() == 0:
+        for k in (1, 2):
+            shutil.copytree(ckpt, os.path.join(root, f"step_{k}"))
+        flip_bit(bad)
+    torch.distributed.barrier()
+    newest = str(newest_checkpoint(root))
+    try:
+        load_engine_checkpoint(os.path.join(root, "step_2"), actor, critic)
+        damaged_error = None
+    except Exception as e:
+        damaged_error = f"{type(e).__name__}: {e}"
     return {
         "extra": extra,
         "step": actor.step,
@@ -278,7 +302,62 @@ def op_resume(case: dict, models: str, work: str) -> dict:
         "loss_diff": abs(ref_m["loss"] - m["loss"]),
         "lr": [ref_m["lr"], m["lr"]],
         "no_tmp_left": not os.path.exists(ckpt + ".tmp"),
+        "newest": all_ranks(newest),
+        "damaged_file": bad,
+        "damaged_error": all_ranks(damaged_error),
     }
+
+
+def all_ranks(value) -> list:
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+def op_ckpt_safety(case: dict, models: str, work: str) -> dict:
+    """Damaged and planted engine checkpoints: each load fails naming the file, nothing runs."""
+    from sorl_megatron.bridge.manifest import write_manifest
+    from sorl_megatron.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+
+    actor, critic = resume_engines(os.path.join(models, case["model"]), case["layout"])
+    actor.update(resume_batch())
+    critic.update(resume_batch())
+    base = os.path.join(work, "safety_base")
+    save_engine_checkpoint(base, actor, critic, extra={"step": 1})
+    marker = os.path.join(work, "safety_MARKER")
+    out: dict = {"base": base, "marker": marker}
+
+    def attempt(name, damage, refresh_manifest=False):
+        d = os.path.join(work, f"safety_{name}")
+        shutil.copytree(base, d)
+        damage(d)
+        if refresh_manifest:  # an attacker who rewrites the manifest too
+            write_manifest(d)
+        try:
+            load_engine_checkpoint(d, actor, critic)
+            out[name] = None
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+
+    j = os.path.join
+    attempt("flip", lambda d: flip_bit(j(d, "actor", "optim", "__0_0.distcp")))
+    attempt("truncate", lambda d: truncate(j(d, "actor", "model", "__0_1.distcp"), 1000))
+    attempt("missing", lambda d: os.remove(j(d, "critic", "engine.json")))
+    attempt("extra", lambda d: write(j(d, "actor", "model", "__9_9.distcp"), b"x"))
+    attempt("rng_pickle", lambda d: write(j(d, "rng", "rank0.safetensors"), evil_pickle(marker)), True)
+    attempt("metadata_pickle", lambda d: write(j(d, "actor", "model", ".metadata"), evil_pickle(marker)), True)
+    attempt("common_pt", lambda d: write(j(d, "critic", "optim", "common.pt"), evil_torch_save(marker)), True)
+    attempt("byte_item", lambda d: plant_in_byte_item(j(d, "actor", "model"), marker), True)
+
+    def old_format(d):  # what format 1 looked like: pickles, no manifest
+        os.remove(j(d, "MANIFEST.json"))
+        write(j(d, "rng", "rank0.pt"), evil_pickle(marker))
+        write(j(d, "actor", "engine.pt"), evil_pickle(marker))
+
+    attempt("old_format", old_format)
+    out["marker_created"] = os.path.exists(marker)
+    out["extra_after"] = load_engine_checkpoint(base, actor, critic)  # the intact one still loads
+    return out
 
 
 def op_bad_input(case: dict, models: str, work: str) -> dict:
@@ -414,6 +493,7 @@ OPS = {
     "replay": op_replay,
     "critic": op_critic,
     "resume": op_resume,
+    "ckpt_safety": op_ckpt_safety,
     "bad_input": op_bad_input,
 }
 
