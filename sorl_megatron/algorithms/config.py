@@ -146,8 +146,8 @@ class PolicyLossConfig:
             to ``eps_low`` (symmetric clipping).
         dual_clip: dual-clip constant ``c > 1`` bounding the loss of negative-advantage tokens
             at ``-c * A``; ``None`` disables it.
-        loss_agg: aggregation mode (``aggregation.py``); ``norm_length`` is the constant of
-            ``seq-mean-token-sum-norm``.
+        loss_agg: aggregation mode (``aggregation.py``); ``norm_length`` is the constant ``L``
+            of ``seq-mean-token-sum-norm`` (verl's ``loss_scale_factor``; default: padded length).
         log_ratio_clamp: log-ratios are clamped to ``[-c, c]`` before ``exp``.
         kl_coef / kl_estimator: KL-to-reference loss ``kl_coef * agg(k)``, k in k1/k2/k3.
         entropy_coef: entropy bonus ``- entropy_coef * agg(H)``.
