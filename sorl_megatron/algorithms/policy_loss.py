@@ -162,6 +162,8 @@ def _policy_terms(
     token_lr = token_lr_raw.clamp(-clamp, clamp)
     token_ratio = torch.exp(token_lr)
     level_lr_raw = level_log_ratio(token_lr_raw, spec.ratio_level, level_segments, clamp=None)
+    if spec.token_gradient:  # GSPO-token: the value of s_i, the gradient of token t alone (times s_i)
+        level_lr_raw = level_lr_raw.detach() + token_lr_raw - token_lr_raw.detach()
     ratio = torch.exp(level_lr_raw.clamp(-clamp, clamp))
 
     # Clipped surrogate and the indicators of B^c; dispatched (fused Triton kernel on CUDA).
@@ -187,8 +189,10 @@ def _policy_terms(
         indicator = (
             ((advantages > 0) & (token_ratio > config.clip_high)) | ((advantages < 0) & (token_ratio < config.clip_low))
         ) & mask
+    # d ratio_t / d log pi_j: spread over the unit (turn / sequence ratios) or token t's own (GSPO-token)
+    grad_segments = None if spec.token_gradient else level_segments
     bias = clip_bias_terms(
-        ratio, level_lr_raw, clamp, indicator, advantages, is_corr.weights, weights, level_segments, mask
+        ratio, level_lr_raw, clamp, indicator, advantages, is_corr.weights, weights, grad_segments, mask
     )
 
     metrics: dict[str, torch.Tensor] = {}

@@ -51,3 +51,60 @@ def test_seq_mean_token_sum_norm_policy_loss_and_micro_batches():
                  for s in (slice(0, 1), slice(1, 4)))
     assert halves.item() == pytest.approx(loss.item(), rel=1e-6)
     assert math.isfinite(loss.item())
+
+
+# ---------------------------------------------------------------- GSPO-token
+
+
+def _gspo_batch(per_token: bool, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 5, 8
+    mask = (torch.rand(B, T, generator=g) < 0.75).long()
+    mask[:, 0] = 1
+    old = -torch.rand(B, T, generator=g) * 2
+    # sequence log-ratios around +-1e-3: beyond GSPO's 3e-4 / 4e-4 range for some rows
+    lp = (old + 2e-3 * torch.randn(B, T, generator=g)).requires_grad_()
+    adv = torch.randn(B, 1, generator=g).expand(B, T).clone()
+    if per_token:
+        adv = adv + torch.randn(B, T, generator=g)
+    return lp, old, adv, mask
+
+
+def _loss_grad(name, lp, old, adv, mask, agg="seq-mean-token-mean"):
+    cfg = PolicyLossConfig(name=name, eps_low=3e-4, eps_high=4e-4, loss_agg=agg)
+    loss, m = compute_policy_loss(lp, old, adv, mask, cfg)
+    (grad,) = torch.autograd.grad(loss, lp)
+    return loss, grad, m
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_gspo_token_equals_gspo_with_sequence_advantages(agg):
+    lp, old, adv, mask = _gspo_batch(per_token=False)
+    l_seq, g_seq, m_seq = _loss_grad("gspo", lp, old, adv, mask, agg)
+    l_tok, g_tok, m_tok = _loss_grad("gspo_token", lp, old, adv, mask, agg)
+    assert 0 < m_seq["clip_frac"].item() < 1  # some rows clipped, some not
+    assert l_tok.item() == pytest.approx(l_seq.item(), rel=1e-6)
+    assert torch.allclose(g_tok, g_seq, atol=1e-8, rtol=1e-5)
+    for key in ("clip_bias/scalar", "clip_bias/sq_sum", "clip_frac", "seq_ratio/mean"):
+        assert m_tok[key].item() == pytest.approx(m_seq[key].item(), rel=1e-5, abs=1e-12), key
+
+
+def test_gspo_token_with_token_advantages_differs_and_matches_its_hand_gradient():
+    lp, old, adv, mask = _gspo_batch(per_token=True)
+    l_seq, g_seq, _ = _loss_grad("gspo", lp, old, adv, mask)
+    l_tok, g_tok, m_tok = _loss_grad("gspo_token", lp, old, adv, mask)
+    assert l_tok.item() == pytest.approx(l_seq.item(), rel=1e-6)  # same ratio values, same loss
+    assert (g_tok - g_seq).abs().max() > 1e-3  # but not the same gradient
+    # hand: d/d log pi_t of g_t * max(-A_t s_i, -A_t clip(s_i)) with s_i,t = sg[s_i] pi_t / sg[pi_t]
+    m = mask.bool()
+    n = m.sum(-1, keepdim=True).float()
+    s = torch.exp(((lp.detach() - old) * m).sum(-1, keepdim=True) / n)
+    clipped = ((adv > 0) & (s > 1 + 4e-4)) | ((adv < 0) & (s < 1 - 3e-4))
+    g_t = m.float() / (n * mask.shape[0])
+    expected = torch.where(m, -g_t * adv * s * (~clipped).float(), torch.zeros(()))
+    assert torch.allclose(g_tok, expected, atol=1e-9, rtol=1e-5)
+    # the clip bias C is the part of the unclipped gradient the clip removed: its log-prob-space
+    # norm is the closed form g_t 1[B^c] s_i A_t
+    c = torch.where(m & clipped, g_t * adv * s, torch.zeros(()))
+    assert m_tok["clip_bias/sq_sum"].item() == pytest.approx(float((c * c).sum()), rel=1e-5)
+    assert 0 < m_tok["clip_frac"].item() < 1
