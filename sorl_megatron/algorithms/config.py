@@ -22,6 +22,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 ISMode = Literal["off", "tis", "mis"]
 ISLevel = Literal["token", "turn", "sequence"]
 SAPOAdvCondition = Literal["positive", "nonnegative"]
+SAPOVariant = Literal["eq11", "listing"]
 
 
 def _choice(prefix: str, name: str, value: Any, options: tuple) -> None:
@@ -89,21 +90,40 @@ class ClipBiasConfig:
 
 @dataclass
 class SAPOConfig:
-    """SAPO conditional KL (SAPO eq. 9-11): ``gamma * (-log r_t)`` where ``r_t < tau`` and
-    the advantage condition holds (``positive``: A > 0 as in eq. 11; ``nonnegative``: A >= 0
-    as in the paper's code listing)."""
+    """SAPO conditional KL: ``gamma * (-log r_t)`` on drifting tokens of good trajectories.
+
+    Attributes:
+        variant: ``eq11``: eq. 9-11 as written: tokens with ``r_t < tau`` and ``A_t > 0``, the
+            penalty aggregated with the loss's own weights (inside eq. 9's sum). ``listing``:
+            the paper's code listing (appendix A.6): rows whose advantage (at their first
+            policy token, the listing's ``advantages[:, 0]``) is ``>= 0``, tokens with
+            ``r_t <= tau``, and the penalty averaged over *all* policy tokens of those rows
+            (its own denominator); the surrogate is a token mean (``loss_agg: token-mean``).
+        adv_condition: ``positive`` (A > 0) or ``nonnegative`` (A >= 0); ``None`` takes the
+            variant's own (eq11: positive, listing: nonnegative).
+    """
 
     gamma: float = 0.1
     tau: float = 1.0
-    adv_condition: SAPOAdvCondition = "positive"
+    adv_condition: SAPOAdvCondition | None = None
+    variant: SAPOVariant = "eq11"
 
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def nonnegative(self) -> bool:
+        """Whether the advantage test is ``A >= 0`` (else ``A > 0``)."""
+        if self.adv_condition is None:
+            return self.variant == "listing"
+        return self.adv_condition == "nonnegative"
+
     def validate(self, prefix: str = "sapo") -> None:
         _positive(prefix, "gamma", self.gamma, allow_zero=True)
         _positive(prefix, "tau", self.tau)
-        _choice(prefix, "adv_condition", self.adv_condition, get_args(SAPOAdvCondition))
+        if self.adv_condition is not None:
+            _choice(prefix, "adv_condition", self.adv_condition, get_args(SAPOAdvCondition))
+        _choice(prefix, "variant", self.variant, get_args(SAPOVariant))
 
 
 @dataclass
@@ -202,6 +222,11 @@ class PolicyLossConfig:
         _positive(prefix, "entropy_coef", self.entropy_coef, allow_zero=True)
         for sub in ("clip_bias", "sapo", "is_correction"):
             getattr(self, sub).validate(f"{prefix}.{sub}")
+        if POLICY_LOSSES[self.name].sapo_penalty and self.sapo.variant == "listing" and self.loss_agg != "token-mean":
+            raise ValueError(
+                f"{prefix}.sapo.variant='listing' averages the surrogate over all policy tokens (the listing's "
+                f"masked_mean): set {prefix}.loss_agg=token-mean, not {self.loss_agg!r} (or sapo.variant=eq11)"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], prefix: str = "loss") -> "PolicyLossConfig":

@@ -20,10 +20,11 @@ from typing import Any, Literal, Optional, get_args
 import torch
 
 from ..algorithms import (
+    LossDenominators,
     PolicyLossConfig,
-    aggregation_denominator,
     clip_bias_surrogate,
     compute_policy_loss,
+    loss_denominators,
     sft_loss,
 )
 from ..algorithms.clip_bias import mini_batch_normalization
@@ -194,7 +195,7 @@ class PolicyEngine(EngineBase):
             need.append("rollout_logprobs")
         return tuple(need)
 
-    def _loss_kwargs(self, mb: dict, denominator: torch.Tensor, entropy: Optional[torch.Tensor]) -> dict:
+    def _loss_kwargs(self, mb: dict, denominator: LossDenominators, entropy: Optional[torch.Tensor]) -> dict:
         return dict(
             rollout_logprobs=mb.get("rollout_logprobs"),
             ref_logprobs=mb.get("ref_logprobs"),
@@ -233,7 +234,7 @@ class PolicyEngine(EngineBase):
     def _train_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int) -> dict[str, float]:
         loss_cfg = self.cfg.loss
         spec = POLICY_LOSSES[loss_cfg.name]
-        denominator = aggregation_denominator(batch.loss_mask[rows], loss_cfg.loss_agg).to(device())
+        denominator = loss_denominators(batch.loss_mask[rows], batch.advantages[rows], loss_cfg).to(device())
         my_rows = self._dp_rows(rows, mbs, "batching.mini_batch_size")
         micro = self._micro_dicts(batch, my_rows, mbs)
         scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp

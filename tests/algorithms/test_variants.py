@@ -8,8 +8,10 @@ import torch
 
 from sorl_megatron.algorithms import (
     PolicyLossConfig,
+    SAPOConfig,
     aggregation_denominator,
     compute_policy_loss,
+    loss_denominators,
     token_weights,
 )
 from sorl_megatron.algorithms.aggregation import aggregate
@@ -108,3 +110,89 @@ def test_gspo_token_with_token_advantages_differs_and_matches_its_hand_gradient(
     c = torch.where(m & clipped, g_t * adv * s, torch.zeros(()))
     assert m_tok["clip_bias/sq_sum"].item() == pytest.approx(float((c * c).sum()), rel=1e-5)
     assert 0 < m_tok["clip_frac"].item() < 1
+
+
+# ---------------------------------------------------------------- SAPO: eq. 11 and the code listing
+
+
+def _sapo_batch():
+    """Three rows (padding marked by ratio None): A = +1, -1, 0."""
+    ratios = [[0.5, 2.0, 1.0, None], [0.7, 1.1, None, None], [0.9, 1.5, 1.0, 1.0]]
+    mask = torch.tensor([[r is not None for r in row] for row in ratios], dtype=torch.long)
+    r = torch.tensor([[x if x is not None else 1.0 for x in row] for row in ratios])
+    old = torch.full((3, 4), math.log(0.5))
+    lp = (old + torch.log(r)).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 0.0]).unsqueeze(1).expand(3, 4).clone()
+    return lp, old, adv, mask
+
+
+# the clipped surrogate (eps 0.2), token mean over the 9 policy tokens:
+#   row 0 (A=+1): -0.5 (r 0.5, unclipped), -1.2 (r 2 clipped), -1.0;  row 1 (A=-1): 0.8 (r 0.7 clipped), 1.1
+#   row 2 (A=0): 0
+PG = (-0.5 - 1.2 - 1.0 + 0.8 + 1.1) / 9
+PG_GRAD = torch.tensor([[-0.5, 0.0, -1.0, 0.0], [0.0, 1.1, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]) / 9
+
+
+def test_sapo_eq11_hand_example():
+    lp, old, adv, mask = _sapo_batch()
+    loss, m = compute_policy_loss(lp, old, adv, mask, PolicyLossConfig(name="sapo", loss_agg="token-mean"))
+    # eq. 11: r < 1 and A > 0 -> row 0's first token only, inside the token mean over 9 tokens
+    assert loss.item() == pytest.approx(PG + 0.1 * -math.log(0.5) / 9, abs=1e-6)
+    assert m["sapo/penalty_frac"].item() == pytest.approx(1 / 9)
+    (g,) = torch.autograd.grad(loss, lp)
+    penalty_grad = torch.zeros(3, 4)
+    penalty_grad[0, 0] = -0.1 / 9
+    assert torch.allclose(g, PG_GRAD + penalty_grad, atol=1e-6)
+
+
+def test_sapo_listing_hand_example():
+    lp, old, adv, mask = _sapo_batch()
+    cfg = PolicyLossConfig.from_dict({"name": "sapo", "loss_agg": "token-mean", "sapo": {"variant": "listing"}})
+    loss, m = compute_policy_loss(lp, old, adv, mask, cfg)
+    # listing: rows with A >= 0 (rows 0 and 2: 7 policy tokens), tokens with r <= 1 (r = 1 included)
+    penalty = -(math.log(0.5) + math.log(0.9)) / 7
+    assert loss.item() == pytest.approx(PG + 0.1 * penalty, abs=1e-6)
+    assert m["sapo/penalty"].item() == pytest.approx(penalty, abs=1e-6)
+    assert m["sapo/penalty_frac"].item() == pytest.approx(5 / 9)
+    (g,) = torch.autograd.grad(loss, lp)
+    active = torch.tensor([[1, 0, 1, 0], [0, 0, 0, 0], [1, 0, 1, 1]], dtype=torch.float32)
+    assert torch.allclose(g, PG_GRAD - 0.1 / 7 * active, atol=1e-6)
+    # on-policy (r = 1 everywhere) eq. 11's term is inert while the listing's still pulls A >= 0 rows up
+    on = old.clone().requires_grad_()
+    (g_list,) = torch.autograd.grad(compute_policy_loss(on, old, adv, mask, cfg)[0], on)
+    (g_eq11,) = torch.autograd.grad(
+        compute_policy_loss(on, old, adv, mask, PolicyLossConfig(name="sapo", loss_agg="token-mean"))[0], on
+    )
+    assert g_eq11[2].abs().max() == 0 and torch.allclose(g_list[2], torch.full((4,), -0.1 / 7))
+
+
+def test_sapo_listing_micro_batches_add_up_with_mini_batch_denominators():
+    g = torch.Generator().manual_seed(4)
+    B, T = 6, 7
+    mask = (torch.rand(B, T, generator=g) < 0.7).long()
+    mask[3] = 0
+    old = -torch.rand(B, T, generator=g) * 2
+    lp = (old + 0.3 * torch.randn(B, T, generator=g)).requires_grad_()
+    adv = torch.randn(B, 1, generator=g).expand(B, T).clone()
+    cfg = PolicyLossConfig.from_dict({"name": "sapo", "loss_agg": "token-mean", "sapo": {"variant": "listing"}})
+    full, m_full = compute_policy_loss(lp, old, adv, mask, cfg)
+    (g_full,) = torch.autograd.grad(full, lp)
+    den = loss_denominators(mask, adv, cfg)
+    assert den.sapo.item() == float(mask[adv[:, 0] >= 0].sum())
+    parts = [compute_policy_loss(lp[s], old[s], adv[s], mask[s], cfg, denominator=den)
+             for s in (slice(0, 2), slice(2, 5), slice(5, 6))]
+    total = sum(p[0] for p in parts)
+    (g_parts,) = torch.autograd.grad(total, lp)
+    assert torch.allclose(total, full, atol=1e-6) and torch.allclose(g_parts, g_full, atol=1e-7)
+    assert sum(p[1]["sapo/penalty"] for p in parts).item() == pytest.approx(m_full["sapo/penalty"].item(), abs=1e-6)
+
+
+def test_sapo_variant_config():
+    with pytest.raises(ValueError, match=r"loss.sapo.variant='listing' .* set loss.loss_agg=token-mean"):
+        PolicyLossConfig.from_dict({"name": "sapo", "loss_agg": "seq-mean-token-mean", "sapo": {"variant": "listing"}})
+    with pytest.raises(ValueError, match=r"loss.sapo.variant: 'code' is not one of"):
+        PolicyLossConfig.from_dict({"name": "sapo", "sapo": {"variant": "code"}})
+    assert not SAPOConfig().nonnegative and SAPOConfig(variant="listing").nonnegative
+    assert not SAPOConfig(variant="listing", adv_condition="positive").nonnegative
+    # the listing's loss_agg requirement binds only the sapo loss
+    PolicyLossConfig.from_dict({"name": "grpo", "loss_agg": "seq-mean-token-mean", "sapo": {"variant": "listing"}})
