@@ -35,6 +35,7 @@ from .aggregation import (
 )
 from .clip_bias import ClipBiasTerms, clip_bias_norm, clip_bias_terms, normalization_factor, param_grad_clip_bias_norm
 from .config import PolicyLossConfig, SAPOConfig
+from .diagnostics import turn_ratio_spread
 from .is_correction import is_correction_weights
 from .kl import kl_penalty
 from .loss_registry import POLICY_LOSSES, PolicyLossSpec
@@ -204,8 +205,7 @@ def _policy_terms(
     advantages = torch.where(mask, advantages.float(), zero).detach()
     weights = token_weights(mask, config.loss_agg, denominator, config.norm_length)
 
-    needs_turns = spec.ratio_level == "turn" or config.is_correction.level == "turn"
-    turns = segment_turns(mask, turn_ids) if needs_turns else None
+    turns = segment_turns(mask, turn_ids)  # the turn ratios' spread is reported for every loss
     level_segments = segments_for_level(spec.ratio_level, mask, turns)
 
     token_lr_raw = masked_log_ratio(logprobs, old_logprobs, mask)
@@ -271,6 +271,8 @@ def _policy_terms(
         ent = aggregate(entropy.float(), weights)
         loss = loss - config.entropy_coef * ent
         metrics["entropy"] = ent.detach()
+    if entropy is not None:  # a diagnostic for every loss: the token mean, whatever the aggregation
+        metrics["entropy/mean"] = masked_mean(entropy.detach().float(), mask)
 
     with torch.no_grad():
         metrics.update(
@@ -280,16 +282,22 @@ def _policy_terms(
                 "clip_frac_high": masked_mean(clip_high.float(), mask),
                 "clip_frac_low": masked_mean(clip_low.float(), mask),
                 "dual_clip_frac": masked_mean(dual.float(), mask),
+                # KL(pi_old || pi_theta) estimated on tokens sampled from pi_old (k1, k3 of Schulman)
                 "approx_kl_k1": masked_mean(-token_lr, mask),
                 "approx_kl_k3": masked_mean(token_ratio - 1.0 - token_lr, mask),
                 "ratio/mean": masked_mean(token_ratio, mask),
                 "ratio/min": masked_min(token_ratio, mask),
                 "ratio/max": masked_max(token_ratio, mask),
+                "abs_log_ratio/max": masked_max(token_lr_raw.abs(), mask),
                 "clip_bias/scalar": bias.scalar,
                 "clip_bias/sq_sum": bias.sq_sum,
                 "policy_tokens": mask.float().sum(),
             }
         )
+        spread, multi_turn_rows = turn_ratio_spread(token_lr_raw, turns, clamp)
+        metrics["turn_ratio/spread_sum"] = spread  # sums: an engine adds them over micro-batches
+        metrics["turn_ratio/multi_turn_rows"] = multi_turn_rows
+        metrics["turn_ratio/spread"] = spread / multi_turn_rows.clamp(min=1)
         if spec.ratio_level != "token":
             prefix = "turn_ratio" if spec.ratio_level == "turn" else "seq_ratio"
             metrics[f"{prefix}/mean"] = masked_mean(ratio, mask)
