@@ -64,6 +64,10 @@ class ClipBiasConfig:
         indicator: which ratio decides the clipping indicators ``1[t in B^c]``:
             ``loss_ratio`` (the ratio the loss clips, eq. 5/8 as written) or ``token_ratio``
             (token-level indicators even for turn-level losses, the ST-PPO summary's reading).
+        diagnostics: an engine also measures ``||C||`` in parameter space (one extra backward
+            per mini-batch) for *any* loss and logs it as ``clip_bias/param_norm``; the update
+            itself is unchanged (the factor still follows ``mode``, and only for the
+            normalized losses).
     """
 
     mode: ClipBiasMode = "logprob"
@@ -73,6 +77,7 @@ class ClipBiasConfig:
     ema_decay: float = 0.9
     apply_to: ClipBiasApply = "lr"
     indicator: ClipBiasIndicator = "loss_ratio"
+    diagnostics: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +91,8 @@ class ClipBiasConfig:
             raise ValueError(f"{prefix}.ema_decay must be a finite number in [0, 1), got {self.ema_decay}")
         _choice(prefix, "apply_to", self.apply_to, get_args(ClipBiasApply))
         _choice(prefix, "indicator", self.indicator, get_args(ClipBiasIndicator))
+        if not isinstance(self.diagnostics, bool):
+            raise ValueError(f"{prefix}.diagnostics must be true or false, got {self.diagnostics!r}")
 
 
 @dataclass

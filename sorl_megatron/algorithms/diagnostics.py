@@ -50,6 +50,17 @@ class Histogram:
     minimum: torch.Tensor  # +inf when empty
     maximum: torch.Tensor  # -inf when empty
 
+    @classmethod
+    def empty(cls, edges: torch.Tensor, device: torch.device | str = "cpu") -> "Histogram":
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return cls(edges.to(device), torch.zeros(len(edges) - 1, dtype=torch.float64, device=device), zero, zero,
+                   torch.full((), float("inf"), dtype=torch.float64, device=device),
+                   torch.full((), float("-inf"), dtype=torch.float64, device=device))
+
+    def to(self, device: torch.device | str) -> "Histogram":
+        return Histogram(*(t.to(device) for t in (self.edges, self.counts, self.total, self.total_squares,
+                                                  self.minimum, self.maximum)))
+
     @property
     def num(self) -> float:
         return float(self.counts.sum())

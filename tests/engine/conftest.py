@@ -69,6 +69,7 @@ def ws1(engine_models, engine_work):
         {"op": "recompute", "model": MODEL, "layout": "tp=1", "tag": "recompute_ws1"},
         {"op": "sft", "model": MODEL, "layout": "tp=1", "tag": "sft_ws1"},
         {"op": "placement", "model": MODEL, "layout": "tp=1", "tag": "placement_ws1"},
+        {"op": "diagnostics", "model": MODEL, "layout": "tp=1", "tag": "diagnostics_ws1"},
     ]
     return launch(engine_models, engine_work, cases, 1, "ws1")
 
