@@ -25,7 +25,7 @@ from .config import ClipBiasConfig, ISCorrectionConfig, PolicyLossConfig, SAPOCo
 from .is_correction import ISCorrection, is_correction_weights
 from .kl import kl_penalty
 from .loss_registry import POLICY_LOSSES, PolicyLossSpec, register_policy_loss
-from .policy_loss import clip_bias_surrogate, compute_policy_loss
+from .policy_loss import LossDenominators, clip_bias_surrogate, compute_policy_loss, loss_denominators
 from .ratios import level_log_ratio, masked_log_ratio
 from .sft import sft_loss
 from .turns import TurnSegments, broadcast_segments, row_segments, segment_mean_broadcast, segment_sum, segment_turns
@@ -52,6 +52,8 @@ __all__ = [
     "kl_penalty",
     "level_log_ratio",
     "LOSS_AGG_MODES",
+    "loss_denominators",
+    "LossDenominators",
     "masked_log_ratio",
     "masked_mean",
     "masked_sum",

@@ -8,8 +8,10 @@ the exact per-token gradient coefficients the clip-bias statistics need (see
 - ``token-mean``: ``g_t = 1 / N_tokens`` (PVPO eq. 5, DAPO).
 - ``seq-mean-token-mean``: ``g_t = 1 / (N_seqs * |y_i|)`` (SORL eq. 1/3, GRPO eq. 13).
 - ``seq-mean-token-sum``: ``g_t = 1 / N_seqs``.
-- ``seq-mean-token-sum-norm``: ``g_t = 1 / (N_seqs * L)`` with a constant ``L``
-  (Dr. GRPO; ``L`` = ``norm_length`` or the padded sequence length).
+- ``seq-mean-token-sum-norm``: ``g_t = 1 / L`` with a constant ``L`` (``norm_length``, or
+  the padded sequence length): verl's ``agg_loss`` (``sum(loss * mask) / loss_scale_factor``,
+  Dr. GRPO's constant normalizer). Despite the name there is no mean over sequences, so the
+  loss grows with the mini-batch; verl defines it so and the name is kept for verl users.
 
 ``N_tokens`` / ``N_seqs`` default to the counts in the given tensors. An engine that splits a
 mini-batch into micro-batches (and data-parallel ranks) passes the mini-batch totals as
@@ -72,7 +74,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 
 def aggregation_denominator(loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """The count a mode divides by, for the rows in ``loss_mask``: tokens or non-empty rows.
+    """The count a mode divides by, for the rows in ``loss_mask``: tokens or non-empty rows
+    (``seq-mean-token-sum-norm`` divides by its constant ``L`` only and ignores it).
 
     An engine sums this over micro-batches and data-parallel ranks of one mini-batch and
     passes the total back as ``denominator`` to :func:`token_weights`.
@@ -106,8 +109,9 @@ def token_weights(
         return mask / (lengths * denominator)
     if mode == "seq-mean-token-sum":
         return mask / denominator
+    # verl: a plain token sum over the (mini-)batch divided by the constant L, no 1 / N_seqs
     length = float(norm_length if norm_length is not None else mask.shape[-1])
-    return mask / (denominator * max(length, 1.0))
+    return mask / max(length, 1.0)
 
 
 def aggregate(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 ISMode = Literal["off", "tis", "mis"]
 ISLevel = Literal["token", "turn", "sequence"]
 SAPOAdvCondition = Literal["positive", "nonnegative"]
+SAPOVariant = Literal["eq11", "listing"]
 
 
 def _choice(prefix: str, name: str, value: Any, options: tuple) -> None:
@@ -63,6 +64,10 @@ class ClipBiasConfig:
         indicator: which ratio decides the clipping indicators ``1[t in B^c]``:
             ``loss_ratio`` (the ratio the loss clips, eq. 5/8 as written) or ``token_ratio``
             (token-level indicators even for turn-level losses, the ST-PPO summary's reading).
+        diagnostics: an engine also measures ``||C||`` in parameter space (one extra backward
+            per mini-batch) for *any* loss and logs it as ``clip_bias/param_norm``; the update
+            itself is unchanged (the factor still follows ``mode``, and only for the
+            normalized losses).
     """
 
     mode: ClipBiasMode = "logprob"
@@ -72,6 +77,7 @@ class ClipBiasConfig:
     ema_decay: float = 0.9
     apply_to: ClipBiasApply = "lr"
     indicator: ClipBiasIndicator = "loss_ratio"
+    diagnostics: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,25 +91,46 @@ class ClipBiasConfig:
             raise ValueError(f"{prefix}.ema_decay must be a finite number in [0, 1), got {self.ema_decay}")
         _choice(prefix, "apply_to", self.apply_to, get_args(ClipBiasApply))
         _choice(prefix, "indicator", self.indicator, get_args(ClipBiasIndicator))
+        if not isinstance(self.diagnostics, bool):
+            raise ValueError(f"{prefix}.diagnostics must be true or false, got {self.diagnostics!r}")
 
 
 @dataclass
 class SAPOConfig:
-    """SAPO conditional KL (SAPO eq. 9-11): ``gamma * (-log r_t)`` where ``r_t < tau`` and
-    the advantage condition holds (``positive``: A > 0 as in eq. 11; ``nonnegative``: A >= 0
-    as in the paper's code listing)."""
+    """SAPO conditional KL: ``gamma * (-log r_t)`` on drifting tokens of good trajectories.
+
+    Attributes:
+        variant: ``eq11``: eq. 9-11 as written: tokens with ``r_t < tau`` and ``A_t > 0``, the
+            penalty aggregated with the loss's own weights (inside eq. 9's sum). ``listing``:
+            the paper's code listing (appendix A.6): rows whose advantage (at their first
+            policy token, the listing's ``advantages[:, 0]``) is ``>= 0``, tokens with
+            ``r_t <= tau``, and the penalty averaged over *all* policy tokens of those rows
+            (its own denominator); the surrogate is a token mean (``loss_agg: token-mean``).
+        adv_condition: ``positive`` (A > 0) or ``nonnegative`` (A >= 0); ``None`` takes the
+            variant's own (eq11: positive, listing: nonnegative).
+    """
 
     gamma: float = 0.1
     tau: float = 1.0
-    adv_condition: SAPOAdvCondition = "positive"
+    adv_condition: SAPOAdvCondition | None = None
+    variant: SAPOVariant = "eq11"
 
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def nonnegative(self) -> bool:
+        """Whether the advantage test is ``A >= 0`` (else ``A > 0``)."""
+        if self.adv_condition is None:
+            return self.variant == "listing"
+        return self.adv_condition == "nonnegative"
+
     def validate(self, prefix: str = "sapo") -> None:
         _positive(prefix, "gamma", self.gamma, allow_zero=True)
         _positive(prefix, "tau", self.tau)
-        _choice(prefix, "adv_condition", self.adv_condition, get_args(SAPOAdvCondition))
+        if self.adv_condition is not None:
+            _choice(prefix, "adv_condition", self.adv_condition, get_args(SAPOAdvCondition))
+        _choice(prefix, "variant", self.variant, get_args(SAPOVariant))
 
 
 @dataclass
@@ -146,8 +173,8 @@ class PolicyLossConfig:
             to ``eps_low`` (symmetric clipping).
         dual_clip: dual-clip constant ``c > 1`` bounding the loss of negative-advantage tokens
             at ``-c * A``; ``None`` disables it.
-        loss_agg: aggregation mode (``aggregation.py``); ``norm_length`` is the constant of
-            ``seq-mean-token-sum-norm``.
+        loss_agg: aggregation mode (``aggregation.py``); ``norm_length`` is the constant ``L``
+            of ``seq-mean-token-sum-norm`` (verl's ``loss_scale_factor``; default: padded length).
         log_ratio_clamp: log-ratios are clamped to ``[-c, c]`` before ``exp``.
         kl_coef / kl_estimator: KL-to-reference loss ``kl_coef * agg(k)``, k in k1/k2/k3.
         entropy_coef: entropy bonus ``- entropy_coef * agg(H)``.
@@ -202,6 +229,11 @@ class PolicyLossConfig:
         _positive(prefix, "entropy_coef", self.entropy_coef, allow_zero=True)
         for sub in ("clip_bias", "sapo", "is_correction"):
             getattr(self, sub).validate(f"{prefix}.{sub}")
+        if POLICY_LOSSES[self.name].sapo_penalty and self.sapo.variant == "listing" and self.loss_agg != "token-mean":
+            raise ValueError(
+                f"{prefix}.sapo.variant='listing' averages the surrogate over all policy tokens (the listing's "
+                f"masked_mean): set {prefix}.loss_agg=token-mean, not {self.loss_agg!r} (or sapo.variant=eq11)"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], prefix: str = "loss") -> "PolicyLossConfig":

@@ -18,6 +18,9 @@ class PolicyLossSpec:
         name: config name.
         ratio_level: ``token``, ``turn`` or ``sequence`` importance ratio.
         clip_normalized: scale by ``1 / max(||C||, delta)`` (SORL clipping-triggered norm).
+        token_gradient: the ratio's value is the ``ratio_level`` one but its gradient is each
+            token's own: ``sg[s] * pi_t / sg[pi_t]`` (the GSPO paper's GSPO-token), so per-token
+            advantages weigh per-token gradients.
         sapo_penalty: add SAPO's conditional KL term.
         critic: trained on a critic's advantages (PPO family, GAE), as its paper defines it;
             the group-relative losses take outcome-based estimators (GRPO, PVPO). A recipe
@@ -29,6 +32,7 @@ class PolicyLossSpec:
     name: str
     ratio_level: RatioLevel
     clip_normalized: bool = False
+    token_gradient: bool = False
     sapo_penalty: bool = False
     critic: bool = False
     reference: str = ""
@@ -61,6 +65,10 @@ for _spec in (
     PolicyLossSpec("grpo", "token", reference="GRPO; SORL eq. 13"),
     PolicyLossSpec("so_grpo", "token", clip_normalized=True, reference="SORL SO-GRPO: eq. 13-15"),
     PolicyLossSpec("gspo", "sequence", reference="GSPO: sequence ratio exp(mean log w_t)"),
+    PolicyLossSpec(
+        "gspo_token", "sequence", token_gradient=True,
+        reference="GSPO-token: s_i,t = sg[s_i] pi_t / sg[pi_t], per-token advantages",
+    ),
     PolicyLossSpec("sapo", "token", sapo_penalty=True, reference="SAPO eq. 9-11 (GRPO surrogate + conditional KL)"),
 ):
     register_policy_loss(_spec)

@@ -24,9 +24,18 @@ from typing import Iterable
 import torch
 
 from . import dispatch
-from .aggregation import aggregate, masked_max, masked_mean, masked_min, token_weights
+from .aggregation import (
+    aggregate,
+    aggregation_denominator,
+    masked_max,
+    masked_mean,
+    masked_min,
+    masked_sum,
+    token_weights,
+)
 from .clip_bias import ClipBiasTerms, clip_bias_norm, clip_bias_terms, normalization_factor, param_grad_clip_bias_norm
-from .config import PolicyLossConfig
+from .config import PolicyLossConfig, SAPOConfig
+from .diagnostics import turn_ratio_spread
 from .is_correction import is_correction_weights
 from .kl import kl_penalty
 from .loss_registry import POLICY_LOSSES, PolicyLossSpec
@@ -45,7 +54,7 @@ def compute_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     turn_ids: torch.Tensor | None = None,
-    denominator: float | torch.Tensor | None = None,
+    denominator: float | torch.Tensor | LossDenominators | None = None,
     normalize: bool = True,
     params: Iterable[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -61,8 +70,8 @@ def compute_policy_loss(
         ref_logprobs: ``[B, T]`` reference-policy log-probs, needed when ``kl_coef > 0``.
         entropy: ``[B, T]`` per-token entropy, needed when ``entropy_coef > 0``.
         turn_ids: optional explicit ``[B, T]`` turn ids (else turns = runs of the mask).
-        denominator: aggregation denominator of the whole mini-batch (see ``aggregation``);
-            ``None`` uses this call's own count.
+        denominator: the whole mini-batch's counts: :func:`loss_denominators` (or just the
+            aggregation count, see ``aggregation``); ``None`` uses this call's own counts.
         normalize: apply the clipping-triggered factor here (True) or leave it to the caller
             (False: an engine applies it to the mini-batch's accumulated gradient).
         params: parameters for the ``param_grad`` clip-bias mode when ``normalize`` is True.
@@ -123,6 +132,45 @@ def clip_bias_surrogate(
     return _policy_terms(logprobs, old_logprobs, advantages, loss_mask, config, **kwargs).bias.surrogate
 
 
+@dataclass(frozen=True)
+class LossDenominators:
+    """The counts a loss divides by, taken once over a whole mini-batch.
+
+    An engine computes them from the mini-batch (:func:`loss_denominators`) and passes them to
+    every micro-batch's call, so the micro-batch losses add up to the mini-batch loss.
+
+    Attributes:
+        aggregation: ``aggregation_denominator`` of ``loss_agg`` (tokens or non-empty rows).
+        sapo: policy tokens of the rows SAPO's listing variant averages its penalty over
+            (``None`` unless the loss is ``sapo`` with ``sapo.variant: listing``).
+    """
+
+    aggregation: torch.Tensor
+    sapo: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> "LossDenominators":
+        return LossDenominators(self.aggregation.to(device), None if self.sapo is None else self.sapo.to(device))
+
+
+def loss_denominators(loss_mask: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig) -> LossDenominators:
+    """The mini-batch counts of ``config``'s loss for the rows of ``loss_mask`` / ``advantages``."""
+    sapo = None
+    if POLICY_LOSSES[config.name].sapo_penalty and config.sapo.variant == "listing":
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1).expand(loss_mask.shape)
+        sapo = _sapo_listing_tokens(advantages, loss_mask.bool(), config.sapo).sum().to(torch.float32)
+    return LossDenominators(aggregation_denominator(loss_mask, config.loss_agg), sapo)
+
+
+def _sapo_listing_tokens(advantages: torch.Tensor, mask: torch.Tensor, sapo: SAPOConfig) -> torch.Tensor:
+    """Policy tokens of the rows SAPO's listing keeps: ``advantages[:, 0] >= 0``, read as the
+    advantage at each row's first policy token (verl's response tensors start there)."""
+    first = mask.float().argmax(dim=-1, keepdim=True)  # the first policy token (argmax returns the first max)
+    row_adv = advantages.float().gather(1, first)
+    keep = row_adv >= 0 if sapo.nonnegative else row_adv > 0
+    return mask & keep
+
+
 @dataclass
 class _PolicyTerms:
     spec: PolicyLossSpec
@@ -148,20 +196,24 @@ def _policy_terms(
     if config.is_correction.mode != "off" and rollout_logprobs is None:
         raise ValueError(f"loss.is_correction.mode={config.is_correction.mode!r} needs rollout_logprobs")
 
+    sapo_denominator = None
+    if isinstance(denominator, LossDenominators):
+        denominator, sapo_denominator = denominator.aggregation, denominator.sapo
     mask = loss_mask.bool()
     clamp = config.log_ratio_clamp
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
     advantages = torch.where(mask, advantages.float(), zero).detach()
     weights = token_weights(mask, config.loss_agg, denominator, config.norm_length)
 
-    needs_turns = spec.ratio_level == "turn" or config.is_correction.level == "turn"
-    turns = segment_turns(mask, turn_ids) if needs_turns else None
+    turns = segment_turns(mask, turn_ids)  # the turn ratios' spread is reported for every loss
     level_segments = segments_for_level(spec.ratio_level, mask, turns)
 
     token_lr_raw = masked_log_ratio(logprobs, old_logprobs, mask)
     token_lr = token_lr_raw.clamp(-clamp, clamp)
     token_ratio = torch.exp(token_lr)
     level_lr_raw = level_log_ratio(token_lr_raw, spec.ratio_level, level_segments, clamp=None)
+    if spec.token_gradient:  # GSPO-token: the value of s_i, the gradient of token t alone (times s_i)
+        level_lr_raw = level_lr_raw.detach() + token_lr_raw - token_lr_raw.detach()
     ratio = torch.exp(level_lr_raw.clamp(-clamp, clamp))
 
     # Clipped surrogate and the indicators of B^c; dispatched (fused Triton kernel on CUDA).
@@ -187,17 +239,27 @@ def _policy_terms(
         indicator = (
             ((advantages > 0) & (token_ratio > config.clip_high)) | ((advantages < 0) & (token_ratio < config.clip_low))
         ) & mask
+    # d ratio_t / d log pi_j: spread over the unit (turn / sequence ratios) or token t's own (GSPO-token)
+    grad_segments = None if spec.token_gradient else level_segments
     bias = clip_bias_terms(
-        ratio, level_lr_raw, clamp, indicator, advantages, is_corr.weights, weights, level_segments, mask
+        ratio, level_lr_raw, clamp, indicator, advantages, is_corr.weights, weights, grad_segments, mask
     )
 
     metrics: dict[str, torch.Tensor] = {}
     if spec.sapo_penalty:
+        # -log r_t on active tokens; its gradient pushes r_t back up towards tau.
         sapo = config.sapo
-        positive = advantages > 0 if sapo.adv_condition == "positive" else advantages >= 0
-        active = (positive & (token_ratio < sapo.tau) & mask).detach()
-        # -log r_t on active tokens (SAPO eq. 11); its gradient pushes r_t back up towards tau.
-        sapo_term = aggregate(torch.where(active, -token_lr, zero), weights)
+        if sapo.variant == "listing":
+            # appendix A.6: masked_mean(log(r).masked_fill(r > tau, 0)[A[:, 0] >= 0], mask[A[:, 0] >= 0])
+            rows = _sapo_listing_tokens(advantages, mask, sapo)
+            active = (rows & (token_ratio <= sapo.tau)).detach()
+            count = rows.sum() if sapo_denominator is None else sapo_denominator
+            count = torch.as_tensor(count, dtype=torch.float32, device=logprobs.device).clamp(min=1.0)
+            sapo_term = masked_sum(-token_lr, active) / count
+        else:  # eq. 11, inside eq. 9's aggregation
+            positive = advantages >= 0 if sapo.nonnegative else advantages > 0
+            active = (positive & (token_ratio < sapo.tau) & mask).detach()
+            sapo_term = aggregate(torch.where(active, -token_lr, zero), weights)
         loss = loss + sapo.gamma * sapo_term
         metrics["sapo/penalty"] = sapo_term.detach()
         metrics["sapo/penalty_frac"] = masked_mean(active.float(), mask)
@@ -209,6 +271,8 @@ def _policy_terms(
         ent = aggregate(entropy.float(), weights)
         loss = loss - config.entropy_coef * ent
         metrics["entropy"] = ent.detach()
+    if entropy is not None:  # a diagnostic for every loss: the token mean, whatever the aggregation
+        metrics["entropy/mean"] = masked_mean(entropy.detach().float(), mask)
 
     with torch.no_grad():
         metrics.update(
@@ -218,16 +282,22 @@ def _policy_terms(
                 "clip_frac_high": masked_mean(clip_high.float(), mask),
                 "clip_frac_low": masked_mean(clip_low.float(), mask),
                 "dual_clip_frac": masked_mean(dual.float(), mask),
+                # KL(pi_old || pi_theta) estimated on tokens sampled from pi_old (k1, k3 of Schulman)
                 "approx_kl_k1": masked_mean(-token_lr, mask),
                 "approx_kl_k3": masked_mean(token_ratio - 1.0 - token_lr, mask),
                 "ratio/mean": masked_mean(token_ratio, mask),
                 "ratio/min": masked_min(token_ratio, mask),
                 "ratio/max": masked_max(token_ratio, mask),
+                "abs_log_ratio/max": masked_max(token_lr_raw.abs(), mask),
                 "clip_bias/scalar": bias.scalar,
                 "clip_bias/sq_sum": bias.sq_sum,
                 "policy_tokens": mask.float().sum(),
             }
         )
+        spread, multi_turn_rows = turn_ratio_spread(token_lr_raw, turns, clamp)
+        metrics["turn_ratio/spread_sum"] = spread  # sums: an engine adds them over micro-batches
+        metrics["turn_ratio/multi_turn_rows"] = multi_turn_rows
+        metrics["turn_ratio/spread"] = spread / multi_turn_rows.clamp(min=1)
         if spec.ratio_level != "token":
             prefix = "turn_ratio" if spec.ratio_level == "turn" else "seq_ratio"
             metrics[f"{prefix}/mean"] = masked_mean(ratio, mask)

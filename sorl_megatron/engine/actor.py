@@ -20,13 +20,15 @@ from typing import Any, Literal, Optional, get_args
 import torch
 
 from ..algorithms import (
+    LossDenominators,
     PolicyLossConfig,
-    aggregation_denominator,
     clip_bias_surrogate,
     compute_policy_loss,
+    loss_denominators,
     sft_loss,
 )
 from ..algorithms.clip_bias import mini_batch_normalization
+from ..algorithms.diagnostics import ABS_LOG_RATIO_EDGES, Histogram, abs_log_ratio_histogram, advantage_stats
 from ..algorithms.loss_registry import POLICY_LOSSES
 from ..bridge.layout import ParallelLayout
 from ..bridge.model import ModelOptions
@@ -99,6 +101,16 @@ class PolicyEngine(EngineBase):
             raise ValueError(f"actor.routing_replay={self.cfg.routing_replay!r} needs a MoE model")
         # running mean of ||C|| of the relative clip-bias form (engine state: checkpointed)
         self.clip_bias_running: Optional[float] = None
+        # distributions of the last update, for TensorBoard histograms (every rank holds the same)
+        self.histograms: dict[str, Histogram] = {}
+        self._abs_log_ratio: Optional[Histogram] = None  # merged over the update's forwards
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"clip_bias_running": self.clip_bias_running}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        running = state.get("clip_bias_running")
+        self.clip_bias_running = None if running is None else float(running)
 
     # -- validation -----------------------------------------------------------------------
 
@@ -185,6 +197,23 @@ class PolicyEngine(EngineBase):
 
     # -- update -------------------------------------------------------------------------
 
+    def _diagnostics(self, reduced: dict[str, float], log_ratios: list[Histogram]) -> dict[str, float]:
+        """The mini-batch's turn-ratio spread from its summed parts, and its |log r| histogram
+        (from the contributing ranks: last stage, TP rank 0) merged into the update's."""
+        rows = reduced.pop("turn_ratio/multi_turn_rows", 0.0)
+        out = {"turn_ratio/spread": reduced.pop("turn_ratio/spread_sum", 0.0) / max(rows, 1.0)}
+        h = Histogram.empty(ABS_LOG_RATIO_EDGES, device())
+        for part in log_ratios if self.contributes else []:
+            h = h.merge(part)
+        sums = torch.cat([h.counts, h.total.view(1), h.total_squares.view(1)])
+        extremes = torch.stack([-h.minimum, h.maximum])
+        torch.distributed.all_reduce(sums)
+        torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
+        k = len(h.counts)
+        merged = Histogram(h.edges, sums[:k], sums[k], sums[k + 1], -extremes[0], extremes[1])
+        self._abs_log_ratio = (self._abs_log_ratio or Histogram.empty(h.edges)).merge(merged.to("cpu"))
+        return out
+
     def _need(self) -> tuple[str, ...]:
         need = ["old_logprobs", "advantages"]
         loss = self.cfg.loss
@@ -194,7 +223,7 @@ class PolicyEngine(EngineBase):
             need.append("rollout_logprobs")
         return tuple(need)
 
-    def _loss_kwargs(self, mb: dict, denominator: torch.Tensor, entropy: Optional[torch.Tensor]) -> dict:
+    def _loss_kwargs(self, mb: dict, denominator: LossDenominators, entropy: Optional[torch.Tensor]) -> dict:
         return dict(
             rollout_logprobs=mb.get("rollout_logprobs"),
             ref_logprobs=mb.get("ref_logprobs"),
@@ -207,11 +236,20 @@ class PolicyEngine(EngineBase):
         """One RL update on `batch`: ``epochs`` x mini-batches (one optimizer step each).
 
         Returns metrics averaged over the optimizer steps (token-weighted over micro-batches
-        and DP ranks within a step), plus ``steps`` and the last step's ``lr``.
+        and DP ranks within a step), plus ``steps`` and the last step's ``lr``; and of the whole
+        update: ``advantage/{mean,var}`` over the batch's policy tokens and
+        ``abs_log_ratio/{p50,p90,p99,max}`` over every token of every forward (``self.histograms``
+        keeps that distribution).
         """
         if not self.trainable:
             raise RuntimeError("this PolicyEngine was built with trainable=False")
-        return self._optimize(self._validate(batch, self._need()), self._train_mini_batch)
+        batch = self._validate(batch, self._need())
+        self._abs_log_ratio = Histogram.empty(ABS_LOG_RATIO_EDGES)
+        out = self._optimize(batch, self._train_mini_batch)
+        out.update(advantage_stats(batch.advantages, batch.loss_mask))
+        out.update(self._abs_log_ratio.metrics("abs_log_ratio"))
+        self.histograms = {"abs_log_ratio": self._abs_log_ratio}
+        return out
 
     def sft_update(self, batch: RLBatch) -> dict[str, float]:
         """Supervised cold start on gold trajectories: cross-entropy on ``loss_mask`` tokens,
@@ -233,7 +271,7 @@ class PolicyEngine(EngineBase):
     def _train_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int) -> dict[str, float]:
         loss_cfg = self.cfg.loss
         spec = POLICY_LOSSES[loss_cfg.name]
-        denominator = aggregation_denominator(batch.loss_mask[rows], loss_cfg.loss_agg).to(device())
+        denominator = loss_denominators(batch.loss_mask[rows], batch.advantages[rows], loss_cfg).to(device())
         my_rows = self._dp_rows(rows, mbs, "batching.mini_batch_size")
         micro = self._micro_dicts(batch, my_rows, mbs)
         scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp
@@ -243,7 +281,9 @@ class PolicyEngine(EngineBase):
         step_metrics: dict[str, float] = {}
 
         self._zero_grads()
-        if spec.clip_normalized and mode == "param_grad":
+        # ||C|| in parameter space: the param_grad mode's factor, or a diagnostic for any loss
+        measure_c = (spec.clip_normalized and mode == "param_grad") or loss_cfg.clip_bias.diagnostics
+        if measure_c:
             # Second backward over the same micro-batches: the gradient of the clip-bias surrogate S,
             # reduced like the gradient; its norm is ||C|| in parameter space.
             def surrogate_fn(mb, logits):
@@ -258,20 +298,25 @@ class PolicyEngine(EngineBase):
             self._zero_grads()
 
         acc: dict[str, list[float]] = {}
+        log_ratios: list[Histogram] = []
 
         def loss_fn(mb, logits):
-            lp, ent = self._token_outputs(mb, logits, need_entropy)
+            lp, ent = self._token_outputs(mb, logits, True)  # entropy comes with the log-probs: always logged
             loss, metrics = compute_policy_loss(
                 lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg, normalize=False,
                 **self._loss_kwargs(mb, denominator, ent),
             )
             accumulate_metrics(acc, metrics, weight=float(metrics["policy_tokens"]))
+            log_ratios.append(abs_log_ratio_histogram(lp, mb["old_logprobs"], mb["loss_mask"]))
             return loss * scale, {}
 
         self._run(micro, loss_fn, forward_only=False, replay_mode=replay_mode)
         reduced = reduce_metrics(acc, self.contributes)
         step_metrics.update(reduced)
         step_metrics["clip_bias/logprob_norm"] = max(reduced.get("clip_bias/sq_sum", 0.0), 0.0) ** 0.5
+        step_metrics.update(self._diagnostics(step_metrics, log_ratios))
+        if loss_cfg.clip_bias.diagnostics:
+            step_metrics["clip_bias/param_norm"] = c_norm  # logged only: the update is unchanged
         factor = 1.0
         if spec.clip_normalized:
             norm = mini_batch_normalization(

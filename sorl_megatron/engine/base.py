@@ -71,7 +71,7 @@ def device() -> torch.device:
 
 SUM_METRICS = {
     "loss", "pg_loss", "kl_ref", "entropy", "sapo/penalty", "clip_bias/scalar", "clip_bias/sq_sum",
-    "policy_tokens", "value_loss", "tokens",
+    "policy_tokens", "value_loss", "tokens", "turn_ratio/spread_sum", "turn_ratio/multi_turn_rows",
 }
 
 
@@ -403,6 +403,13 @@ class EngineBase:
             "lr": float(saved[0]) * lr_scale if saved else 0.0,
             "update_ok": float(ok),
         }
+
+    def extra_state(self) -> dict[str, Any]:
+        """JSON-serializable engine state beyond weights, optimizer and schedule (checkpointed)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`extra_state` returned."""
 
     def _clip_and_scale(self, grad_norm: float, factor: float) -> None:
         """Megatron's global clipping of the main gradients to ``clip_grad`` (as its

@@ -6,7 +6,8 @@ Layout of a checkpoint directory::
     <dir>/actor/                save_megatron_checkpoint (dist_ckpt.py): model/, hf/, sorl_megatron.json
     <dir>/actor/optim/          megatron dist_checkpointing of the optimizer (Adam moments under the
                                 parameters' global sharded names, so any layout can load them)
-    <dir>/actor/engine.json     LR-scheduler state and the optimizer step counter
+    <dir>/actor/engine.json     LR-scheduler state, the optimizer step counter, engine state (e.g.
+                                the relative clip-bias form's running mean)
     <dir>/critic/...            the same for the critic
     <dir>/rng/rank{r}.safetensors  torch (+ cuda) and megatron RNG-tracker states of rank r
     <dir>/rng/rank{r}.json      Python ``random`` and NumPy states of rank r (restored when the
@@ -145,7 +146,8 @@ def _save_engine(engine: EngineBase, path: str) -> None:
     dist_checkpointing.save({"optimizer": engine.optimizer.sharded_state_dict(model_sd)}, optim_dir)
     if _rank() == 0:
         with open(os.path.join(path, "engine.json"), "w") as f:
-            json.dump({"scheduler": engine.scheduler.state_dict(), "step": engine.step}, f, indent=1)
+            state = {"scheduler": engine.scheduler.state_dict(), "step": engine.step, "engine": engine.extra_state()}
+            json.dump(state, f, indent=1)
 
 
 def _load_engine(engine: EngineBase, path: str) -> None:
@@ -160,7 +162,7 @@ def _load_engine(engine: EngineBase, path: str) -> None:
     try:
         with open(state_path) as f:
             state = json.load(f)
-        scheduler, step = state["scheduler"], int(state["step"])
+        scheduler, step, extra = state["scheduler"], int(state["step"]), dict(state.get("engine", {}))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointFileError(f"{state_path}: bad engine state ({type(e).__name__}: {e})") from None
     model_sd = _sharded_state_dict(engine.model)
@@ -169,6 +171,7 @@ def _load_engine(engine: EngineBase, path: str) -> None:
     engine.optimizer.load_state_dict(loaded["optimizer"])
     engine.scheduler.load_state_dict(scheduler)
     engine.step = step
+    engine.load_extra_state(extra)
 
 
 def save_engine_checkpoint(

@@ -17,6 +17,8 @@ from typing import Any, Mapping, Optional
 
 from tqdm import tqdm
 
+from ..algorithms.diagnostics import Histogram
+
 
 def show_trainer_log(level: int = logging.INFO) -> None:
     """Print the trainer's own log records (PVPO counts, warnings) on the console, leaving
@@ -86,6 +88,20 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
         self._show(step, row)
+
+    def log_histogram(self, step: int, tag: str, hist: Histogram) -> None:
+        """One TensorBoard histogram (bin edges and counts with the exact min, max and sums);
+        skipped without TensorBoard and when empty. The open last bin ends at the maximum."""
+        if not self.enabled or self._tb is None or hist.num == 0:
+            return
+        limits = hist.edges[1:].tolist()
+        limits[-1] = max(float(hist.maximum), limits[-2])
+        self._tb.add_histogram_raw(
+            tag, min=float(hist.minimum), max=float(hist.maximum), num=int(hist.num), sum=float(hist.total),
+            sum_squares=float(hist.total_squares), bucket_limits=limits, bucket_counts=hist.counts.tolist(),
+            global_step=step,
+        )
+        self._tb.flush()
 
     def _show(self, step: int, row: Mapping[str, Any]) -> None:
         keys = [

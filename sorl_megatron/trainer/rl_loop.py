@@ -499,6 +499,8 @@ class RLTrainer:
                         self.save(done)
                     last.update(timer.times)
                 logger.log(done, last)
+                for tag, hist in self.actor.histograms.items():  # |log r| of the update (SORL Fig. 4)
+                    logger.log_histogram(done, f"actor/{tag}", hist)
             return last
 
     def sft_stage(self) -> str:

@@ -15,7 +15,7 @@ import torch
 
 from ..data.qa import QARow, encode_prompt
 from ..rewards.registry import RewardRegistry
-from ..rollout.agent import SearchAgent
+from ..rollout.agent import SearchAgent, parse_action
 from ..rollout.trajectory import Trajectory
 
 
@@ -76,15 +76,21 @@ def rollout_metrics(trajs: Sequence[Trajectory], scores: torch.Tensor, prefix: s
 
     ``retrieval_errors`` counts the searches that got no passages (``retrieval_rejected``:
     of those, the ones the server refused as bad requests); ``finish_error`` is the share of
-    episodes the rollout server refused to continue.
+    episodes the rollout server refused to continue. ``valid_action_ratio`` (SORL Fig. 2b):
+    each episode's share of turns that parse as a search or an answer, averaged over episodes
+    (Search-R1's ``env/ratio_of_valid_action``; a search on the last allowed turn counts,
+    though it is never run).
     """
     if not trajs:
         return {}
     n = len(trajs)
+    turns = sum(t.num_turns for t in trajs)
+    valid = sum(sum(parse_action(text)[0] is not None for text in t.turn_texts) / max(t.num_turns, 1) for t in trajs)
     metrics = {
         f"{prefix}/reward": float(scores.mean()),
         f"{prefix}/searches": sum(t.num_searches for t in trajs) / n,
-        f"{prefix}/turns": sum(t.num_turns for t in trajs) / n,
+        f"{prefix}/turns": turns / n,
+        f"{prefix}/valid_action_ratio": valid / n,
         f"{prefix}/response_length": sum(t.response_len for t in trajs) / n,
         f"{prefix}/policy_tokens": sum(t.num_policy_tokens for t in trajs) / n,
         f"{prefix}/sequence_length": sum(len(t) for t in trajs) / n,

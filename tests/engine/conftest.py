@@ -70,6 +70,7 @@ def ws1(engine_models, engine_work):
         {"op": "sft", "model": MODEL, "layout": "tp=1", "tag": "sft_ws1"},
         {"op": "placement", "model": MODEL, "layout": "tp=1", "tag": "placement_ws1"},
         {"op": "ckpt_safety", "model": MODEL, "layout": "tp=1", "tag": "ckpt_safety_ws1"},
+        {"op": "diagnostics", "model": MODEL, "layout": "tp=1", "tag": "diagnostics_ws1"},
     ]
     return launch(engine_models, engine_work, cases, 1, "ws1")
 

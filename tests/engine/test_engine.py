@@ -67,6 +67,30 @@ def test_param_grad_norm_equals_direct_autograd(ws1):
     assert r["direct_pg_2"] > 0
 
 
+def test_update_diagnostics_equal_a_direct_forward(ws1):
+    r = _ok(ws1, "diagnostics_ws1")
+    m, d = r["m_plain"], r["direct"]
+    assert m["steps"] == 1  # one mini-batch: the update's diagnostics are those of one forward
+    for key in ("advantage/mean", "advantage/var", "clip_frac_high", "clip_frac_low", "approx_kl_k1",
+                "approx_kl_k3", "abs_log_ratio/p50", "abs_log_ratio/p90", "abs_log_ratio/p99", "abs_log_ratio/max",
+                "entropy/mean", "turn_ratio/spread"):
+        assert m[key] == pytest.approx(d[key], rel=1e-5, abs=1e-7), key
+    assert d["clip_frac_high"] > 0 and d["clip_frac_low"] > 0 and d["rows"] > 0 and d["advantage/var"] > 0
+    assert m["abs_log_ratio/p50"] == pytest.approx(d["exact_p50"], rel=0.13)  # within one bin of torch.quantile
+    assert r["hist_num"] == d["policy_tokens"]  # the TensorBoard histogram holds every policy token once
+    assert "turn_ratio/spread_sum" not in m and "clip_bias/param_norm" not in m
+    # grad_norm is the norm before clipping (clip_grad = 1e-3 here), for a loss without normalization
+    assert m["grad_norm"] == pytest.approx(r["direct_grad_norm"], rel=1e-5) and m["grad_norm"] > 1e-2
+
+
+def test_clip_bias_diagnostics_measure_param_norm_for_any_loss_and_leave_the_update(ws1):
+    r = _ok(ws1, "diagnostics_ws1")
+    assert r["m_diag"]["clip_bias/param_norm"] == pytest.approx(r["direct_pg_norm"], rel=1e-5)
+    assert r["direct_pg_norm"] > 0 and r["m_diag"]["clip_bias/factor"] == 1.0
+    assert r["param_diff"] == 0.0  # the second backward leaves the grpo update exactly as it was
+    assert r["m_diag"]["loss"] == r["m_plain"]["loss"]
+
+
 def test_every_loss_runs_and_matches_across_layouts(ws1, ws2, engine_work):
     from sorl_megatron.algorithms import POLICY_LOSSES
 
@@ -173,6 +197,8 @@ def test_resume_equals_uninterrupted(ws2, tag):
     assert r["critic_max_diff"] < TOL
     assert r["loss_diff"] < 1e-6
     assert r["no_tmp_left"]
+    saved, loaded = r["clip_bias_running"]
+    assert saved is not None and loaded == saved  # the relative form's running mean resumes
     # a flipped bit in step_2 (hashed by one rank only): both ranks fall back to step_1 and a
     # direct load of step_2 fails on both with the same error naming the file
     assert [os.path.basename(p) for p in r["newest"]] == ["step_1", "step_1"]

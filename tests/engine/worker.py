@@ -242,6 +242,7 @@ def op_sft(case: dict, models: str, work: str) -> dict:
 
 def resume_engines(src: str, layout: str):
     cfg = actor_config(mbs=2)
+    cfg.loss.clip_bias.form = "relative"  # its running mean of ||C|| is engine state to resume
     cfg.batching.shuffle = True
     cfg.batching.mini_batch_size = 4  # two optimizer steps per update
     actor = PolicyEngine(src, ParallelLayout.from_string(layout), cfg)
@@ -269,12 +270,14 @@ def op_resume(case: dict, models: str, work: str) -> dict:
     actor.update(batch)
     critic.update(batch)
     save_engine_checkpoint(ckpt, actor, critic, extra={"trainer_step": 1})
+    running_saved = actor.clip_bias_running
     ref_m = actor.update(batch)
     critic.update(batch)
     ref_actor, ref_critic = params_of(actor), params_of(critic)
     del actor, critic
     actor, critic = engines(case["resume_layout"])
     extra = load_engine_checkpoint(ckpt, actor, critic)
+    running_loaded = actor.clip_bias_running
     m = actor.update(batch)
     critic.update(batch)
     got_actor, got_critic = params_of(actor), params_of(critic)
@@ -302,6 +305,7 @@ def op_resume(case: dict, models: str, work: str) -> dict:
         "loss_diff": abs(ref_m["loss"] - m["loss"]),
         "lr": [ref_m["lr"], m["lr"]],
         "no_tmp_left": not os.path.exists(ckpt + ".tmp"),
+        "clip_bias_running": [running_saved, running_loaded],
         "newest": all_ranks(newest),
         "damaged_file": bad,
         "damaged_error": all_ranks(damaged_error),
@@ -479,6 +483,67 @@ def op_recompute(case: dict, models: str, work: str) -> dict:
     }
 
 
+def direct_loss(engine, batch, cfg: PolicyLossConfig):
+    """World size 1 only: one forward of the whole batch at the current weights; the policy loss
+    with its metrics, the log-probs and entropy, and the chunk's trainable parameters."""
+    from sorl_megatron.bridge.forward import causal_attention_mask
+    from sorl_megatron.engine.vocab_parallel import next_token_targets, shift_to_token_positions
+
+    chunk = engine.model.unwrapped()[0]
+    s = batch.seq_len
+    logits = chunk(batch.input_ids, torch.arange(s).unsqueeze(0).expand_as(batch.input_ids), causal_attention_mask(s))
+    logp = torch.log_softmax(logits.float(), -1)
+    lp = logp.gather(-1, next_token_targets(batch.input_ids).unsqueeze(-1)).squeeze(-1)
+    lp = shift_to_token_positions(lp) * batch.attention_mask
+    ent = shift_to_token_positions(-(logp.exp() * logp).sum(-1)) * batch.attention_mask
+    loss, m = compute_policy_loss(lp, batch.old_logprobs, batch.advantages, batch.loss_mask, cfg, entropy=ent,
+                                  normalize=False, **loss_inputs(batch))
+    return loss, m, lp.detach(), ent.detach(), [p for p in chunk.parameters() if p.requires_grad]
+
+
+def op_diagnostics(case: dict, models: str, work: str) -> dict:
+    """World size 1: one update's per-step diagnostics against a direct forward of the whole
+    mini-batch; the clip-bias diagnostics flag on a loss without normalization."""
+    from sorl_megatron.algorithms import segment_turns
+    from sorl_megatron.algorithms.diagnostics import abs_log_ratio_histogram, advantage_stats, turn_ratio_spread
+
+    layout = ParallelLayout.from_string(case["layout"])
+    path = os.path.join(models, case["model"])
+
+    def engine(diagnostics: bool) -> PolicyEngine:
+        cfg = actor_config(name="grpo", lr=1e-3)  # one mini-batch of 8 rows: one optimizer step
+        cfg.loss.clip_bias.diagnostics = diagnostics
+        cfg.optim.clip_grad = 1e-3  # clipping certainly acts: grad_norm must be the norm before it
+        return PolicyEngine(path, layout, cfg)
+
+    plain = engine(False)
+    batch, _ = training_batch(plain, seed=5)
+    cfg = plain.cfg.loss
+    loss, direct, lp, ent, params = direct_loss(plain, batch, cfg)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    res: dict = {"direct_grad_norm": float(sum((g.float() ** 2).sum() for g in grads if g is not None) ** 0.5)}
+    res["direct_pg_norm"] = direct_param_grad_norm(plain, batch, cfg)
+    mask = batch.loss_mask.bool()
+    hist = abs_log_ratio_histogram(lp, batch.old_logprobs, mask)
+    values = (lp.double() - batch.old_logprobs.double())[mask].abs()
+    spread, rows = turn_ratio_spread(torch.where(mask, lp - batch.old_logprobs, torch.zeros(())), segment_turns(mask),
+                                     cfg.log_ratio_clamp)
+    res["direct"] = {
+        **advantage_stats(batch.advantages, mask),
+        **{k: float(direct[k]) for k in ("clip_frac_high", "clip_frac_low", "approx_kl_k1", "approx_kl_k3")},
+        **hist.metrics("abs_log_ratio"),
+        "exact_p50": float(torch.quantile(values, 0.5)),
+        "entropy/mean": float(ent[mask].mean()), "turn_ratio/spread": float(spread / rows), "rows": float(rows),
+        "policy_tokens": float(mask.sum()),
+    }
+    res["m_plain"] = plain.update(batch)
+    res["hist_num"] = plain.histograms["abs_log_ratio"].num
+    with_diag = engine(True)
+    res["m_diag"] = with_diag.update(batch)
+    res["param_diff"] = _max_param_diff(params_of(plain), params_of(with_diag))
+    return res
+
+
 def _max_param_diff(a, b) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
@@ -495,6 +560,7 @@ OPS = {
     "resume": op_resume,
     "ckpt_safety": op_ckpt_safety,
     "bad_input": op_bad_input,
+    "diagnostics": op_diagnostics,
 }
 
 

@@ -316,7 +316,10 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", num_attention_heads=32, num_key_val
 # recipe -> (model shape, the world sizes its comment states)
 GPU_LAUNCHES = {
     "search_r1_base.yaml": (QWEN25_7B, [8]),
-    "sorl_qwen2.5_7b_so_ppo.yaml": (QWEN25_7B, [8]),
+    "sorl_qwen2.5_7b_base.yaml": (QWEN25_7B, [8]),
+    "sorl_qwen2.5_7b_outcome_base.yaml": (QWEN25_7B, [8]),
+    **{f"sorl_qwen2.5_7b_{loss}.yaml": (QWEN25_7B, [8]) for loss in (
+        "ppo", "turn_ppo", "s_ppo", "so_ppo", "grpo", "gspo", "so_grpo", "sapo")},
     "sapo_qwen2.5_3b.yaml": (QWEN25_3B, [8]),
     "pvpo_qwen2.5_7b.yaml": (QWEN25_7B, [8, 16, 32]),
     "minirl_qwen3_30b_a3b_r3.yaml": (QWEN3_30B_A3B, [32]),
@@ -348,17 +351,52 @@ def test_minirl_layout_needs_16_gpus(tmp_path):
 
 
 def test_gpu_recipe_paper_settings():
-    sorl = load_recipe(GPU / "sorl_qwen2.5_7b_so_ppo.yaml")
-    s = sorl.schedule
-    optimizer_steps_per_rl_step = s.batch_size * sorl.rollout.group_size // s.mini_batch_size * s.ppo_epochs
-    assert optimizer_steps_per_rl_step == 2
-    # SORL A.4 warm-up ratios 0.285 (policy) / 0.015 (critic) of the RL steps, in optimizer steps
-    assert sorl.optimizer.warmup_steps == int(0.285 * s.total_steps) * optimizer_steps_per_rl_step
-    assert sorl.optimizer.critic_warmup_steps == int(0.015 * s.total_steps) * optimizer_steps_per_rl_step
+    for name in ("sorl_qwen2.5_7b_so_ppo.yaml", "sorl_qwen2.5_7b_so_grpo.yaml"):
+        sorl = load_recipe(GPU / name)
+        s = sorl.schedule
+        optimizer_steps_per_rl_step = s.batch_size * sorl.rollout.group_size // s.mini_batch_size * s.ppo_epochs
+        assert optimizer_steps_per_rl_step == 2
+        # A.4's 4 epochs of NQ + HotpotQA (169,615 training rows) at 512 prompts a step, last partial batch dropped
+        assert s.batch_size == 512 and s.total_steps == 4 * (169_615 // 512) == 1324
+        # SORL A.4 warm-up ratios 0.285 (policy) / 0.015 (critic) of the RL steps, in optimizer steps
+        assert sorl.optimizer.warmup_steps == int(0.285 * s.total_steps) * optimizer_steps_per_rl_step
+        assert sorl.optimizer.critic_warmup_steps == int(0.015 * s.total_steps) * optimizer_steps_per_rl_step
+        assert sorl.rollout.max_turns == 3 and sorl.optimizer.lr == 1e-6 and sorl.optimizer.critic_lr == 1e-5
+        loss = sorl.algorithm.loss
+        assert (loss.eps_low, loss.kl_coef) == (0.2, 0.001)
+        assert (loss.clip_bias.mode, loss.clip_bias.delta) == ("param_grad", 1.0)
     pvpo = load_recipe(GPU / "pvpo_qwen2.5_7b.yaml")
     assert pvpo.schedule.total_steps == 1439 and pvpo.rollout.max_total_tokens - pvpo.data.max_prompt_tokens == 8192
     for path in GPU.glob("*.yaml"):
         assert load_recipe(path).rollout.weight_sync == "disk", path  # real SGLang loads from disk
+
+
+STUDY_LOSSES = ("ppo", "turn_ppo", "s_ppo", "so_ppo", "grpo", "gspo", "so_grpo", "sapo")
+
+
+@pytest.mark.parametrize("loss", STUDY_LOSSES)
+def test_sorl_study_recipes_differ_from_their_base_only_by_the_loss(loss):
+    import yaml
+
+    cfg = load_recipe(GPU / f"sorl_qwen2.5_7b_{loss}.yaml")
+    critic = POLICY_LOSSES[loss].critic
+    base = load_recipe(GPU / ("sorl_qwen2.5_7b_base.yaml" if critic else "sorl_qwen2.5_7b_outcome_base.yaml"))
+    assert cfg.algorithm.loss.name == loss and (cfg.algorithm.advantage.estimator == "gae") == critic
+
+    def rest(c):
+        tree = yaml.safe_load(dump_config(c))
+        del tree["algorithm"]["loss"], tree["logging"]["run_name"], tree["checkpoint"]["dir"]
+        return tree
+
+    assert rest(cfg) == rest(base)
+    assert cfg.logging.run_name == f"sorl_qwen2.5_7b_{loss}"
+    # the two families share A.4's settings; they differ by the estimator and the group geometry
+    family = rest(load_recipe(GPU / "sorl_qwen2.5_7b_base.yaml"))
+    other = rest(load_recipe(GPU / "sorl_qwen2.5_7b_outcome_base.yaml"))
+    for tree in (family, other):
+        del tree["algorithm"]["advantage"]["estimator"], tree["rollout"]["group_size"]
+        del tree["schedule"]["mini_batch_size"]
+    assert family == other
 
 
 def test_pvpo_static_v_refresh_schedule():

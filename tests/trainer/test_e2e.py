@@ -147,6 +147,7 @@ LOSS_RUNS = [  # (loss, advantage estimator, extra overrides riding along)
     ("grpo", "grpo", []),
     ("so_grpo", "grpo", ["algorithm.routing_replay=r2"]),
     ("gspo", "grpo", ["algorithm.routing_replay=r3"]),
+    ("gspo_token", "grpo", ["algorithm.loss.clip_bias.diagnostics=true"]),
     ("sapo", "grpo", ["algorithm.loss.kl_coef=0.01", "reward.metric=f1"]),
     ("grpo", "pvpo", ["algorithm.pvpo.num_ref_rollouts=2"]),
 ]
@@ -182,6 +183,10 @@ def test_every_loss_trains(tiny_data, shared_servers, length_reward, tmp_path):
             assert m["critic/steps"] == 2 and m["critic/grad_norm"] > 0, name
         if "kl_coef" in " ".join(extra):
             assert "time/ref_logprobs" in m and m["actor/kl_ref"] >= 0, name
+        # the SORL figures' diagnostics reach the run's log (ranges only: values are tested in tests/engine)
+        assert 0 <= m["rollout/valid_action_ratio"] <= 1 and m["actor/advantage/var"] >= 0, name
+        assert 0 <= m["actor/abs_log_ratio/p50"] <= m["actor/abs_log_ratio/max"], name
+        assert ("actor/clip_bias/param_norm" in m) == ("algorithm.loss.clip_bias.diagnostics=true" in extra), name
         if "routing_replay" in " ".join(extra):
             assert m["actor/routing/replayed_pairs"] > 0, name
         if "algorithm.routing_replay=r3" in extra:  # the old pass replays the rollout engine's routes

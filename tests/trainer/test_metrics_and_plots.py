@@ -33,6 +33,27 @@ def test_logger_writes_jsonl_and_tensorboard(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "a")] == [1, 2, 3]
 
 
+def test_logger_writes_a_tensorboard_histogram(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import HISTOGRAMS, EventAccumulator
+
+    from sorl_megatron.algorithms.diagnostics import abs_log_ratio_histogram
+
+    lr = torch.tensor([[0.0, 0.01, 0.5, 150.0], [0.02, 3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    hist = abs_log_ratio_histogram(lr, torch.zeros(2, 4), mask)
+    log = MetricsLogger(tmp_path, total_steps=2, tensorboard=True, progress="none")
+    log.log_histogram(3, "actor/abs_log_ratio", hist)
+    log.log_histogram(4, "actor/abs_log_ratio", abs_log_ratio_histogram(lr, lr, 0 * mask))  # empty: skipped
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={HISTOGRAMS: 0})
+    acc.Reload()
+    (event,) = acc.Histograms("actor/abs_log_ratio")
+    h = event.histogram_value
+    assert event.step == 3 and h.num == 6 and h.max == pytest.approx(150.0) and h.min == 0.0
+    assert sum(h.bucket) == 6 and h.bucket[0] == 1 and h.bucket[-1] == 1  # [0, 1e-8) and [1e2, max]
+    assert h.bucket_limit[-1] == pytest.approx(150.0) and h.sum == pytest.approx(153.53, rel=1e-6)
+
+
 def test_a_torn_last_line_is_dropped_on_read_and_resume(tmp_path):
     # a run killed in the middle of an append leaves half a line without its newline
     path = tmp_path / "metrics.jsonl"

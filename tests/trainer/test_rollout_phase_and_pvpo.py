@@ -69,6 +69,43 @@ def test_collect_rollouts_scores_and_groups(tokenizer):
         )
 
 
+class ScriptedTurns:
+    """Plays each prompt's list of turn texts in order (a text without an action is cut by length)."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.calls = tok, script, {}
+
+    async def generate(self, input_ids, sampling, return_logprob=True, return_routed_experts=False,
+                       routed_experts_start_len=0, rid=None):
+        text = self.tok.decode(list(input_ids))
+        key = next(q for q in self.script if q in text)
+        k = self.calls.get(key, 0)
+        self.calls[key] = k + 1
+        out = self.script[key][k]
+        ids = self.tok.encode(out, add_special_tokens=False)
+        tag = "</answer>" if "</answer>" in out else "</search>" if "</search>" in out else None
+        finish = {"type": "stop", "matched": tag} if tag else {"type": "length", "length": len(ids)}
+        return [GenerateOutput(output_ids=ids, finish_reason=finish, prompt_tokens=len(input_ids),
+                               completion_tokens=len(ids), weight_version="v1", output_logprobs=[-0.5] * len(ids))]
+
+
+def test_valid_action_ratio_is_search_r1s(tokenizer):
+    rows = [make_row("capital of France?", ["Paris"], "nq", "train", 0),
+            make_row("capital of Italy?", ["Rome"], "nq", "train", 1)]
+    script = {
+        "France": ["<answer> Paris </answer>"],  # 1 valid action of 1
+        # invalid, invalid, a search on the last allowed turn (valid, though never run): 1 of 3
+        "Italy": ["<think> x </think>", "<think> y </think>", "<search> where </search>"],
+    }
+    agent = SearchAgent(ScriptedTurns(tokenizer, script), NoRetriever(), tokenizer,
+                        AgentConfig(max_turns=3, max_turn_tokens=16, max_total_tokens=4096))
+    res = asyncio.run(collect_rollouts(agent, tokenizer, rows, [0, 1], n=1, rewards=RewardRegistry()))
+    assert [t.num_turns for t in res.trajectories] == [1, 3]
+    # Search-R1's env/ratio_of_valid_action: per-episode ratios, averaged (not 2 / 4 pooled)
+    assert res.metrics["rollout/valid_action_ratio"] == pytest.approx((1 + 1 / 3) / 2)
+    assert res.metrics["rollout/reward"] == pytest.approx(0.5)  # the EM success rate of the batch
+
+
 def _traj(n, lp=-1.0, routed=False, meta=None):
     return Trajectory(token_ids=np.arange(n), loss_mask=np.r_[np.zeros(2, np.int8), np.ones(n - 2, np.int8)],
                       turn_ids=np.r_[np.full(2, -1, np.int32), np.zeros(n - 2, np.int32)],
