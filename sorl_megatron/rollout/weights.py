@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save
 
+from ..bridge.safe_pickle import check_torch_save
+
 LOAD_FORMATS = ("safetensors", "torch")
 
 
@@ -93,6 +95,8 @@ def deserialize_named_tensors(payload: str, load_format: str | None) -> dict[str
     try:
         if fmt == "safetensors":
             return dict(st_load(raw))
+        # an explicit allow-list (tensors and their storages) checked before torch's own unpickler
+        check_torch_save(raw, "serialized_named_tensors")
         obj = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     except Exception as exc:  # any decoding failure is the client's payload
         raise WeightError(f"cannot decode {fmt} payload: {type(exc).__name__}: {exc}") from None

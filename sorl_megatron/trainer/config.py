@@ -514,7 +514,7 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...]):
     from omegaconf import OmegaConf
 
     if path.suffix not in (".yaml", ".yml"):
-        candidate = path.with_suffix(".yaml")
+        candidate = path.with_name(path.name + ".yaml")  # names may hold dots: sorl_qwen2.5_7b_base
         path = candidate if candidate.is_file() else path
     path = path.resolve()
     if path in seen:

@@ -467,3 +467,9 @@ def test_parallelism_is_the_engines_layout():
 
     cfg = load_recipe(BASE, ["parallelism.tp=2", "parallelism.etp=1"])
     assert type(cfg.parallelism) is ParallelLayout and cfg.parallelism.expert_tp == 1
+
+
+def test_defaults_may_name_recipes_with_dots(tmp_path):
+    (tmp_path / "qwen2.5_base.yaml").write_text(BASE.read_text())
+    (tmp_path / "top.yaml").write_text("defaults: [qwen2.5_base]\nschedule:\n  total_steps: 3\n")
+    assert load_recipe(tmp_path / "top.yaml").schedule.total_steps == 3
