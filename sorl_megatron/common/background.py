@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
+import socket
 import threading
+import time
+import urllib.request
 
 from aiohttp import web
 
@@ -57,28 +61,29 @@ class BackgroundServer:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (for launching servers as subprocesses)."""
-    import socket
-
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout_s: float = 120.0, proc=None) -> None:
-    """Poll ``url/health`` until it answers 200; fail early if ``proc`` (a Popen) exits."""
-    import time
-    import urllib.error
-    import urllib.request
+def wait_healthy(url: str, timeout_s: float = 120.0, proc=None, poll_timeout_s: float = 2.0) -> None:
+    """Poll ``url/health`` until it answers 200; fail early if ``proc`` (a Popen) exits.
 
+    The whole wait is bounded by ``timeout_s``: each poll gets at most ``poll_timeout_s`` and
+    never more than the time left, so a server that accepts connections but never answers
+    (stopped, deadlocked) cannot stretch it.
+    """
+    if not (timeout_s > 0 and poll_timeout_s > 0):
+        raise ValueError(f"wait_healthy: timeout_s={timeout_s} and poll_timeout_s={poll_timeout_s} must be > 0")
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while (left := deadline - time.monotonic()) > 0:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server process for {url} exited with code {proc.returncode} before becoming healthy")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{url}/health", timeout=min(poll_timeout_s, left)) as r:
                 if r.status == 200:
                     return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+        except (OSError, http.client.HTTPException):  # refused, timed out, reset, garbled: not up yet
             pass
-        time.sleep(0.2)
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
     raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:g} s")

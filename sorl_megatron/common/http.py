@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,3 +126,39 @@ async def request(
     if isinstance(last, ServerUnavailableError):
         raise ServerUnavailableError(f"{last} (after {policy.retries + 1} attempts)")
     raise last
+
+
+async def check_health(
+    session: aiohttp.ClientSession, kind: str, urls: Sequence[str], policy: RetryPolicy, when: str = ""
+) -> None:
+    """``GET /health`` of every server at once, each bounded by ``policy``.
+
+    Any HTTP answer below 500 counts as alive (Search-R1's own retrieval server has no
+    ``/health`` and answers 404); a timeout, a refused connection or a 5xx (SGLang answers 503
+    when unhealthy) raises an error naming each failing server and what failed, e.g.
+    ``retrieval server http://127.0.0.1:8000 did not answer /health within 5 s before the
+    rollout phase of step 3`` (``kind`` = "retrieval", ``when`` = "before the rollout ...").
+    """
+    suffix = f" {when}" if when else ""
+
+    async def one(url: str) -> ServerError | None:
+        try:
+            await request(session, "GET", f"{url}/health", None, policy, expect_json=False)
+        except RequestRejectedError:
+            return None  # it answered: alive
+        except ServerTimeoutError:
+            return ServerTimeoutError(
+                f"{kind} server {url} did not answer /health within {policy.timeout_s:g} s{suffix}"
+            )
+        except ServerUnavailableError as err:
+            return ServerUnavailableError(f"{kind} server {url} is unreachable{suffix} ({err})")
+        except ServerError as err:
+            return ServerError(f"{kind} server {url} is unhealthy{suffix} ({err})")
+        return None
+
+    failed = [e for e in await asyncio.gather(*(one(u) for u in urls)) if e is not None]
+    if len(failed) == 1:
+        raise failed[0]
+    if failed:
+        same = all(type(e) is type(failed[0]) for e in failed)
+        raise (type(failed[0]) if same else ServerError)("; ".join(str(e) for e in failed))

@@ -7,7 +7,7 @@ from typing import Any
 
 import aiohttp
 
-from ..common.http import BadResponseError, RetryPolicy, request
+from ..common.http import BadResponseError, RetryPolicy, check_health, request
 from ..common.protocol import RETRIEVAL_API_KEY_ENV, bearer_headers
 from .corpus import Passage
 
@@ -25,12 +25,25 @@ def _passage(item: Any, url: str) -> Passage:
 
 
 class RetrievalClient:
-    """``await client.retrieve(queries, topk)`` -> one best-first passage list per query."""
+    """``await client.retrieve(queries, topk)`` -> one best-first passage list per query.
 
-    def __init__(self, url: str, policy: RetryPolicy | None = None, topk: int = 3, api_key: str | None = None):
+    ``policy`` bounds each ``/retrieve`` call, ``health_policy`` each ``/health`` check (the
+    trainer passes the recipe's ``retrieval.*`` values).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        policy: RetryPolicy | None = None,
+        topk: int = 3,
+        api_key: str | None = None,
+        health_policy: RetryPolicy | None = None,
+    ):
         # Search-R1 recipes write the endpoint itself (http://host:8000/retrieve)
         self.url = url.rstrip("/").removesuffix("/retrieve")
-        self.policy = policy or RetryPolicy(timeout_s=60.0, retry_on_timeout=True)
+        # defaults as the recipe's retrieval.*; a timeout is not retried (a hung server fails after timeout_s)
+        self.policy = policy or RetryPolicy(timeout_s=30.0, retries=2)
+        self.health_policy = health_policy or RetryPolicy(timeout_s=10.0, retries=2)
         self.topk = topk
         # For a server started with --api-key; None uses $SORL_RETRIEVAL_API_KEY if set.
         self._headers = bearer_headers(api_key, RETRIEVAL_API_KEY_ENV)
@@ -50,6 +63,11 @@ class RetrievalClient:
                 f"{self.url}/retrieve: expected 'result' with {len(queries)} lists, got {str(data)[:200]}"
             )
         return [[_passage(item, self.url) for item in row] for row in result]
+
+    async def check_health(self, when: str = "") -> None:
+        """Raise a ``ServerError`` naming the server if ``/health`` does not answer within
+        ``health_policy`` (``when``, e.g. "before the rollout phase of step 3", ends the message)."""
+        await check_health(self._sess(), "retrieval", [self.url], self.health_policy, when)
 
     async def close(self) -> None:
         if self._session is not None:

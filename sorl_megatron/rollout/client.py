@@ -18,7 +18,14 @@ from typing import Any, Literal
 import aiohttp
 import torch
 
-from ..common.http import RequestRejectedError, RetryPolicy, ServerError, ServerUnavailableError, request
+from ..common.http import (
+    RequestRejectedError,
+    RetryPolicy,
+    ServerError,
+    ServerUnavailableError,
+    check_health,
+    request,
+)
 from ..common.protocol import (
     ROLLOUT_API_KEY_ENV,
     GenerateOutput,
@@ -38,8 +45,11 @@ class RolloutClientConfig:
         urls: base URLs of the servers (``http://host:port``).
         max_concurrency: most ``/generate`` calls in flight over all servers.
         routing: ``least_loaded`` (fewest in-flight calls, ties round robin) or ``round_robin``.
-        generate_retry: policy of ``/generate`` calls (generous timeout, no retry on timeout).
-        control_retry: policy of weight/cache/health calls.
+        generate_retry: policy of each ``/generate`` call (generous timeout, no retry on timeout).
+        control_retry: policy of each weight-sync / cache / model-info call (one bucket of a
+            tensor sync is one call).
+        health_retry: policy of ``/health`` checks, and of the ``/end_weight_update`` that
+            closes a sync that failed (short: a hung server must not double the wait).
         down_cooldown_s: how long a server that refused connections is skipped.
         routing_shape: ``(num_moe_layers, top_k)`` to decode ``routed_experts``; None asks
             ``/model_info`` (the embedded server reports it) or the model's HF config.
@@ -53,6 +63,7 @@ class RolloutClientConfig:
     routing: Literal["least_loaded", "round_robin"] = "least_loaded"
     generate_retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(timeout_s=600.0, retries=2))
     control_retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(timeout_s=600.0, retries=2))
+    health_retry: RetryPolicy = field(default_factory=lambda: RetryPolicy(timeout_s=10.0, retries=2))
     down_cooldown_s: float = 10.0
     routing_shape: tuple[int, int] | None = None
     api_key: str | None = field(default=None, repr=False)
@@ -217,20 +228,29 @@ class RolloutClient:
 
     # ----- control: every server -----
 
-    async def _all(self, method: str, path: str, body: Any = None, expect_json: bool = True) -> dict[str, Any]:
+    async def _all(
+        self, method: str, path: str, body: Any = None, expect_json: bool = True, policy: RetryPolicy | None = None
+    ) -> dict[str, Any]:
+        policy = policy or self.cfg.control_retry
+
         async def one(url: str):
-            return await request(self._sess(), method, f"{url}{path}", body, self.cfg.control_retry, expect_json)
+            return await request(self._sess(), method, f"{url}{path}", body, policy, expect_json)
 
         results = await asyncio.gather(*(one(u) for u in self.cfg.urls), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
         errors = [f"{u}: {r}" for u, r in zip(self.cfg.urls, results) if isinstance(r, BaseException)]
         if errors:
             rejected = [r for r in results if isinstance(r, RequestRejectedError)]
             if rejected:
                 raise RequestRejectedError(
-                    f"{path} rejected by {len(rejected)}/{len(self.cfg.urls)} server(s): " + "; ".join(errors),
+                    f"{path} rejected by {len(rejected)}/{len(self.cfg.urls)} rollout server(s): " + "; ".join(errors),
                     rejected[0].status,
                 )
-            raise ServerError(f"{path} failed on {len(errors)}/{len(self.cfg.urls)} server(s): " + "; ".join(errors))
+            # keep the kind (timeout, unreachable) when every server failed the same way
+            kind = type(failures[0])
+            if not (issubclass(kind, ServerError) and all(type(r) is kind for r in failures)):
+                kind = ServerError
+            raise kind(f"{path} failed on {len(errors)}/{len(self.cfg.urls)} rollout server(s): " + "; ".join(errors))
         for u, r in zip(self.cfg.urls, results):
             if isinstance(r, dict) and r.get("success") is False:
                 raise RequestRejectedError(f"{u}{path}: {r.get('message')}", 400)
@@ -293,25 +313,37 @@ class RolloutClient:
                 size += nbytes
             if bucket:
                 await flush(last=True)
-        finally:
-            await self._all("POST", "/end_weight_update", {})
+        except Exception:
+            # Leave the update state on the servers that still answer, but wait for a hung one
+            # only the short health timeout: the sync's own error is the one worth reporting.
+            try:
+                await self._all("POST", "/end_weight_update", {}, policy=self.cfg.health_retry)
+            except ServerError:
+                pass
+            raise
+        await self._all("POST", "/end_weight_update", {})
         return version
 
     async def flush_cache(self) -> None:
         await self._all("POST", "/flush_cache", None, expect_json=False)
 
     async def health(self) -> dict[str, bool]:
-        """``{url: healthy}`` without raising (a short timeout, no retries)."""
-        policy = RetryPolicy(timeout_s=5.0, connect_timeout_s=2.0, retries=0)
+        """``{url: healthy}`` without raising (each check bounded by ``health_retry``)."""
 
         async def one(url: str) -> bool:
             try:
-                await request(self._sess(), "GET", f"{url}/health", None, policy, expect_json=False)
+                await check_health(self._sess(), "rollout", [url], self.cfg.health_retry)
                 return True
             except ServerError:
                 return False
 
         return dict(zip(self.cfg.urls, await asyncio.gather(*(one(u) for u in self.cfg.urls))))
+
+    async def check_health(self, when: str = "") -> None:
+        """Raise a :class:`ServerError` naming every server that does not answer ``/health``
+        within ``health_retry`` (``when``, e.g. "before the rollout phase of step 3", ends the
+        message)."""
+        await check_health(self._sess(), "rollout", self.cfg.urls, self.cfg.health_retry, when)
 
     async def model_info(self, url: str | None = None) -> dict[str, Any]:
         url = url or self.cfg.urls[0]

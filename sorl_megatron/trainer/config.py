@@ -89,7 +89,14 @@ class RolloutConfig:
     max_total_tokens: int = 512
     max_obs_tokens: int = 128
     concurrency: int = 16
+    # Every wait on the servers is bounded here (see docs/rollout.md, failure model): seconds
+    # per /generate call (a timed-out call is not retried) ...
     timeout_s: float = 120.0
+    # ... per weight-sync call (one bucket, begin/end, a reload from disk) and other control call ...
+    weight_sync_timeout_s: float = 600.0
+    # ... per GET /health, asked before each phase (rollout, weight sync, validation, PVPO pass)
+    health_timeout_s: float = 10.0
+    retries: int = 2  # extra attempts after a refused connection or a 5xx answer (never after a timeout)
     weight_sync: Literal["tensor", "disk"] = "tensor"
 
 
@@ -100,6 +107,9 @@ class RetrievalConfig:
     url: Optional[str] = None
     corpus: str = ""
     topk: int = 3
+    timeout_s: float = 30.0  # per /retrieve call (not retried after a timeout: a hung server fails after this)
+    health_timeout_s: float = 10.0  # per GET /health, asked before each rollout phase
+    retries: int = 2  # extra attempts after a refused connection or a 5xx answer
 
 
 @dataclass
@@ -335,8 +345,14 @@ def _check_values(cfg: TrainConfig) -> None:
     r = cfg.rollout
     for key in ("group_size", "max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "concurrency"):
         _positive_int(f"rollout.{key}", getattr(r, key))
-    if r.timeout_s <= 0:
-        raise ConfigError(f"rollout.timeout_s must be > 0, got {r.timeout_s}")
+    for key in ("rollout.timeout_s", "rollout.weight_sync_timeout_s", "rollout.health_timeout_s",
+                "retrieval.timeout_s", "retrieval.health_timeout_s"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not value > 0:  # finite already (_check_finite)
+            raise ConfigError(f"{key} must be > 0 seconds, got {value}")
+    _positive_int("rollout.retries", r.retries, minimum=0)
+    _positive_int("retrieval.retries", cfg.retrieval.retries, minimum=0)
     _positive_int("retrieval.topk", cfg.retrieval.topk)
     _positive_int("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
     _positive_int("checkpoint.save_every", cfg.checkpoint.save_every, minimum=0)

@@ -30,7 +30,7 @@ from ..bridge.model import ModelOptions
 from ..bridge.parallel import init_distributed
 from ..bridge.weights import iter_hf_weights, save_hf_checkpoint
 from ..common.fp8 import quantize_hf_tensor
-from ..common.http import RetryPolicy
+from ..common.http import RetryPolicy, ServerError
 from ..data.gold import cold_start_plans, gold_plan, gold_trajectory
 from ..data.qa import QARow, encode_prompt, read_parquet
 from ..engine.actor import ActorConfig, PolicyEngine
@@ -226,14 +226,47 @@ class RLTrainer:
         )
 
     def _rollout_client(self) -> RolloutClient:
-        """The one way the trainer talks to the rollout servers (generation and weight sync)."""
+        """The one way the trainer talks to the rollout servers (generation, weight sync,
+        health); every wait is bounded by the recipe's ``rollout.*`` timeouts and retries."""
         r = self.cfg.rollout
-        return RolloutClient(RolloutClientConfig(urls=tuple(self.rollout_urls), max_concurrency=r.concurrency,
-                                                 generate_retry=RetryPolicy(timeout_s=r.timeout_s, retries=2),
-                                                 api_key=self.api_keys.get("rollout")))
+        return RolloutClient(RolloutClientConfig(
+            urls=tuple(self.rollout_urls), max_concurrency=r.concurrency,
+            generate_retry=RetryPolicy(timeout_s=r.timeout_s, retries=r.retries),
+            control_retry=RetryPolicy(timeout_s=r.weight_sync_timeout_s, retries=r.retries),
+            health_retry=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
+            api_key=self.api_keys.get("rollout")))
 
     def _retrieval_client(self) -> RetrievalClient:
-        return RetrievalClient(self.retrieval_url, topk=self.cfg.retrieval.topk, api_key=self.api_keys.get("retrieval"))
+        """The one way the trainer talks to the retrieval server, bounded by ``retrieval.*``."""
+        q = self.cfg.retrieval
+        return RetrievalClient(self.retrieval_url, topk=q.topk, api_key=self.api_keys.get("retrieval"),
+                               policy=RetryPolicy(timeout_s=q.timeout_s, retries=q.retries),
+                               health_policy=RetryPolicy(timeout_s=q.health_timeout_s, retries=q.retries))
+
+    def check_servers(self, phase: str, retrieval: bool = True) -> None:
+        """Before ``phase``: every server it uses answers ``GET /health`` within the recipe's
+        ``*.health_timeout_s``, else a ``ServerError`` naming the server, what failed and the
+        phase. Asked even when the policy never searches, so a dead retrieval server is noticed
+        at once. Rank 0 alone talks HTTP; the checks of both servers run at once."""
+        if _rank() != 0:
+            return
+        when = f"before {phase}"
+
+        async def go():
+            clients = ([self._rollout_client()] if self.rollout_urls else []) + (
+                [self._retrieval_client()] if retrieval and self.retrieval_url else [])
+            try:
+                results = await asyncio.gather(*(c.check_health(when) for c in clients), return_exceptions=True)
+            finally:
+                for c in clients:
+                    await c.close()
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if len(errors) > 1 and all(isinstance(e, ServerError) for e in errors):
+                raise ServerError("; ".join(str(e) for e in errors))
+            if errors:
+                raise errors[0]
+
+        asyncio.run(go())
 
     def rollouts(
         self, indices: list[int], n: int, seed: int, greedy: bool = False, rows=None, rewards=None
@@ -266,6 +299,7 @@ class RLTrainer:
         """Push the actor's weights after ``step`` RL steps to the rollout servers (HF names,
         bucketed), labelled weight version ``step_<step>``."""
         version = f"step_{step}"
+        self.check_servers(f"the weight sync to version {version}", retrieval=False)
 
         fp8 = self.cfg.rollout.precision == "fp8" and bool(
             self.cfg.rollout.urls
@@ -318,6 +352,7 @@ class RLTrainer:
         with timer("rollout"):
             payload = None
             if _rank() == 0:
+                self.check_servers(f"the rollout phase of step {step + 1}")
                 res = self.rollouts(indices, cfg.rollout.group_size, seed=cfg.schedule.seed * 1_000_003 + step)
                 injected = torch.zeros(len(res.trajectories), dtype=torch.bool)
                 if self.pvpo is not None and cfg.algorithm.pvpo.inject_ground_truth:
@@ -372,6 +407,7 @@ class RLTrainer:
         payload = None
         with timer("validate"):
             if _rank() == 0:
+                self.check_servers("validation")
                 res = self.rollouts(list(range(len(self.val_rows))), 1, seed=0, greedy=True, rows=self.val_rows,
                                     rewards=RewardRegistry(metric_override="em"))
                 payload = {
@@ -555,6 +591,7 @@ class RLTrainer:
         payload = None
         with timer("pvpo_reference"):
             if _rank() == 0:
+                self.check_servers(f"the PVPO reference pass before step {step + 1}")
                 res = self.rollouts(
                     self.stream.indices, p.num_ref_rollouts, seed=self.cfg.schedule.seed + 7 + 1_000_033 * step
                 )

@@ -13,6 +13,7 @@ from sorl_megatron.common.http import (
     BadResponseError,
     RequestRejectedError,
     RetryPolicy,
+    ServerError,
     ServerTimeoutError,
     ServerUnavailableError,
 )
@@ -184,3 +185,111 @@ def test_config_validation():
         RolloutClientConfig(urls=("http://x",), routing="random")
     with pytest.raises(ValueError, match="timeout_s"):
         RetryPolicy(timeout_s=0)
+
+
+# ----- every wait bounded by the caller's policies (the trainer passes the recipe's) -----
+
+
+class Control:
+    """Scripted weight/health endpoints: ``hang`` lists the paths that never answer."""
+
+    def __init__(self, hang=(), health_status: int = 200):
+        self.hang, self.health_status = set(hang), health_status
+        self.calls: list[str] = []
+        app = web.Application()
+        for path in ("/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"):
+            app.router.add_post(path, self.control)
+        app.router.add_get("/health", self.health)
+        self.server = BackgroundServer(app, "127.0.0.1", 0).start()
+
+    async def control(self, request: web.Request) -> web.Response:
+        self.calls.append(request.path)
+        await request.read()
+        if request.path in self.hang:
+            await asyncio.sleep(3600)
+        return web.json_response({"success": True, "message": ""})
+
+    async def health(self, request: web.Request) -> web.Response:
+        self.calls.append(request.path)
+        if "/health" in self.hang:
+            await asyncio.sleep(3600)
+        return web.Response(status=self.health_status, text="")
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def test_weight_sync_bounded_by_control_policy_and_closed_with_health_policy():
+    import torch
+
+    fake = Control(hang=("/update_weights_from_tensor", "/end_weight_update"))
+    cfg = RolloutClientConfig(
+        urls=(fake.url,),
+        control_retry=RetryPolicy(timeout_s=1.0, retries=2),
+        health_retry=RetryPolicy(timeout_s=0.5, retries=2),
+    )
+    try:
+
+        async def go():
+            async with RolloutClient(cfg) as c:
+                await c.update_weights_from_tensor([("w", torch.zeros(2))], weight_version="v1")
+
+        t0 = time.monotonic()
+        with pytest.raises(
+            ServerTimeoutError,
+            match=rf"/update_weights_from_tensor failed on 1/1 rollout server\(s\): {fake.url}: .*within 1 s",
+        ):
+            run(go())
+        # 1 s for the bucket (a timeout is not retried) + 0.5 s for the closing /end_weight_update
+        assert time.monotonic() - t0 < 3 * 1.0 + 3
+        assert fake.calls == ["/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]
+    finally:
+        fake.stop()
+
+
+@pytest.mark.parametrize(
+    "hang,status,exc,msg",
+    [
+        (("/health",), 200, ServerTimeoutError, "did not answer /health within 0.5 s before phase X"),
+        ((), 503, ServerError, r"is unhealthy before phase X \(.*HTTP 503"),
+        ((), 404, None, None),  # answered: alive (Search-R1's retrieval server has no /health)
+    ],
+)
+def test_check_health_names_server_and_phase(hang, status, exc, msg):
+    fake = Control(hang=hang, health_status=status)
+    cfg = RolloutClientConfig(urls=(fake.url,), health_retry=RetryPolicy(timeout_s=0.5, retries=1, backoff_s=0.05))
+    try:
+
+        async def go():
+            async with RolloutClient(cfg) as c:
+                await c.check_health("before phase X")
+                return await c.health()
+
+        t0 = time.monotonic()
+        if exc is None:
+            assert run(go()) == {fake.url: True}
+        else:
+            with pytest.raises(exc, match=f"rollout server {fake.url} {msg}"):
+                run(go())
+        assert time.monotonic() - t0 < 3 * 0.5 + 3
+    finally:
+        fake.stop()
+
+
+def test_check_health_of_a_dead_server_fails_fast_naming_it():
+    dead = f"http://127.0.0.1:{free_port()}"
+    cfg = RolloutClientConfig(urls=(dead,), health_retry=RetryPolicy(timeout_s=5.0, retries=2, backoff_s=0.05))
+
+    async def go():
+        async with RolloutClient(cfg) as c:
+            assert await c.health() == {dead: False}
+            await c.check_health("before phase X")
+
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailableError, match=rf"rollout server {dead} is unreachable before phase X \("):
+        run(go())
+    assert time.monotonic() - t0 < 5
