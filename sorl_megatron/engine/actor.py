@@ -161,11 +161,7 @@ class PolicyEngine(EngineBase):
         """
         batch = self._validate(batch, ("routed_experts",) if replay else ())
         b0, s0 = batch.batch_size, batch.seq_len
-        mbs = self.batching.forward_micro_batch_size or self.batching.micro_batch_size
-        batch = batch.padded_seq(self._seq_multiple())
-        batch, _ = batch.padded_rows(self.ranks["dp"] * mbs)
-        rows = self._dp_rows(torch.arange(batch.batch_size), mbs, "batching.forward_micro_batch_size")
-        micro = self._micro_dicts(batch, rows, mbs)
+        batch, micro = self._forward_micro_batches(batch)
         mode = self._replay_mode(batch, training=False) if replay is None else ("replay" if replay else None)
         record = None
         if record_routing:

@@ -404,6 +404,15 @@ class EngineBase:
             "update_ok": float(ok),
         }
 
+    def _forward_micro_batches(self, batch: RLBatch) -> tuple[RLBatch, list[dict]]:
+        """``batch`` padded for a forward-only pass (sequence multiple, rows to a multiple of
+        DP x micro-batch) and this rank's micro-batches of it."""
+        mbs = self.batching.forward_micro_batch_size or self.batching.micro_batch_size
+        batch = batch.padded_seq(self._seq_multiple())
+        batch, _ = batch.padded_rows(self.ranks["dp"] * mbs)
+        rows = self._dp_rows(torch.arange(batch.batch_size), mbs, "batching.forward_micro_batch_size")
+        return batch, self._micro_dicts(batch, rows, mbs)
+
     def extra_state(self) -> dict[str, Any]:
         """JSON-serializable engine state beyond weights, optimizer and schedule (checkpointed)."""
         return {}

@@ -105,11 +105,7 @@ class ValueEngine(EngineBase):
         """[B, S] values (CPU) for GAE, aligned to token positions."""
         batch = self._validate(batch)
         b0, s0 = batch.batch_size, batch.seq_len
-        mbs = self.batching.forward_micro_batch_size or self.batching.micro_batch_size
-        batch = batch.padded_seq(self._seq_multiple())
-        batch, _ = batch.padded_rows(self.ranks["dp"] * mbs)
-        rows = self._dp_rows(torch.arange(batch.batch_size), mbs, "batching.forward_micro_batch_size")
-        micro = self._micro_dicts(batch, rows, mbs)
+        batch, micro = self._forward_micro_batches(batch)
 
         def loss_fn(mb, out):
             v = self._values(mb, out)
