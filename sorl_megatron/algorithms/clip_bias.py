@@ -132,7 +132,8 @@ def mini_batch_normalization(
     its micro-batches and ranks, or measures ``||dS/dtheta||`` with a second backward in the
     ``param_grad`` mode, and asks here. ``absolute`` form: eq. 12, ``1 / max(||C||, delta)``.
     ``relative`` form: ``min(1, k * m / ||C||)`` with ``m`` the running mean of earlier
-    mini-batches' norms (``running``; the first mini-batch only starts it, factor 1). The mean
+    mini-batches' norms (``running``; the first mini-batch with a non-zero norm only starts it,
+    factor 1; a mini-batch with nothing clipped leaves it as it is). The mean
     takes each norm capped at ``k * m``, so one spike does not lift the threshold while a
     lasting change of scale still moves it (by at most ``(1 - ema_decay) (k - 1)`` per step).
     """
@@ -144,6 +145,8 @@ def mini_batch_normalization(
         norm = float(clip_bias_norm(torch.tensor(float(scalar)), torch.tensor(float(sq_sum)), config.mode))
     if config.form == "absolute":
         return ClipNormalization(norm, float(normalization_factor(torch.tensor(norm), config.delta)))
+    if norm == 0.0:  # nothing clipped (e.g. the on-policy first mini-batch): no news of the scale
+        return ClipNormalization(norm, 1.0, running)
     if running is None:
         return ClipNormalization(norm, 1.0, norm)
     threshold = config.relative_threshold * running

@@ -127,6 +127,8 @@ def test_relative_form_only_shrinks_and_follows_the_scale_of_c():
         assert steps[4][0] == 1.0
     assert steps[0] == (1.0, 1e3)  # the first mini-batch only starts the mean
     assert all(f <= 1.0 for f, _ in run([1.0, 100.0, 1e4, 1e-6, 1e9]))
+    # on-policy mini-batches clip nothing: they neither start nor drag down the running mean
+    assert run([0.0, 1.0, 0.0, 0.0, 1.5]) == [(1.0, None), (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (1.0, 1.25)]
     with pytest.raises(ValueError, match="form='relative' keeps a running mean"):
         lp, old, adv, mask = random_batch(batch=2, seq=5, scale=0.6, seed=1)
         relative = PolicyLossConfig(name="so_grpo", clip_bias=ClipBiasConfig(form="relative"))
