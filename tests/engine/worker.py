@@ -254,7 +254,9 @@ def resume_engines(src: str, layout: str):
 
 def resume_batch():
     batch = make_batch(rows=8, seq=12, seed=9)
-    return batch.replace(old_logprobs=batch.old_logprobs * 0 + (-4.8) * batch.attention_mask)
+    # near the tiny model's log-probs, spread so that some tokens clip (the relative form's ||C|| > 0)
+    spread = 0.5 * torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(9))
+    return batch.replace(old_logprobs=(-4.8 + spread) * batch.attention_mask)
 
 
 def op_resume(case: dict, models: str, work: str) -> dict:
