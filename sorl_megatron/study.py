@@ -94,17 +94,15 @@ class Cell:
         return f"{self.loss}__{self.stress}__s{self.seed}"
 
 
-def load_study(path: str | Path, overrides: list[str] = ()) -> tuple[StudyConfig, Path]:
-    """The study recipe with its paths resolved against the file's directory."""
+def load_study(path: str | Path, overrides: list[str] = ()) -> StudyConfig:
+    """The study recipe, its ``recipe`` resolved against the file's directory."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"study recipe {path} not found")
     merged = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
     cfg = build_dataclass(StudyConfig, OmegaConf.to_container(merged, resolve=True), "study")
-    base = path.resolve().parent
-    for key in ("recipe",):
-        setattr(cfg, key, str((base / getattr(cfg, key)).resolve()))
-    return cfg, base
+    cfg.recipe = str((path.resolve().parent / cfg.recipe).resolve())
+    return cfg
 
 
 def cells(cfg: StudyConfig) -> list[Cell]:
@@ -138,8 +136,8 @@ def run_cell(cfg: StudyConfig, cell: Cell, out: Path) -> tuple[Cell, int, str]:
     if is_done(run_dir, train_cfg.schedule.total_steps):
         return cell, 0, "done before"
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
-                                                                                     // max(1, cfg.parallel)))))
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cfg.parallel))
+    env = dict(os.environ, OMP_NUM_THREADS=threads)  # cells running side by side share the cores
     cmd = [sys.executable, "-m", "sorl_megatron.train", "--config", cfg.recipe, *overrides]
     with open(run_dir / "study.log", "ab") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
@@ -287,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the study recipe, e.g. seeds=[1]")
     args = parser.parse_args(argv)
     try:
-        cfg, _ = load_study(args.config, args.overrides)
+        cfg = load_study(args.config, args.overrides)
         results = [] if args.summarize else run_study(cfg, args.parallel)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)

@@ -74,7 +74,7 @@ overrides: [schedule.total_steps=1, schedule.batch_size=2, rollout.group_size=4,
 
 def test_the_shipped_study_recipes_load():
     for path in sorted((ROOT / "recipes" / "study").glob("*.yaml")):
-        cfg, _ = load_study(path)
+        cfg = load_study(path)
         assert Path(cfg.recipe).is_file() and len(cfg.seeds) >= 3, path
         for cell in [Cell(loss, stress, cfg.seeds[0]) for loss in cfg.losses for stress in cfg.stress]:
             from sorl_megatron.study import cell_overrides

@@ -31,9 +31,19 @@ class InputError(ConfigError):
 
 @dataclass(frozen=True)
 class InputSummary:
-    train_rows: int
-    val_rows: int
+    """The checked rows (the run trains on these: each file is read once) and the corpus size."""
+
+    train: list[QARow]
+    val: list[QARow]
     passages: int | None  # None: not checked (an external retrieval.url, or not this rank's job)
+
+    @property
+    def train_rows(self) -> int:
+        return len(self.train)
+
+    @property
+    def val_rows(self) -> int:
+        return len(self.val)
 
 
 def validate_inputs(
@@ -60,7 +70,7 @@ def validate_inputs(
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         raise InputError(f"checkpoint.resume: {resume} is not a directory (auto, none or a checkpoint directory)")
-    return InputSummary(len(train), len(val), passages)
+    return InputSummary(train, val, passages)
 
 
 def _file(key: str, path: str) -> Path:

@@ -32,9 +32,14 @@ from ..bridge.weights import iter_hf_weights, save_hf_checkpoint
 from ..common.fp8 import quantize_hf_tensor
 from ..common.http import RetryPolicy, ServerError
 from ..data.gold import cold_start_plans, gold_plan, gold_trajectory
-from ..data.qa import QARow, encode_prompt, read_parquet
+from ..data.qa import QARow, encode_prompt
 from ..engine.actor import ActorConfig, PolicyEngine
-from ..engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from ..engine.checkpoint import (
+    complete_checkpoints,
+    load_engine_checkpoint,
+    newest_checkpoint,
+    save_engine_checkpoint,
+)
 from ..engine.config import BatchingConfig, OptimConfig
 from ..engine.critic import CriticConfig, ValueEngine
 from ..engine.rl_batch import RLBatch
@@ -179,14 +184,10 @@ class RLTrainer:
             if not (path / "trainer.json").is_file():
                 raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no trainer.json)")
             return path
-        from ..engine.checkpoint import newest_checkpoint
-
         return newest_checkpoint(self.ckpt_root)  # verified; a damaged newer one is skipped with a warning
 
     def complete_checkpoints(self) -> list[Path]:
         """``step_<k>`` checkpoints whose save finished, oldest first (not ``.tmp`` / ``.old``)."""
-        from ..engine.checkpoint import complete_checkpoints
-
         return complete_checkpoints(self.ckpt_root)
 
     def save(self, step: int) -> None:
@@ -301,9 +302,8 @@ class RLTrainer:
         version = f"step_{step}"
         self.check_servers(f"the weight sync to version {version}", retrieval=False)
 
-        fp8 = self.cfg.rollout.precision == "fp8" and bool(
-            self.cfg.rollout.urls
-        )  # embedded servers quantize themselves
+        # external servers get FP8 weights; the embedded ones quantize what they receive themselves
+        fp8 = self.cfg.rollout.precision == "fp8" and bool(self.cfg.rollout.urls)
         if self.cfg.rollout.weight_sync == "disk":
             out = str((self.run_dir / "weights_sync").resolve())  # the servers resolve it, not us: absolute
             save_hf_checkpoint(self.actor.model, out, fp8=fp8)
@@ -475,9 +475,8 @@ class RLTrainer:
         row), before any server, engine or run directory exists."""
         init_distributed()  # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
         cfg = self.cfg
-        validate_inputs(cfg, check_corpus=_rank() == 0, rewards=self.rewards)  # rank 0 alone starts retrieval
-        self.rows = read_parquet(cfg.data.train)
-        self.val_rows = read_parquet(cfg.data.val) if cfg.data.val else []
+        inputs = validate_inputs(cfg, check_corpus=_rank() == 0, rewards=self.rewards)  # rank 0 alone serves retrieval
+        self.rows, self.val_rows = inputs.train, inputs.val
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stream.indices = list(range(len(self.rows)))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import os
 import socket
@@ -17,6 +16,7 @@ import pytest
 from sorl_megatron.common.background import free_port, wait_healthy
 from sorl_megatron.common.http import RequestRejectedError, RetryPolicy
 from sorl_megatron.retrieval import RetrievalClient
+from tests.http_calls import call
 
 CORPUS = [
     {"id": "0", "contents": '"Paris"\nParis is the capital and largest city of France.'},
@@ -24,22 +24,6 @@ CORPUS = [
 ]
 KEY = "retrieval-key-42"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def call(url, method, path, body=None, headers=None):
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    data = body if isinstance(body, (bytes, bytearray)) or body is None else json.dumps(body).encode()
-    try:
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-        r = conn.getresponse()
-        text = r.read().decode()
-    finally:
-        conn.close()
-    try:
-        return r.status, json.loads(text)
-    except ValueError:
-        return r.status, text
 
 
 @pytest.fixture(scope="module")

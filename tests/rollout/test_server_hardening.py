@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.client
 import json
 import os
 import pickle
@@ -30,6 +29,7 @@ from sorl_megatron.common.protocol import GenRequest, SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.rollout.engine import EngineConfig
 from sorl_megatron.rollout.server import ServerOptions, start_rollout_server
+from tests.http_calls import call
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 KEY = "test-key-0123456789"
@@ -43,23 +43,6 @@ class Exploit:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
-
-
-def call(url: str, method: str, path: str, body=None, headers=None, timeout: float = 120) -> tuple[int, object]:
-    """One HTTP call; ``body`` is JSON-encoded unless it is bytes. Returns (status, JSON or text)."""
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    data = body if isinstance(body, (bytes, bytearray)) or body is None else json.dumps(body).encode()
-    try:
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-        r = conn.getresponse()
-        text = r.read().decode()
-    finally:
-        conn.close()
-    try:
-        return r.status, json.loads(text)
-    except ValueError:
-        return r.status, text
 
 
 def err(obj) -> str:
