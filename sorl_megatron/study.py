@@ -27,7 +27,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from .common.typed_config import ConfigError, build_dataclass
-from .trainer.config import load_recipe
+from .trainer.config import load_recipe, overrides_tree
 from .trainer.metrics_log import read_metrics
 
 # What the summary plots and tables (SORL Figs. 2-8): score, KL, clip ratio, gradient norm, ||C||.
@@ -103,7 +103,7 @@ def load_study(path: str | Path, overrides: list[str] = ()) -> StudyConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"study recipe {path} not found")
-    merged = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+    merged = OmegaConf.merge(OmegaConf.load(path), overrides_tree(overrides))
     cfg = build_dataclass(StudyConfig, OmegaConf.to_container(merged, resolve=True), "study")
     cfg.recipe = str((path.resolve().parent / cfg.recipe).resolve())
     return cfg

@@ -1,8 +1,9 @@
 """The typed schema of a training recipe, and the recipe loader.
 
-A recipe is NeMo-style OmegaConf YAML: an optional ``defaults:`` list of other recipes
+A recipe is NeMo-style OmegaConf YAML: an optional ``defaults:`` recipe or list of recipes
 (paths relative to the file, ``.yaml`` optional) merged in order, then the file itself, then
-dotted command-line overrides (``algorithm.loss.name=so_grpo``). The merged tree is checked
+dotted command-line overrides (``algorithm.loss.name=so_grpo``, or Hydra's ``+key=value`` /
+``++key=value`` as NeMo-RL writes them). The merged tree is checked
 against the dataclasses below before any process starts: unknown keys (with a
 did-you-mean), wrong types, non-finite numbers (YAML's ``.nan`` / ``.inf``), values out of
 range, malformed URLs and impossible layouts or batch sizes are errors naming the key.
@@ -509,15 +510,8 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Train
     from omegaconf import OmegaConf
 
     tree = _load_with_defaults(Path(path), seen=())
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value (e.g. algorithm.loss.name=so_grpo)")
     if overrides:
-        try:
-            dotlist = OmegaConf.from_dotlist(list(overrides))
-        except Exception as err:  # omegaconf's grammar errors
-            raise ConfigError(f"bad override in {list(overrides)}: {err}") from None
-        tree = OmegaConf.merge(tree, dotlist)
+        tree = OmegaConf.merge(tree, overrides_tree(overrides))
     try:
         plain = OmegaConf.to_container(tree, resolve=True)
     except Exception as err:  # unresolvable interpolation
@@ -526,10 +520,37 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Train
     return build_dataclass(TrainConfig, plain)
 
 
-def _load_with_defaults(path: Path, seen: tuple[Path, ...]):
+def overrides_tree(overrides: Sequence[str]):
+    """Command-line overrides as an OmegaConf tree to merge over a recipe.
+
+    The grammar NeMo-RL's loader takes (Hydra's): ``key=value``, ``+key=value`` (add a key)
+    and ``++key=value`` (add or override). Every key this project has is in the typed schema,
+    so the three set the key alike and the schema decides whether it exists: an unknown one
+    is an error naming it, whichever form added it. Values are YAML (``[a,b]``, ``null``).
+    """
     from omegaconf import OmegaConf
 
-    if path.suffix not in (".yaml", ".yml"):
+    dotlist = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if key.startswith("~"):
+            raise ConfigError(f"override {item!r}: deleting a key (~key) is not supported; set it instead (key=value)")
+        name = key[2:] if key.startswith("++") else key[1:] if key.startswith("+") else key
+        if not sep or not name.strip() or name != name.strip() or name.startswith("+"):
+            raise ConfigError(
+                f"override {item!r} is not key=value, +key=value or ++key=value (e.g. algorithm.loss.name=so_grpo)"
+            )
+        dotlist.append(f"{name}={value}")
+    try:
+        return OmegaConf.from_dotlist(dotlist)
+    except Exception as err:  # omegaconf's grammar errors
+        raise ConfigError(f"bad override in {list(overrides)}: {err}") from None
+
+
+def _load_with_defaults(path: Path, seen: tuple[Path, ...]):
+    from omegaconf import ListConfig, OmegaConf
+
+    if path.suffix not in (".yaml", ".yml") and path.name:
         candidate = path.with_name(path.name + ".yaml")  # names may hold dots: sorl_qwen2.5_7b_base
         path = candidate if candidate.is_file() else path
     path = path.resolve()
@@ -542,13 +563,19 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...]):
         node = OmegaConf.load(path)
     except Exception as err:
         raise ConfigError(f"{path}: not valid YAML ({err})") from None
-    defaults = node.pop("defaults", []) if "defaults" in node else []
     if not isinstance(OmegaConf.to_container(node) if node is not None else {}, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping")
+    defaults = node.pop("defaults", None) if "defaults" in node else None
+    if isinstance(defaults, str):  # NeMo-RL's loader takes one parent as a string
+        defaults = [defaults]
+    elif defaults is None:
+        defaults = []
+    elif not isinstance(defaults, ListConfig):
+        raise ConfigError(f"{path}: defaults must be a recipe path or a list of them, got {defaults!r}")
     merged = OmegaConf.create({})
-    for item in defaults or []:
-        if not isinstance(item, str):
-            raise ConfigError(f"{path}: defaults entries must be recipe paths (strings), got {item!r}")
+    for item in defaults:
+        if not isinstance(item, str) or not item.strip():
+            raise ConfigError(f"{path}: defaults entries must be recipe paths (non-empty strings), got {item!r}")
         merged = OmegaConf.merge(merged, _load_with_defaults(path.parent / item, seen + (path,)))
     return OmegaConf.merge(merged, node)
 

@@ -38,6 +38,7 @@ from ..engine.checkpoint import (
     complete_checkpoints,
     load_engine_checkpoint,
     newest_checkpoint,
+    read_checkpoint_meta,
     save_engine_checkpoint,
 )
 from ..engine.config import BatchingConfig, OptimConfig
@@ -70,6 +71,29 @@ def _broadcast(obj: Any) -> Any:
     box = [obj if _rank() == 0 else None]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def start_message(cfg: TrainConfig, resume: Optional[Path], step: int) -> tuple[bool, str]:
+    """Whether a run has steps left to train, and the line that says what it does: start,
+    resume (from which step of how many), or nothing because it is finished (and then how to
+    extend it or start over)."""
+    name, total = cfg.logging.run_name, cfg.schedule.total_steps
+    run_dir = Path(cfg.logging.dir) / name
+    if resume is None:
+        return True, f"starting run {name}: {total} RL steps, logs and checkpoints in {run_dir}"
+    if step < total:
+        return True, f"resuming run {name} from step {step} of {total} ({resume})"
+    o = cfg.optimizer
+    if o.lr_schedule != "constant" and o.decay_steps is None:
+        extend = (f"its LR schedule (optimizer.lr_schedule={o.lr_schedule}) decays over the run's length, so it "
+                  "cannot be extended")
+    else:
+        extend = f"to train it further, run the same command with schedule.total_steps={max(step, total) + total}"
+    return False, (
+        f"run {name} is finished: its checkpoint {resume} is at step {step} of schedule.total_steps={total}. "
+        f"Nothing to do; {extend}; to start over, add checkpoint.resume=none, remove {run_dir} or pick another "
+        "logging.run_name"
+    )
 
 
 @dataclass
@@ -185,6 +209,14 @@ class RLTrainer:
                 raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no trainer.json)")
             return path
         return newest_checkpoint(self.ckpt_root)  # verified; a damaged newer one is skipped with a warning
+
+    def checkpoint_step(self, path: Path) -> int:
+        """The RL step a checkpoint was saved after (its ``trainer.json``; nothing else is read)."""
+        _, _, extra = read_checkpoint_meta(path)
+        try:
+            return int(extra["step"])
+        except (KeyError, TypeError, ValueError):
+            raise FileNotFoundError(f"{path}/trainer.json: no trainer step (not a training run's checkpoint)") from None
 
     def complete_checkpoints(self) -> list[Path]:
         """``step_<k>`` checkpoints whose save finished, oldest first (not ``.tmp`` / ``.old``)."""
@@ -475,6 +507,13 @@ class RLTrainer:
         row), before any server, engine or run directory exists."""
         init_distributed()  # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
         cfg = self.cfg
+        resume = self.latest_checkpoint()
+        found = self.checkpoint_step(resume) if resume is not None else 0
+        go_on, message = start_message(cfg, resume, found)
+        if _rank() == 0:
+            log.info("%s", message)
+        if not go_on:
+            return {}  # finished: no data read, no server started
         inputs = validate_inputs(cfg, check_corpus=_rank() == 0, rewards=self.rewards)  # rank 0 alone serves retrieval
         self.rows, self.val_rows = inputs.train, inputs.val
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -491,7 +530,6 @@ class RLTrainer:
                 )
             policy_path = self.sft_stage() if cfg.sft.enabled else cfg.model.path
             self.build_engines(policy_path)
-            resume = self.latest_checkpoint()
             start = self.restore(resume) if resume is not None else 0
             # only now: a logger opened at step 0 deletes metrics.jsonl, which a resumed run continues
             logger = MetricsLogger(

@@ -159,6 +159,69 @@ def test_missing_and_cyclic_recipes(tmp_path):
         load_recipe(tmp_path / "bad.yaml")
 
 
+_PARENT = ("schedule:\n  total_steps: 7\nmodel:\n  path: m\ndata:\n  train: t.parquet\n"
+           "retrieval:\n  corpus: c.jsonl\n")
+
+
+@pytest.mark.parametrize("defaults", ["base.yaml", "base", "[base]", "[base.yaml]", "\n  - base.yaml"])
+def test_defaults_as_a_string_or_a_list(tmp_path, defaults):
+    """NeMo-RL's loader takes ``defaults: parent.yaml`` (one string) as well as a list."""
+    (tmp_path / "base.yaml").write_text(_PARENT)
+    (tmp_path / "top.yaml").write_text(f"defaults: {defaults}\nrollout:\n  group_size: 2\n")
+    cfg = load_recipe(tmp_path / "top.yaml")
+    assert cfg.schedule.total_steps == 7 and cfg.model.path == "m" and cfg.rollout.group_size == 2
+
+
+def test_a_string_default_chains_and_names_its_file_when_missing(tmp_path):
+    (tmp_path / "base.yaml").write_text(_PARENT)
+    (tmp_path / "mid.yaml").write_text("defaults: base\nschedule:\n  batch_size: 16\n")
+    (tmp_path / "top.yaml").write_text("defaults: mid.yaml\nrollout:\n  group_size: 2\n")
+    cfg = load_recipe(tmp_path / "top.yaml")
+    assert (cfg.schedule.total_steps, cfg.schedule.batch_size) == (7, 16)
+    (tmp_path / "orphan.yaml").write_text("defaults: parent.yaml\n")
+    with pytest.raises(ConfigError, match=rf"recipe {tmp_path / 'parent.yaml'} not found \(listed in the defaults "
+                                          rf"of {tmp_path / 'orphan.yaml'}\)"):
+        load_recipe(tmp_path / "orphan.yaml")
+
+
+@pytest.mark.parametrize("defaults,message", [
+    ("5", r"defaults must be a recipe path or a list of them, got 5"),
+    ("{a: b}", r"defaults must be a recipe path or a list of them"),
+    ("['']", r"defaults entries must be recipe paths \(non-empty strings\), got ''"),
+    ("[[a]]", r"defaults entries must be recipe paths"),
+    ("'/'", r"recipe / not found"),
+])
+def test_bad_defaults_name_the_file(tmp_path, defaults, message):
+    (tmp_path / "r.yaml").write_text(f"defaults: {defaults}\n")
+    with pytest.raises(ConfigError, match=message) as err:
+        load_recipe(tmp_path / "r.yaml")
+    assert "r.yaml" in str(err.value) or "not found" in str(err.value)
+
+
+def test_hydra_style_overrides_add_keys_the_schema_allows():
+    plain = load_recipe(BASE)
+    assert plain.checkpoint.keep_last == 2 and plain.algorithm.loss.kl_coef == 0.0  # not set in the recipe files
+    cfg = load_recipe(BASE, ["+checkpoint.keep_last=5", "++schedule.total_steps=3", "algorithm.loss.kl_coef=0.01",
+                             "+rollout.urls=[http://a:30000]"])
+    assert (cfg.checkpoint.keep_last, cfg.schedule.total_steps, cfg.algorithm.loss.kl_coef) == (5, 3, 0.01)
+    assert cfg.rollout.urls == ["http://a:30000"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("+algorithm.loss.nme=ppo", r"unknown config key\(s\): algorithm.loss.nme \(did you mean algorithm.loss.name\?\)"),
+    ("++schedulee.total_steps=3", r"unknown config key\(s\): schedulee \(did you mean schedule\?\)"),
+    ("+logging.wandb_project=x", r"unknown config key\(s\): logging.wandb_project"),
+    ("+=3", r"override '\+=3' is not key=value, \+key=value or \+\+key=value"),
+    ("+++a=1", r"is not key=value"),
+    ("+ schedule.seed=1", r"is not key=value"),
+    ("+schedule.seed", r"override '\+schedule.seed' is not key=value"),
+    ("~schedule.seed", r"override '~schedule.seed': deleting a key \(~key\) is not supported"),
+])
+def test_bad_hydra_style_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(BASE, [override])
+
+
 def test_zero_periods_and_a_retrieval_url_without_corpus_are_fine():
     cfg = load_recipe(BASE, ["schedule.val_every=0", "checkpoint.save_every=0", "checkpoint.keep_last=0",
                              "retrieval.corpus=''", "retrieval.url=http://localhost:8000/retrieve", "sft.enabled=false",
