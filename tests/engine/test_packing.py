@@ -139,3 +139,54 @@ def test_packed_row_pack_and_unpack_every_field():
 def test_packed_row_rejects_overfull_rows():
     with pytest.raises(BatchError, match="more than the packed length"):
         PackedRow.build(torch.tensor([0, 1]), torch.tensor([5, 6]), 10)
+
+
+# ---------------------------------------------------------------- the engine: packed == padded
+
+LAYOUTS = {"pack_ws1": "tp=1", "pack_tp2": "tp=2", "pack_pp2": "pp=2", "pack_ep2": "ep=2", "pack_dp2": "tp=1"}
+EXACT = 1e-6
+
+
+def _launch(engine_models, engine_work, tags, nproc, name):
+    from .conftest import MODEL, launch
+
+    cases = [{"op": "packing", "model": MODEL, "layout": LAYOUTS[t], "tag": t} for t in tags]
+    return launch(engine_models, engine_work, cases, nproc, name)
+
+
+@pytest.fixture(scope="module")
+def packing_ws1(engine_models, engine_work):
+    return _launch(engine_models, engine_work, ["pack_ws1"], 1, "pack1")
+
+
+@pytest.fixture(scope="module")
+def packing_ws2(engine_models, engine_work):  # one torchrun launch for every 2-process layout
+    return _launch(engine_models, engine_work, ["pack_tp2", "pack_pp2", "pack_ep2", "pack_dp2"], 2, "pack2")
+
+
+@pytest.mark.parametrize("tag", list(LAYOUTS))
+def test_packed_and_token_budget_passes_equal_the_padded_one(request, tag):
+    r = request.getfixturevalue("packing_ws1" if tag == "pack_ws1" else "packing_ws2")[tag]
+    assert r["ok"], f"{tag} failed: {r.get('error')}\n{r.get('traceback', '')}"
+    for variant in ("budget", "packed"):
+        d = r[variant]
+        assert d["logprobs"] <= EXACT and d["entropy"] <= EXACT, (variant, d)
+        assert d["r3_routes_equal"] and d["live_routes_equal"], variant  # R3 replay and the R2 record carried through
+        for key, diff in d["metrics"].items():
+            assert diff <= EXACT, (variant, key, diff)
+        assert d["grads"] <= EXACT, (variant, d["grads"])
+        assert d["params"] <= 1e-5, (variant, d["params"])  # after one Adam step (eps 1e-6 amplifies ~1e-8)
+    u = r["update"]["padded"]
+    # the batch exercises what the comparison claims to cover
+    assert u["clip_frac"] > 0 and u["turn_ratio/spread"] > 0 and u["kl_ref"] != 0 and u["grad_norm"] > 0
+    assert u["routing/replay_mismatch_frac"] > 0.3  # random R3 routes: replayed, not the live ones
+    b = r["batching"]
+    assert b["packed"]["batching/padding_frac"] < b["padded"]["batching/padding_frac"]
+    assert b["packed"]["batching/micro_batches"] < b["padded"]["batching/micro_batches"]
+    assert b["padded"]["batching/tokens"] == b["packed"]["batching/tokens"] == sum(r["lengths"])
+    if tag != "pack_dp2" and tag != "pack_ep2":  # dp = 1: 8 rows in 3 micro-batches of 3 (one dummy row)
+        assert b["budget"]["batching/micro_batches"] == 3 and b["padded"]["batching/micro_batches"] == 4
+    assert r["old_batching"]["packed"]["batching/padding_frac"] < r["old_batching"]["padded"]["batching/padding_frac"]
+    c = r["critic"]
+    assert c["values"] <= EXACT and c["value_loss"] <= EXACT and c["grads"] <= EXACT, c
+    assert c["value_clip_frac"] > 0 and c["padding_frac"][1] < c["padding_frac"][0]
