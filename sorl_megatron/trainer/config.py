@@ -163,12 +163,20 @@ class OptimizerConfig(OptimConfig):
 class ScheduleConfig:
     """Batch geometry. ``batch_size`` prompts x ``group_size`` trajectories are split into
     mini-batches of ``mini_batch_size`` trajectories (one optimizer step each), each over
-    ``ppo_epochs`` epochs: batch/mini-batch > 1 or epochs > 1 is off-policy (SORL A.5)."""
+    ``ppo_epochs`` epochs: batch/mini-batch > 1 or epochs > 1 is off-policy (SORL A.5).
+
+    ``pack_sequences`` packs trajectories back to back into rows of at most
+    ``max_tokens_per_micro_batch`` tokens (default ``micro_batch_size`` x the batch's padded
+    length), one packed row per micro-batch; ``max_tokens_per_micro_batch`` alone sets the
+    micro-batch size in padded rows from the batch's length. Either way the work of a
+    mini-batch is balanced over the DP ranks and its gradient is unchanged (docs/engine.md)."""
 
     total_steps: int = 10
     batch_size: int = 8
     mini_batch_size: int = 16
     micro_batch_size: int = 4
+    pack_sequences: bool = False
+    max_tokens_per_micro_batch: Optional[int] = None
     ppo_epochs: int = 1
     critic_epochs: int = 1
     val_every: int = 5
@@ -245,7 +253,8 @@ CONFIG_GROUPS: dict[str, str] = {
     "retrieval": "retrieval URL (or embedded BM25 corpus), top-k",
     "data": "train / val files (Search-R1 / verl parquet), prompt length",
     "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule, distributed optimizer",
-    "schedule": "steps, batch / mini-batch / micro-batch sizes, ppo_epochs, validation period, seed",
+    "schedule": "steps, batch / mini-batch / micro-batch sizes, sequence packing and token budget, ppo_epochs, "
+    "validation period, seed",
     "sft": "cold-start supervised stage",
     "reward": "metric override (em / f1; default: each data_source's own), format weight",
     "checkpoint": "directory (default <logging.dir>/<run_name>/checkpoints), period, resume=auto|none|DIR",
@@ -389,14 +398,15 @@ def _check_values(cfg: TrainConfig) -> None:
             f"schedule.mini_batch_size={s.mini_batch_size} must divide "
             f"schedule.batch_size x rollout.group_size = {trajectories}"
         )
-    if s.mini_batch_size % s.micro_batch_size:
+    fixed_micro = _check_token_budget(cfg)
+    if fixed_micro and s.mini_batch_size % s.micro_batch_size:
         raise ConfigError(
             f"schedule.micro_batch_size={s.micro_batch_size} must divide schedule.mini_batch_size={s.mini_batch_size}"
         )
     if cfg.sft.enabled:
         _positive_int("sft.steps", cfg.sft.steps)
         _positive_int("sft.batch_size", cfg.sft.batch_size)
-        if cfg.sft.batch_size % s.micro_batch_size:
+        if fixed_micro and cfg.sft.batch_size % s.micro_batch_size:
             raise ConfigError(
                 f"schedule.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={cfg.sft.batch_size}"
             )
@@ -415,6 +425,22 @@ def _check_values(cfg: TrainConfig) -> None:
             raise ConfigError(f"algorithm.pvpo.refresh_at steps must be >= 1, got {a.pvpo.refresh_at}")
     if a.value_clip is not None and a.value_clip <= 0:
         raise ConfigError(f"algorithm.value_clip must be > 0 or null, got {a.value_clip}")
+
+
+def _check_token_budget(cfg: TrainConfig) -> bool:
+    """``schedule.max_tokens_per_micro_batch`` holds the longest trajectory a rollout can make
+    (one is never split); returns whether micro-batches are ``micro_batch_size`` padded rows."""
+    s = cfg.schedule
+    budget = s.max_tokens_per_micro_batch
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise ConfigError(f"schedule.max_tokens_per_micro_batch must be an integer or null, got {budget!r}")
+        if budget < cfg.rollout.max_total_tokens:
+            raise ConfigError(
+                f"schedule.max_tokens_per_micro_batch={budget} must be >= rollout.max_total_tokens="
+                f"{cfg.rollout.max_total_tokens}: a trajectory is never split across micro-batches"
+            )
+    return budget is None and not s.pack_sequences
 
 
 def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
@@ -439,6 +465,13 @@ def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
         _check_layout_rules(cfg, hf_config, key, world_size)
     dp = world_size // mp
     s = cfg.schedule
+    if s.pack_sequences:
+        return  # packed micro-batches are dealt to the DP ranks whatever the row count
+    if s.max_tokens_per_micro_batch is not None:
+        if s.mini_batch_size % dp:
+            raise ConfigError(f"schedule.mini_batch_size={s.mini_batch_size} must be a multiple of the "
+                              f"data-parallel size {dp} (token-budget micro-batches of padded rows)")
+        return
     if s.mini_batch_size % (s.micro_batch_size * dp):
         raise ConfigError(
             f"schedule.mini_batch_size={s.mini_batch_size} must be a multiple of "

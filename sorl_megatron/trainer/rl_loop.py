@@ -119,6 +119,16 @@ class DataStream:
         return [self.indices[k] for k in i.tolist()]
 
 
+def tokens_per_second(times: dict[str, float], tokens: dict[str, Optional[float]]) -> dict[str, float]:
+    """``time/<pass>_tokens_per_s``: real tokens an engine pass processed over its timed seconds."""
+    out = {}
+    for name, n in tokens.items():
+        seconds = times.get(f"time/{name}", 0.0)
+        if n is not None and seconds > 0:
+            out[f"time/{name}_tokens_per_s"] = n / seconds
+    return out
+
+
 @dataclass
 class StepTimer:
     times: dict[str, float] = field(default_factory=dict)
@@ -183,7 +193,8 @@ class RLTrainer:
         layout, options = cfg.parallelism, self._model_options()
         batching = BatchingConfig(
             epochs=s.ppo_epochs, mini_batch_size=s.mini_batch_size, micro_batch_size=s.micro_batch_size,
-            shuffle=True, seed=s.seed,
+            shuffle=True, seed=s.seed, pack_sequences=s.pack_sequences,
+            max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
         )
         self.actor = PolicyEngine(policy_path, layout, ActorConfig(
             loss=cfg.algorithm.loss, optim=cfg.optimizer.actor(self._optimizer_steps(s.ppo_epochs)), batching=batching,
@@ -197,6 +208,9 @@ class RLTrainer:
             self.critic = ValueEngine(cfg.model.critic_path or policy_path, layout, CriticConfig(
                 optim=cfg.optimizer.critic(self._optimizer_steps(s.critic_epochs)), batching=critic_batching,
                 value_clip=cfg.algorithm.value_clip, loss_agg=cfg.algorithm.loss.loss_agg), model_options=options)
+        for engine in (self.actor, self.ref, self.critic):
+            if engine is not None:
+                engine.config_prefix = "schedule"  # batching errors name the recipe's keys
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -429,6 +443,13 @@ class RLTrainer:
         with timer("weight_sync"):
             self.sync_weights(step + 1)
         metrics.update(timer.times)
+        metrics.update(tokens_per_second(timer.times, {
+            "old_logprobs": metrics.get("old/batching/tokens"),
+            "ref_logprobs": self.ref.batching_metrics()["batching/tokens"] if self.ref is not None else None,
+            "values": self.critic.batching_metrics()["batching/tokens"] if values is not None else None,
+            "actor_update": metrics.get("actor/batching/tokens"),
+            "critic_update": metrics.get("critic/batching/tokens"),
+        }))
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -590,8 +611,11 @@ class RLTrainer:
         trajs = _broadcast(payload)
         engine = PolicyEngine(cfg.model.path, cfg.parallelism, ActorConfig(
             loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
-            batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size)),
+            batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size,
+                                    pack_sequences=cfg.schedule.pack_sequences,
+                                    max_tokens_per_micro_batch=cfg.schedule.max_tokens_per_micro_batch)),
             model_options=self._model_options())
+        engine.config_prefix = "schedule"
         sft_log = MetricsLogger(
             self.run_dir / "sft",
             sft.steps,

@@ -42,6 +42,11 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["algorithm.routing_replay=r4"], r"algorithm.routing_replay: 'r4' is not one of"),
         (["schedule.mini_batch_size=7"], r"schedule.mini_batch_size=7 must divide"),
         (["schedule.micro_batch_size=3"], r"schedule.micro_batch_size=3 must divide"),
+        (["schedule.max_tokens_per_micro_batch=600"],
+         r"schedule.max_tokens_per_micro_batch=600 must be >= rollout.max_total_tokens=640"),
+        (["schedule.max_tokens_per_micro_batch=0"], r"schedule.max_tokens_per_micro_batch=0 must be >="),
+        (["schedule.max_tokens_per_micro_batch=abc"], r"schedule.max_tokens_per_micro_batch must be an integer"),
+        (["schedule.pack_sequences=maybe"], r"schedule.pack_sequences"),
         (["rollout.group_size=1", "schedule.mini_batch_size=8"], r"needs rollout.group_size >= 2"),
         (["rollout.top_p=1.5"], r"rollout.top_p"),
         (["sft.direct_answer_fraction=1.0"], r"sft.direct_answer_fraction must be in \[0, 1\)"),
@@ -222,6 +227,12 @@ def test_bad_hydra_style_overrides_name_the_key(override, message):
         load_recipe(BASE, [override])
 
 
+def test_packing_frees_the_micro_batch_divisibility():
+    cfg = load_recipe(BASE, ["schedule.pack_sequences=true", "schedule.micro_batch_size=3",
+                             "schedule.max_tokens_per_micro_batch=4096"])
+    assert cfg.schedule.pack_sequences and cfg.schedule.max_tokens_per_micro_batch == 4096
+
+
 def test_zero_periods_and_a_retrieval_url_without_corpus_are_fine():
     cfg = load_recipe(BASE, ["schedule.val_every=0", "checkpoint.save_every=0", "checkpoint.keep_last=0",
                              "retrieval.corpus=''", "retrieval.url=http://localhost:8000/retrieve", "sft.enabled=false",
@@ -301,6 +312,14 @@ def test_layout_checks_against_world_size_and_model(tmp_path):
         validate_layout_for_launch(cfg(ep=3), world_size=3)
     with pytest.raises(ConfigError, match="micro_batch_size x data-parallel size = 4 x 8"):
         validate_layout_for_launch(cfg(), world_size=8)
+    packed = cfg()
+    packed.schedule.pack_sequences = True  # packed rows are dealt to the DP ranks: no row-count rule
+    validate_layout_for_launch(packed, world_size=8)
+    budget = cfg()
+    budget.schedule.max_tokens_per_micro_batch = 2048
+    validate_layout_for_launch(budget, world_size=8)  # 16 rows over 8 DP ranks, micro-batch size from the budget
+    with pytest.raises(ConfigError, match="mini_batch_size=16 must be a multiple of the data-parallel size 32"):
+        validate_layout_for_launch(budget, world_size=32)
     # the expert layout against the world size (megatron/layout.py's rules): EP 4 x PP 2 needs 8 ranks
     with pytest.raises(ConfigError, match=r"parallelism \(tp=1, pp=2, vpp=1, ep=4, etp=None\) at world size 4 .*"
                                           r"ETP x EP x PP = 8"):
