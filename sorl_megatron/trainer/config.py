@@ -213,11 +213,25 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases logging (the optional ``wandb`` package: ``pip install -e '.[wandb]'``),
+    beside the JSONL and TensorBoard logs. One W&B run per training run, its SFT curve
+    included; a resumed run continues its W&B run."""
+
+    mode: Literal["online", "offline", "disabled"] = "disabled"
+    project: str = "sorl-megatron"
+    entity: Optional[str] = None  # None: the account's default entity
+    name: Optional[str] = None  # None: logging.run_name
+    init_timeout_s: float = 90.0  # the longest wait for wandb.init (online: the W&B server)
+
+
+@dataclass
 class LoggingConfig:
     dir: str = "runs"
     run_name: str = "run"
     tensorboard: bool = True
     progress: Literal["tqdm", "plain", "none"] = "tqdm"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -258,7 +272,7 @@ CONFIG_GROUPS: dict[str, str] = {
     "sft": "cold-start supervised stage",
     "reward": "metric override (em / f1; default: each data_source's own), format weight",
     "checkpoint": "directory (default <logging.dir>/<run_name>/checkpoints), period, resume=auto|none|DIR",
-    "logging": "run directory and name, TensorBoard, progress bar",
+    "logging": "run directory and name, TensorBoard, progress bar, wandb (mode online/offline/disabled, project, ...)",
 }
 
 
@@ -333,6 +347,21 @@ def _check_resume(resume: str) -> None:
     raise ConfigError(f"checkpoint.resume: {resume!r} is not auto, none or a checkpoint directory{hint}")
 
 
+def _check_wandb(w: WandbConfig) -> None:
+    if w.mode == "disabled":
+        return
+    if not w.project.strip():
+        raise ConfigError("logging.wandb.project is empty")
+    if not w.init_timeout_s > 0:
+        raise ConfigError(f"logging.wandb.init_timeout_s must be > 0 seconds, got {w.init_timeout_s}")
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"logging.wandb.mode={w.mode} needs the wandb package: pip install -e '.[wandb]' (or pip install wandb)"
+        )
+
+
 def _check_values(cfg: TrainConfig) -> None:
     _check_finite(cfg)
     if not cfg.model.path:
@@ -390,6 +419,7 @@ def _check_values(cfg: TrainConfig) -> None:
     if cfg.retrieval.url:
         _check_url("retrieval.url", cfg.retrieval.url)
     _check_resume(cfg.checkpoint.resume)
+    _check_wandb(cfg.logging.wandb)
     if cfg.sft.lr <= 0:
         raise ConfigError(f"sft.lr must be > 0, got {cfg.sft.lr}")
     trajectories = s.batch_size * cfg.rollout.group_size

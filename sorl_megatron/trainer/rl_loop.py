@@ -31,6 +31,7 @@ from ..bridge.parallel import init_distributed
 from ..bridge.weights import iter_hf_weights, save_hf_checkpoint
 from ..common.fp8 import quantize_hf_tensor
 from ..common.http import RetryPolicy, ServerError
+from ..common.typed_config import to_dict
 from ..data.gold import cold_start_plans, gold_plan, gold_trajectory
 from ..data.qa import QARow, encode_prompt
 from ..engine.actor import ActorConfig, PolicyEngine
@@ -51,7 +52,7 @@ from ..rollout.client import RolloutClient, RolloutClientConfig
 from ..rollout.trajectory import Trajectory, collate
 from .config import TrainConfig, dump_config
 from .inputs import validate_inputs
-from .metrics_log import MetricsLogger
+from .metrics_log import MetricsLogger, open_wandb
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
 from .rollout_phase import RolloutResult, collect_rollouts, rollout_metrics
 from .servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
@@ -176,6 +177,7 @@ class RLTrainer:
         # PVPO
         self.pvpo: Optional[PVPOState] = None
         self._gold_cache: dict[int, Optional[Trajectory]] = {}  # ground truth by prompt index (None: none usable)
+        self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -546,6 +548,10 @@ class RLTrainer:
             if _rank() == 0:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+                self.wandb_run = open_wandb(cfg.logging.wandb, self.run_dir, cfg.logging.run_name, to_dict(cfg),
+                                            resume=resume is not None)
+                if self.wandb_run is not None:
+                    stack.callback(self.wandb_run.finish)
                 self.retrieval_url = cfg.retrieval.url or servers.start(
                     retrieval_server_spec(cfg.retrieval.corpus, cfg.retrieval.topk)
                 )
@@ -560,6 +566,7 @@ class RLTrainer:
                 cfg.logging.progress,
                 enabled=_rank() == 0,
                 start_step=start,
+                wandb_run=self.wandb_run,
             )
             stack.callback(logger.close)
             if _rank() == 0:
@@ -623,6 +630,7 @@ class RLTrainer:
             cfg.logging.progress,
             enabled=_rank() == 0,
             name="sft",
+            wandb_run=self.wandb_run,
         )
         try:
             run_sft(
