@@ -144,12 +144,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--work", default="/tmp/sorl_bench_packing", help="where the demo's data and model are made")
     ap.add_argument("--only", choices=("demo", "longtail"))
+    ap.add_argument("--demo-budget", type=int, default=None,
+                    help="packed row budget for the demo (default: micro-batch size x padded length)")
     args = ap.parse_args()
     init_distributed(timeout_s=600)
     print(f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, load average {load()}")
     model, demo = demo_trajectories(Path(args.work), 64)
     if args.only != "longtail":
-        measure("demo", model, demo, group=8, mini=32, micro=8, budget=None, repeats=args.repeats)
+        measure("demo", model, demo, group=8, mini=32, micro=8, budget=args.demo_budget, repeats=args.repeats)
     if args.only != "demo":
         from transformers import AutoConfig
 

@@ -279,6 +279,7 @@ class EngineBase:
             rows, batch.attention_mask[rows].sum(1), dp=self.ranks["dp"], micro_batch_size=mbs,
             seq_len=batch.seq_len, pack=b.pack_sequences, max_tokens=b.max_tokens_per_micro_batch,
             multiple=self._seq_multiple(), key=f"{self.config_prefix}.max_tokens_per_micro_batch", what=what,
+            micro_multiple=self.layout.pp if len(self.model.chunks) > 1 else 1,
         )
 
     def _micro_batches(self, batch: RLBatch, rows: torch.Tensor, mbs: int, what: str) -> tuple[RLBatch, list[dict]]:

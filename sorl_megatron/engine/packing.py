@@ -138,17 +138,19 @@ def plan_fixed(rows: torch.Tensor, lengths: torch.Tensor, dp: int, mbs: int, seq
 
 
 def plan_token_budget(
-    rows: torch.Tensor, lengths: torch.Tensor, dp: int, budget: int, seq_len: int, key: str, what: str
+    rows: torch.Tensor, lengths: torch.Tensor, dp: int, budget: int, seq_len: int, key: str, what: str,
+    micro_multiple: int = 1,
 ) -> MicroBatchPlan:
     """Padded rows ``[b, S]`` with ``b = max(1, budget // S)``: each rank's rows (a contiguous
-    share) over ``ceil(n / b)`` micro-batches of equal size, topped up with dummy rows."""
+    share) over ``ceil(n / b)`` micro-batches (rounded up to ``micro_multiple``) of equal size,
+    topped up with dummy rows."""
     _check_budget(rows, lengths, budget, key)
     n = len(rows)
     if n % dp:
         raise BatchError(f"{what}: {n} rows are not a multiple of data-parallel size {dp}")
     per_rank = n // dp
     b = min(max(1, budget // seq_len), per_rank)
-    k = math.ceil(per_rank / b)
+    k = _round_up(math.ceil(per_rank / b), micro_multiple)
     b = math.ceil(per_rank / k)
     micro = []
     for sl in split_rows(n, dp, what):
@@ -158,23 +160,25 @@ def plan_token_budget(
 
 
 def plan_packed(
-    rows: torch.Tensor, lengths: torch.Tensor, dp: int, budget: int, multiple: int, key: str
+    rows: torch.Tensor, lengths: torch.Tensor, dp: int, budget: int, multiple: int, key: str,
+    micro_multiple: int = 1,
 ) -> MicroBatchPlan:
     """Trajectories packed into rows of <= ``budget`` tokens, ``k`` rows per DP rank with the
-    smallest ``k`` at which the balanced packing fits (at least first-fit decreasing's count / dp).
+    smallest ``k`` (a multiple of ``micro_multiple``) at which the balanced packing fits (at least
+    first-fit decreasing's count / dp).
 
     An empty packed row (fewer trajectories than rows) gets one dummy row. The packed length is
     the longest packed row rounded up to ``multiple``.
     """
     _check_budget(rows, lengths, budget, key)
     lens = [int(x) for x in lengths.tolist()]
-    k = max(1, math.ceil(len(first_fit_decreasing(lens, budget)) / dp))
+    k = _round_up(max(1, math.ceil(len(first_fit_decreasing(lens, budget)) / dp)), micro_multiple)
     while True:
         bins = balanced_bins(lens, dp * k)
         loads = [sum(lens[i] for i in b) for b in bins]
         if max(loads) <= budget:
             break
-        k += 1  # terminates: with dp * k >= len(rows) every row has a bin of its own
+        k += micro_multiple  # terminates: with dp * k >= len(rows) every row has a bin of its own
     order = sorted(range(len(bins)), key=lambda b: (-loads[b], b))
     micro: list[list[torch.Tensor]] = [[] for _ in range(dp)]
     for j, b in enumerate(order):  # snake: 0..dp-1, dp-1..0, ...
@@ -199,18 +203,22 @@ def make_plan(
     multiple: int,
     key: str,
     what: str,
+    micro_multiple: int = 1,
 ) -> MicroBatchPlan:
     """The plan of one pass over ``rows`` (global ids) with ``lengths`` (their real tokens).
 
     ``seq_len`` is the padded length ``S`` of the batch; with ``pack`` and no ``max_tokens``
     the budget is ``micro_batch_size x S`` (a packed row holds what a padded micro-batch did).
-    ``key`` names the budget's setting in errors, ``what`` the row count's.
+    ``multiple`` rounds the packed length (TP under sequence parallelism), ``micro_multiple``
+    the number of micro-batches per rank of the packed and budget plans (PP under the
+    interleaved schedule, which wants whole groups of PP micro-batches). ``key`` names the
+    budget's setting in errors, ``what`` the row count's.
     """
     if pack:
         budget = max_tokens if max_tokens is not None else micro_batch_size * seq_len
-        return plan_packed(rows, lengths, dp, budget, multiple, key)
+        return plan_packed(rows, lengths, dp, budget, multiple, key, micro_multiple)
     if max_tokens is not None:
-        return plan_token_budget(rows, lengths, dp, max_tokens, seq_len, key, what)
+        return plan_token_budget(rows, lengths, dp, max_tokens, seq_len, key, what, micro_multiple)
     return plan_fixed(rows, lengths, dp, micro_batch_size, seq_len, what)
 
 

@@ -88,6 +88,14 @@ def test_token_budget_plan_follows_the_sequence_length():
         plan_token_budget(torch.arange(5), torch.full((5,), 3), 2, budget=64, seq_len=16, key="k", what="w")
 
 
+def test_interleaved_pipelines_get_whole_groups_of_micro_batches():
+    rows, lengths = torch.arange(5), torch.tensor([9, 3, 4, 2, 5])
+    packed = plan_packed(rows, lengths, 1, 40, 1, "k", micro_multiple=4)  # one row would do; VPP wants 4
+    assert packed.micro_batches_per_rank == 4 and sorted(torch.cat(packed.micro[0]).tolist()) == list(range(5))
+    budget = plan_token_budget(rows, lengths, 1, budget=40, seq_len=10, key="k", what="w", micro_multiple=2)
+    assert [len(mb) for mb in budget.micro[0]] == [3, 3]  # 4 rows a micro-batch would be 2; 2 groups of 3
+
+
 def test_make_plan_default_budget_and_fixed_cut():
     rows, lengths = torch.arange(8), torch.tensor([3, 12, 5, 7, 12, 1, 4, 6])
     kw = dict(dp=2, micro_batch_size=2, seq_len=12, multiple=1, key="k", what="batching.mini_batch_size")
