@@ -513,7 +513,8 @@ def op_diagnostics(case: dict, models: str, work: str) -> dict:
     path = os.path.join(models, case["model"])
 
     def engine(diagnostics: bool) -> PolicyEngine:
-        cfg = actor_config(name="grpo", lr=1e-3)  # one mini-batch of 8 rows: one optimizer step
+        # one mini-batch of 8 rows: one optimizer step; loss diagnostics on: grpo's turn-ratio spread
+        cfg = actor_config(name="grpo", lr=1e-3, diagnostics=True)
         cfg.loss.clip_bias.diagnostics = diagnostics
         cfg.optim.clip_grad = 1e-3  # clipping certainly acts: grad_norm must be the norm before it
         return PolicyEngine(path, layout, cfg)
