@@ -219,7 +219,8 @@ def _policy_terms(
     if spec.sapo_penalty or config.kl_coef > 0 or config.entropy_coef > 0:
         weights = mask.to(torch.float32) * scale
     diagnostics = config.diagnostics
-    need_bias = spec.clip_normalized or diagnostics or surrogate
+    # (an engine measuring ||C|| in parameter space reads clip_bias/sq_sum: 0 means C = 0, no backward)
+    need_bias = spec.clip_normalized or diagnostics or surrogate or config.clip_bias.diagnostics
 
     # Turn segments: for turn ratios, turn-level IS weights, or the spread diagnostic.
     need_turns = spec.ratio_level == "turn" or (is_cfg.mode != "off" and is_cfg.level == "turn") or diagnostics
