@@ -1,8 +1,16 @@
 """Shared helpers of the benchmark scripts (not tests: they print numbers, assert only
-that the compared paths agree)."""
+that the compared paths agree).
+
+Timing rule: implementations are timed *in alternation* (:func:`interleaved`), so a change of
+the machine's load during the run hits all of them alike, and the scripts report ratios
+(median of the per-repeat ratios, and the ratio of the minimum times) with the load average
+(:func:`report`). Absolute times on a shared machine mean little; the ratios much more.
+"""
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
 from typing import Callable
 
@@ -41,3 +49,46 @@ def best_of(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> floa
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall times in seconds of each of ``fns`` over ``repeats`` rounds; every round runs each
+    once, in alternating order (forward, then reversed), so that drifting load and cache
+    effects fall on all of them alike."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def load() -> str:
+    """The 1 / 5 / 15-minute load averages and the core count, for the printout."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} on {os.cpu_count()} cores"
+
+
+def report(times: dict[str, list[float]], baseline: str, targets: dict[str, float] | None = None) -> dict[str, float]:
+    """Print each implementation's median / min time and its ratio to ``baseline``: the median
+    of the per-round ratios and the ratio of the minimum times; returns the median ratios.
+    ``targets`` (name -> ratio) adds a met / missed column."""
+    base = times[baseline]
+    out = {}
+    print(f"{'':24s} {'median':>10s} {'min':>10s} {'ratio (median)':>15s} {'ratio (min)':>12s}")
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, base)]
+        med = statistics.median(ratios)
+        out[name] = med
+        line = (f"{name:24s} {statistics.median(ts) * 1e3:8.1f}ms {min(ts) * 1e3:8.1f}ms "
+                f"{med:14.2f}x {min(ts) / min(base):11.2f}x")
+        if targets and name in targets:
+            line += f"   target <= {targets[name]:.2f}x: {'met' if med <= targets[name] else 'MISSED'}"
+        print(line)
+    print(f"({len(base)} interleaved rounds; {load()})")
+    return out

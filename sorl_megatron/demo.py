@@ -100,6 +100,7 @@ def train(loss_name: str, estimator: str, task: ToyTask, steps: int, delta: floa
         loss_agg="seq-mean-token-mean",
         clip_bias=ClipBiasConfig(mode="logprob", delta=delta),
         is_correction=ISCorrectionConfig(mode="tis", cap=2.0),
+        diagnostics=True,  # the table reports ||C|| of every loss, the unnormalized ones too
     )
     mask = task.loss_mask(task.prompts * task.group)
     # PVPO's static V: one round of reference rollouts before training (PVPO eq. 10)

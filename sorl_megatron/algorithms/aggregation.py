@@ -97,21 +97,30 @@ def token_weights(
 
     Rows or tokens with ``loss_mask == 0`` get weight 0; empty rows never divide by zero.
     """
+    return loss_mask.to(torch.float32) * token_scale(loss_mask, mode, denominator, norm_length)
+
+
+def token_scale(
+    loss_mask: torch.Tensor,
+    mode: str,
+    denominator: float | torch.Tensor | None = None,
+    norm_length: int | None = None,
+) -> torch.Tensor:
+    """The weights of :func:`token_weights` on policy tokens, without the mask: a scalar tensor,
+    or ``[B, 1]`` for ``seq-mean-token-mean`` (``g = loss_mask * token_scale``)."""
     _check_mode(mode)
-    mask = loss_mask.to(torch.float32)
+    device = loss_mask.device
+    if mode == "seq-mean-token-sum-norm":
+        # verl: a plain token sum over the (mini-)batch divided by the constant L, no 1 / N_seqs
+        length = float(norm_length if norm_length is not None else loss_mask.shape[-1])
+        return torch.tensor(1.0 / max(length, 1.0), dtype=torch.float32, device=device)
     if denominator is None:
         denominator = aggregation_denominator(loss_mask, mode)
-    denominator = torch.as_tensor(denominator, dtype=torch.float32, device=mask.device).clamp(min=1.0)
-    if mode == "token-mean":
-        return mask / denominator
+    denominator = torch.as_tensor(denominator, dtype=torch.float32, device=device).clamp(min=1.0)
     if mode == "seq-mean-token-mean":
-        lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
-        return mask / (lengths * denominator)
-    if mode == "seq-mean-token-sum":
-        return mask / denominator
-    # verl: a plain token sum over the (mini-)batch divided by the constant L, no 1 / N_seqs
-    length = float(norm_length if norm_length is not None else mask.shape[-1])
-    return mask / max(length, 1.0)
+        lengths = loss_mask.sum(dim=-1, keepdim=True, dtype=torch.float32).clamp(min=1.0)
+        return 1.0 / (lengths * denominator)
+    return 1.0 / denominator
 
 
 def aggregate(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

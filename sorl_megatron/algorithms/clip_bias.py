@@ -32,7 +32,7 @@ from typing import Iterable
 import torch
 
 from .config import ClipBiasConfig
-from .turns import TurnSegments, broadcast_segments, segment_sum
+from .turns import TurnSegments, segment_sum
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,13 @@ class ClipBiasTerms:
     """Clip-bias statistics of one call.
 
     Attributes:
-        surrogate: ``S`` with gradient through the ratio; ``d S / d theta`` is ``C``.
+        surrogate: ``S`` with gradient through the ratio (``d S / d theta`` is ``C``); ``None``
+            unless asked for (the ``param_grad`` mode and :func:`clip_bias_surrogate` need it).
         scalar: ``S`` detached (additive over micro-batches).
         sq_sum: ``sum_t c_t^2`` with ``c_t = dS / d log pi_t`` (additive over micro-batches).
     """
 
-    surrogate: torch.Tensor
+    surrogate: torch.Tensor | None
     scalar: torch.Tensor
     sq_sum: torch.Tensor
 
@@ -55,33 +56,40 @@ def clip_bias_terms(
     raw_level_log_ratio: torch.Tensor,
     clamp: float,
     clipped: torch.Tensor,
-    advantages: torch.Tensor,
-    is_weights: torch.Tensor,
-    agg_weights: torch.Tensor,
+    weighted_advantages: torch.Tensor,
     segments: TurnSegments | None,
-    loss_mask: torch.Tensor,
+    *,
+    surrogate: bool = False,
 ) -> ClipBiasTerms:
-    """Surrogate ``S`` and the closed-form per-token clip-bias vector ``c``.
+    """Surrogate ``S``, its value and the squared norm of the closed-form per-token clip-bias
+    vector ``c``.
 
     ``ratio`` is the loss ratio broadcast to tokens (with gradient), ``raw_level_log_ratio``
     its unclamped log (to know where the clamp cut the gradient), ``clipped`` the indicator
-    ``1[t in B^c]`` and ``segments`` the turn/row segments of a turn/sequence-level ratio
-    (``None`` at token level).
+    ``1[t in B^c]`` (policy tokens only), ``weighted_advantages`` ``g_t A_t w_IS,t``
+    (detached, 0 off the mask) and ``segments`` the turn/row segments of a turn/sequence-level
+    ratio (``None`` at token level). A unit's ratio is constant over the unit, so ``c`` is too
+    (SORL eq. 23: ``c_t = (w_k / |y^k|) sum_{j in k} coef_j``) and both statistics are read
+    per unit: one segment sum, no ``[B, T]`` vector.
     """
-    coef = (clipped.to(ratio.dtype) * advantages * is_weights * agg_weights).detach()
-    surrogate = (coef * ratio).sum()
+    zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+    coef = torch.where(clipped, weighted_advantages.to(ratio.dtype), zero).detach()
+    s = (coef * ratio).sum() if surrogate else None
     with torch.no_grad():
-        live = (raw_level_log_ratio.abs() <= clamp).to(ratio.dtype)  # clamp passes gradient here
         if segments is None:
-            vector = coef * ratio * live
+            prod = coef * ratio.detach()
+            scalar = prod.sum() if s is None else s.detach()
+            vector = torch.where(raw_level_log_ratio.abs() <= clamp, prod, zero)  # clamp passes gradient here
+            sq_sum = torch.dot(vector.reshape(-1), vector.reshape(-1))
         else:
-            # d w_k / d log pi_t = w_k / |y^k| for every t in unit k (SORL eq. 23), so every token
-            # of the unit carries (w_k / |y^k|) * sum_{j in k} coef_j.
-            unit_coef = broadcast_segments(segment_sum(coef, segments), segments)
-            length = broadcast_segments(segments.segment_length.to(ratio.dtype), segments, fill=1.0)
-            vector = unit_coef * ratio * live / length
-        vector = torch.where(loss_mask.bool(), vector, torch.zeros_like(vector))
-    return ClipBiasTerms(surrogate=surrogate, scalar=surrogate.detach(), sq_sum=(vector * vector).sum())
+            unit_coef = segment_sum(coef, segments)
+            w = segments.per_segment(ratio.detach())
+            live = segments.per_segment(raw_level_log_ratio.detach()).abs() <= clamp
+            scalar = (unit_coef * w).sum() if s is None else s.detach()
+            length = segments.segment_length.to(ratio.dtype)
+            per_token = torch.where(live, unit_coef * w / length, zero)  # c_t of every token of the unit
+            sq_sum = (per_token * per_token * length).sum()
+    return ClipBiasTerms(surrogate=s, scalar=scalar, sq_sum=sq_sum)
 
 
 def clip_bias_norm(scalar: torch.Tensor, sq_sum: torch.Tensor, mode: str) -> torch.Tensor:
@@ -96,7 +104,7 @@ def clip_bias_norm(scalar: torch.Tensor, sq_sum: torch.Tensor, mode: str) -> tor
 def param_grad_clip_bias_norm(surrogate: torch.Tensor, params: Iterable[torch.Tensor]) -> torch.Tensor:
     """``||dS / d theta||_2`` over ``params`` (the ``param_grad`` mode at world size 1)."""
     params = [p for p in params if p.requires_grad]
-    if not surrogate.requires_grad:
+    if surrogate is None or not surrogate.requires_grad:
         return torch.zeros((), dtype=torch.float32)
     grads = torch.autograd.grad(surrogate, params, retain_graph=True, allow_unused=True)
     total = sum((g.float() ** 2).sum() for g in grads if g is not None)

@@ -178,6 +178,11 @@ class PolicyLossConfig:
         log_ratio_clamp: log-ratios are clamped to ``[-c, c]`` before ``exp``.
         kl_coef / kl_estimator: KL-to-reference loss ``kl_coef * agg(k)``, k in k1/k2/k3.
         entropy_coef: entropy bonus ``- entropy_coef * agg(H)``.
+        diagnostics: also compute what the configured loss does not need itself (the lean path
+            computes only what the loss and the standard metrics need, docs/algorithms.md): the
+            clip-bias statistics (``clip_bias/scalar``, ``sq_sum``, ``logprob_norm``) of losses
+            that are not clip-normalized, and the turn-ratio spread (``turn_ratio/*``) of losses
+            without turn ratios (it segments every row into turns). Loss and gradient are the same.
     """
 
     name: str = "ppo"
@@ -190,6 +195,7 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
+    diagnostics: bool = False
     clip_bias: ClipBiasConfig = field(default_factory=ClipBiasConfig)
     sapo: SAPOConfig = field(default_factory=SAPOConfig)
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
@@ -227,6 +233,8 @@ class PolicyLossConfig:
         _positive(prefix, "kl_coef", self.kl_coef, allow_zero=True)
         _choice(prefix, "kl_estimator", self.kl_estimator, get_args(KLEstimator))
         _positive(prefix, "entropy_coef", self.entropy_coef, allow_zero=True)
+        if not isinstance(self.diagnostics, bool):
+            raise ValueError(f"{prefix}.diagnostics must be true or false, got {self.diagnostics!r}")
         for sub in ("clip_bias", "sapo", "is_correction"):
             getattr(self, sub).validate(f"{prefix}.{sub}")
         if POLICY_LOSSES[self.name].sapo_penalty and self.sapo.variant == "listing" and self.loss_agg != "token-mean":

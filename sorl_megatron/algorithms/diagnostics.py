@@ -128,6 +128,13 @@ def turn_ratio_spread(
     with torch.no_grad():
         lengths = turns.segment_length.to(token_log_ratio.dtype)
         w = torch.exp((segment_sum(token_log_ratio.detach(), turns) / lengths).clamp(-clamp, clamp))
+        return turn_ratio_spread_of(w, turns)
+
+
+def turn_ratio_spread_of(turn_ratios: torch.Tensor, turns: TurnSegments) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`turn_ratio_spread` from the ``[S]`` turn ratios themselves (a turn-level loss has them)."""
+    with torch.no_grad():
+        w = turn_ratios.detach()
         rows = turns.turns_per_row.numel()
         hi = w.new_full((rows,), float("-inf")).scatter_reduce(0, turns.segment_row, w, "amax")
         lo = w.new_full((rows,), float("inf")).scatter_reduce(0, turns.segment_row, w, "amin")

@@ -44,19 +44,23 @@ def is_correction_weights(
     clamp: float = 20.0,
 ) -> ISCorrection:
     """Weights ``w_IS`` for each token (1 where the correction is off or off-mask)."""
-    mask = loss_mask.bool()
+    mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask.bool()
     with torch.no_grad():
-        log_gap = masked_log_ratio(old_logprobs, rollout_logprobs, mask)  # log pi_old - log mu
-        abs_gap = log_gap.abs()
+        log_gap = masked_log_ratio(old_logprobs, rollout_logprobs, mask)  # log pi_old - log mu, 0 off the mask
+        count = mask.sum(dtype=torch.float64).clamp(min=1)
+        flat = log_gap.reshape(-1)
+        # whole-tensor reductions: every entry off the mask is exactly 0 and adds nothing
+        ratio_sum = torch.exp(flat.clamp(-clamp, clamp)).sum(dtype=torch.float64)
+        kl_sum = ratio_sum - flat.numel() - flat.sum(dtype=torch.float64)
         metrics = {
-            "is/mismatch_abs_mean": masked_mean(abs_gap, mask),
-            "is/mismatch_abs_max": masked_max(abs_gap, mask),
+            "is/mismatch_abs_mean": (torch.linalg.vector_norm(flat, 1, dtype=torch.float64) / count).float(),
+            "is/mismatch_abs_max": torch.linalg.vector_norm(flat, float("inf")),
             # k3 estimate of KL(mu || pi_old) from tokens sampled by mu: r - 1 - log r, r = pi_old/mu
-            "is/mismatch_kl_k3": masked_mean(torch.exp(log_gap.clamp(-clamp, clamp)) - 1.0 - log_gap, mask),
+            "is/mismatch_kl_k3": (kl_sum / count).float(),
         }
         if config.mode == "off":
             weights = mask.to(torch.float32)
-            metrics["is/weight_mean"] = masked_mean(weights, mask)
+            metrics["is/weight_mean"] = mask.any().float()  # the mean of 1 over the policy tokens
             return ISCorrection(weights=weights, metrics=metrics)
 
         segments = segments_for_level(config.level, mask, turn_segments)

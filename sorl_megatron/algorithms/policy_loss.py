@@ -31,11 +31,11 @@ from .aggregation import (
     masked_mean,
     masked_min,
     masked_sum,
-    token_weights,
+    token_scale,
 )
 from .clip_bias import ClipBiasTerms, clip_bias_norm, clip_bias_terms, normalization_factor, param_grad_clip_bias_norm
 from .config import PolicyLossConfig, SAPOConfig
-from .diagnostics import turn_ratio_spread
+from .diagnostics import turn_ratio_spread, turn_ratio_spread_of
 from .is_correction import is_correction_weights
 from .kl import kl_penalty
 from .loss_registry import POLICY_LOSSES, PolicyLossSpec
@@ -85,6 +85,7 @@ def compute_policy_loss(
         logprobs, old_logprobs, advantages, loss_mask, config,
         rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
         turn_ids=turn_ids, denominator=denominator,
+        surrogate=normalize and config.clip_bias.mode == "param_grad" and POLICY_LOSSES[config.name].clip_normalized,
     )
     loss, metrics = terms.loss, terms.metrics
     factor = torch.ones((), device=logprobs.device)
@@ -109,7 +110,8 @@ def compute_policy_loss(
             metrics["clip_bias/norm"] = norm.detach()
     metrics["loss"] = loss.detach()
     if normalize:  # otherwise the engine takes both for the whole mini-batch (mini_batch_normalization)
-        metrics["clip_bias/logprob_norm"] = terms.bias.sq_sum.sqrt()
+        if terms.bias is not None:
+            metrics["clip_bias/logprob_norm"] = terms.bias.sq_sum.sqrt()
         metrics["clip_bias/factor"] = factor.detach()
     return loss, metrics
 
@@ -129,7 +131,7 @@ def clip_bias_surrogate(
     the same mini-batch ``denominator``, and reduces the squared gradient norm like the
     gradient norm.
     """
-    return _policy_terms(logprobs, old_logprobs, advantages, loss_mask, config, **kwargs).bias.surrogate
+    return _policy_terms(logprobs, old_logprobs, advantages, loss_mask, config, surrogate=True, **kwargs).bias.surrogate
 
 
 @dataclass(frozen=True)
@@ -175,14 +177,21 @@ def _sapo_listing_tokens(advantages: torch.Tensor, mask: torch.Tensor, sapo: SAP
 class _PolicyTerms:
     spec: PolicyLossSpec
     loss: torch.Tensor  # before clipping-triggered normalization
-    bias: ClipBiasTerms
+    bias: ClipBiasTerms | None  # None when neither the loss nor the diagnostics need it
     metrics: dict[str, torch.Tensor]
 
 
 def _policy_terms(
     logprobs, old_logprobs, advantages, loss_mask, config: PolicyLossConfig, *,
-    rollout_logprobs=None, ref_logprobs=None, entropy=None, turn_ids=None, denominator=None,
+    rollout_logprobs=None, ref_logprobs=None, entropy=None, turn_ids=None, denominator=None, surrogate=False,
 ) -> _PolicyTerms:
+    """The loss and its metrics, computing only what the configuration needs (the lean path).
+
+    Every ``[B, T]`` intermediate that is exactly 0 (log-ratios) or 1 (ratios) off the mask is
+    reduced over the whole tensor, so the metrics are whole-tensor sums and one ``aminmax``
+    rather than a masked pass each; the aggregation weights are folded into the advantages
+    (``a_t = g_t A_t``, ``g_t > 0`` on policy tokens), so the surrogate's sum is the loss.
+    """
     spec = POLICY_LOSSES.get(config.name)
     if spec is None:
         raise ValueError(f"loss.name: unknown policy loss {config.name!r}; registered: {sorted(POLICY_LOSSES)}")
@@ -193,57 +202,72 @@ def _policy_terms(
         raise ValueError("loss.kl_coef > 0 needs ref_logprobs")
     if config.entropy_coef > 0 and entropy is None:
         raise ValueError("loss.entropy_coef > 0 needs entropy")
-    if config.is_correction.mode != "off" and rollout_logprobs is None:
-        raise ValueError(f"loss.is_correction.mode={config.is_correction.mode!r} needs rollout_logprobs")
+    is_cfg = config.is_correction
+    if is_cfg.mode != "off" and rollout_logprobs is None:
+        raise ValueError(f"loss.is_correction.mode={is_cfg.mode!r} needs rollout_logprobs")
 
     sapo_denominator = None
     if isinstance(denominator, LossDenominators):
         denominator, sapo_denominator = denominator.aggregation, denominator.sapo
-    mask = loss_mask.bool()
+    mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask.bool()
     clamp = config.log_ratio_clamp
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
     advantages = torch.where(mask, advantages.float(), zero).detach()
-    weights = token_weights(mask, config.loss_agg, denominator, config.norm_length)
+    scale = token_scale(mask, config.loss_agg, denominator, config.norm_length)
+    weighted_adv = advantages * scale  # a_t = g_t A_t: 0 off the mask
+    weights = None  # g_t itself, for the optional terms below
+    if spec.sapo_penalty or config.kl_coef > 0 or config.entropy_coef > 0:
+        weights = mask.to(torch.float32) * scale
+    diagnostics = config.diagnostics
+    # (an engine measuring ||C|| in parameter space reads clip_bias/sq_sum: 0 means C = 0, no backward)
+    need_bias = spec.clip_normalized or diagnostics or surrogate or config.clip_bias.diagnostics
 
-    turns = segment_turns(mask, turn_ids)  # the turn ratios' spread is reported for every loss
+    # Turn segments: for turn ratios, turn-level IS weights, or the spread diagnostic.
+    need_turns = spec.ratio_level == "turn" or (is_cfg.mode != "off" and is_cfg.level == "turn") or diagnostics
+    turns = segment_turns(mask, turn_ids) if need_turns else None
     level_segments = segments_for_level(spec.ratio_level, mask, turns)
 
-    token_lr_raw = masked_log_ratio(logprobs, old_logprobs, mask)
+    token_lr_raw = masked_log_ratio(logprobs, old_logprobs, mask)  # 0 off the mask
     token_lr = token_lr_raw.clamp(-clamp, clamp)
-    token_ratio = torch.exp(token_lr)
-    level_lr_raw = level_log_ratio(token_lr_raw, spec.ratio_level, level_segments, clamp=None)
-    if spec.token_gradient:  # GSPO-token: the value of s_i, the gradient of token t alone (times s_i)
-        level_lr_raw = level_lr_raw.detach() + token_lr_raw - token_lr_raw.detach()
-    ratio = torch.exp(level_lr_raw.clamp(-clamp, clamp))
+    token_ratio = torch.exp(token_lr)  # 1 off the mask
+    if spec.ratio_level == "token":
+        level_lr_raw, ratio = token_lr_raw, token_ratio
+    else:
+        level_lr_raw = level_log_ratio(token_lr_raw, spec.ratio_level, level_segments, clamp=None)
+        if spec.token_gradient:  # GSPO-token: the value of s_i, the gradient of token t alone (times s_i)
+            level_lr_raw = level_lr_raw.detach() + token_lr_raw - token_lr_raw.detach()
+        ratio = torch.exp(level_lr_raw.clamp(-clamp, clamp))
 
-    # Clipped surrogate and the indicators of B^c; dispatched (fused Triton kernel on CUDA).
+    # Clipped surrogate and the indicators of B^c; dispatched (fused Triton kernel on CUDA). With
+    # a_t = g_t A_t in place of A_t the per-token terms come out weighted and the indicators the same.
     per_token, clip_high, clip_low, dual = dispatch.clipped_surrogate(
-        ratio, advantages, mask, config.clip_low, config.clip_high, config.dual_clip
+        ratio, weighted_adv, mask, config.clip_low, config.clip_high, config.dual_clip
     )
-    clipped = clip_high | clip_low | dual
 
-    is_corr = is_correction_weights(
-        old_logprobs,
-        rollout_logprobs if rollout_logprobs is not None else old_logprobs,
-        mask,
-        config.is_correction,
-        turns,
-        clamp,
-    )
-    pg_loss = aggregate(per_token * is_corr.weights, weights)
+    is_weights, is_metrics = None, {}
+    if is_cfg.mode != "off" or rollout_logprobs is not None:  # without mu there is no mismatch to report
+        is_corr = is_correction_weights(old_logprobs, rollout_logprobs, mask, is_cfg, turns, clamp)
+        is_metrics = is_corr.metrics
+        if is_cfg.mode != "off":
+            is_weights = is_corr.weights
+    pg_loss = (per_token if is_weights is None else per_token * is_weights).sum()
     loss = pg_loss
 
-    # Clip bias (SORL eq. 7/8/14): indicators from the loss ratio, or token ratios on request.
-    indicator = clipped
-    if config.clip_bias.indicator == "token_ratio" and spec.ratio_level != "token":
-        indicator = (
-            ((advantages > 0) & (token_ratio > config.clip_high)) | ((advantages < 0) & (token_ratio < config.clip_low))
-        ) & mask
-    # d ratio_t / d log pi_j: spread over the unit (turn / sequence ratios) or token t's own (GSPO-token)
-    grad_segments = None if spec.token_gradient else level_segments
-    bias = clip_bias_terms(
-        ratio, level_lr_raw, clamp, indicator, advantages, is_corr.weights, weights, grad_segments, mask
-    )
+    bias = None
+    clipped = None
+    if need_bias:
+        # Clip bias (SORL eq. 7/8/14): indicators from the loss ratio, or token ratios on request.
+        clipped = clip_high | clip_low | dual
+        indicator = clipped
+        if config.clip_bias.indicator == "token_ratio" and spec.ratio_level != "token":
+            indicator = (
+                ((advantages > 0) & (token_ratio > config.clip_high))
+                | ((advantages < 0) & (token_ratio < config.clip_low))
+            ) & mask
+        # d ratio_t / d log pi_j: spread over the unit (turn / sequence ratios) or token t's own (GSPO-token)
+        grad_segments = None if spec.token_gradient else level_segments
+        bias_adv = weighted_adv if is_weights is None else weighted_adv * is_weights
+        bias = clip_bias_terms(ratio, level_lr_raw, clamp, indicator, bias_adv, grad_segments, surrogate=surrogate)
 
     metrics: dict[str, torch.Tensor] = {}
     if spec.sapo_penalty:
@@ -275,36 +299,79 @@ def _policy_terms(
         metrics["entropy/mean"] = masked_mean(entropy.detach().float(), mask)
 
     with torch.no_grad():
+        tokens = mask.sum(dtype=torch.float64)
+        count = tokens.clamp(min=1)
+        n_high, n_low, n_dual = (t.sum(dtype=torch.float64) for t in (clip_high, clip_low, dual))
+        lr_sum = token_lr.sum(dtype=torch.float64)
+        ratio_sum = _sum_off_ones(token_ratio, tokens)  # sum of r over the mask (r = 1 off it)
+        lo, hi = _masked_extremes(token_lr_raw.detach(), mask, tokens)
         metrics.update(
             {
                 "pg_loss": pg_loss.detach(),
-                "clip_frac": masked_mean(clipped.float(), mask),
-                "clip_frac_high": masked_mean(clip_high.float(), mask),
-                "clip_frac_low": masked_mean(clip_low.float(), mask),
-                "dual_clip_frac": masked_mean(dual.float(), mask),
+                # B^c's three parts are disjoint: A > 0 (high) and A < 0 with r < 1 - eps or r > c > 1
+                "clip_frac": ((n_high + n_low + n_dual) / count).float(),
+                "clip_frac_high": (n_high / count).float(),
+                "clip_frac_low": (n_low / count).float(),
+                "dual_clip_frac": (n_dual / count).float(),
                 # KL(pi_old || pi_theta) estimated on tokens sampled from pi_old (k1, k3 of Schulman)
-                "approx_kl_k1": masked_mean(-token_lr, mask),
-                "approx_kl_k3": masked_mean(token_ratio - 1.0 - token_lr, mask),
-                "ratio/mean": masked_mean(token_ratio, mask),
-                "ratio/min": masked_min(token_ratio, mask),
-                "ratio/max": masked_max(token_ratio, mask),
-                "abs_log_ratio/max": masked_max(token_lr_raw.abs(), mask),
-                "clip_bias/scalar": bias.scalar,
-                "clip_bias/sq_sum": bias.sq_sum,
-                "policy_tokens": mask.float().sum(),
+                "approx_kl_k1": (-lr_sum / count).float(),
+                "approx_kl_k3": ((ratio_sum - tokens - lr_sum) / count).float(),
+                "ratio/mean": (ratio_sum / count).float(),
+                "ratio/min": _ratio_of(lo, clamp, tokens),
+                "ratio/max": _ratio_of(hi, clamp, tokens),
+                "abs_log_ratio/max": torch.maximum(lo.abs(), hi.abs()),
+                "policy_tokens": tokens.float(),
             }
         )
-        spread, multi_turn_rows = turn_ratio_spread(token_lr_raw, turns, clamp)
-        metrics["turn_ratio/spread_sum"] = spread  # sums: an engine adds them over micro-batches
-        metrics["turn_ratio/multi_turn_rows"] = multi_turn_rows
-        metrics["turn_ratio/spread"] = spread / multi_turn_rows.clamp(min=1)
+        if bias is not None:
+            metrics["clip_bias/scalar"] = bias.scalar
+            metrics["clip_bias/sq_sum"] = bias.sq_sum
+        if turns is not None:
+            if spec.ratio_level == "turn" and not spec.token_gradient:
+                # the loss's own turn ratios, read at each turn's first token (their clamped value)
+                spread, multi_turn_rows = turn_ratio_spread_of(turns.per_segment(ratio.detach()), turns)
+            else:
+                spread, multi_turn_rows = turn_ratio_spread(token_lr_raw, turns, clamp)
+            metrics["turn_ratio/spread_sum"] = spread  # sums: an engine adds them over micro-batches
+            metrics["turn_ratio/multi_turn_rows"] = multi_turn_rows
+            metrics["turn_ratio/spread"] = spread / multi_turn_rows.clamp(min=1)
         if spec.ratio_level != "token":
             prefix = "turn_ratio" if spec.ratio_level == "turn" else "seq_ratio"
-            metrics[f"{prefix}/mean"] = masked_mean(ratio, mask)
-            metrics[f"{prefix}/min"] = masked_min(ratio, mask)
-            metrics[f"{prefix}/max"] = masked_max(ratio, mask)
-        metrics.update(is_corr.metrics)
+            level_lo, level_hi = _masked_extremes(level_lr_raw.detach(), mask, tokens)
+            metrics[f"{prefix}/mean"] = (_sum_off_ones(ratio.detach(), tokens) / count).float()
+            metrics[f"{prefix}/min"] = _ratio_of(level_lo, clamp, tokens)
+            metrics[f"{prefix}/max"] = _ratio_of(level_hi, clamp, tokens)
+        metrics.update(is_metrics)
     return _PolicyTerms(spec=spec, loss=loss, bias=bias, metrics=metrics)
+
+
+def _sum_off_ones(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Sum over the mask of a tensor that is exactly 1 off the mask (a ratio), in float64."""
+    return values.sum(dtype=torch.float64) - (values.numel() - tokens)
+
+
+def _masked_extremes(
+    values: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` over the mask of a tensor that is exactly 0 off it: one ``aminmax`` over
+    the whole tensor, and a masked pass only when an extreme is that 0 (it may be off the mask);
+    ``(0, 0)`` without policy tokens."""
+    if not bool(tokens > 0):
+        z = torch.zeros((), dtype=values.dtype, device=values.device)
+        return z, z
+    lo, hi = torch.aminmax(values)
+    if bool(tokens < values.numel()):
+        if not bool(hi > 0):
+            hi = masked_max(values, mask)
+        if not bool(lo < 0):
+            lo = masked_min(values, mask)
+    return lo, hi
+
+
+def _ratio_of(log_ratio: torch.Tensor, clamp: float, tokens: torch.Tensor) -> torch.Tensor:
+    """``exp(clamp(log r))`` of an extreme log-ratio (exp and clamp are monotone); 0 without tokens."""
+    return torch.where(tokens > 0, torch.exp(log_ratio.clamp(-clamp, clamp)), torch.zeros((), dtype=log_ratio.dtype,
+                                                                                           device=log_ratio.device))
 
 
 def _check_inputs(

@@ -26,19 +26,20 @@ class TurnSegments:
     Attributes:
         segment_index: ``[B, T]`` long, global segment id of each policy token; non-policy
             tokens hold ``num_segments`` (the dummy segment).
-        turn_index: ``[B, T]`` long, turn number within its row (0-based); -1 off-policy.
         segment_row: ``[S]`` long, the row of each segment.
         segment_length: ``[S]`` float, number of tokens in each segment (>= 1).
         turns_per_row: ``[B]`` long.
         mask: ``[B, T]`` bool, the policy-token mask the segments were built from.
+        segment_start: ``[S]`` long, flat index (into ``B * T``) of each segment's first token,
+            to read a value that is constant over a segment (a turn ratio) without a scatter.
     """
 
     segment_index: torch.Tensor
-    turn_index: torch.Tensor
     segment_row: torch.Tensor
     segment_length: torch.Tensor
     turns_per_row: torch.Tensor
     mask: torch.Tensor
+    segment_start: torch.Tensor
 
     @property
     def num_segments(self) -> int:
@@ -47,6 +48,13 @@ class TurnSegments:
     @property
     def max_turns(self) -> int:
         return int(self.turns_per_row.max().item()) if self.turns_per_row.numel() else 0
+
+    @property
+    def turn_index(self) -> torch.Tensor:
+        """``[B, T]`` long, turn number of each policy token within its row (0-based); -1
+        off-policy. Built on request (no hot path needs it)."""
+        first = torch.cumsum(self.turns_per_row, 0) - self.turns_per_row  # first segment of each row
+        return torch.where(self.mask, self.segment_index - first.unsqueeze(1), torch.full_like(self.segment_index, -1))
 
     def turn_lengths(self) -> torch.Tensor:
         """``[B, max_turns]`` lengths of each row's turns (0 past a row's last turn)."""
@@ -61,6 +69,11 @@ class TurnSegments:
         dense[self.segment_row, local] = per_segment
         return dense[:, : self.max_turns]
 
+    def per_segment(self, values: torch.Tensor) -> torch.Tensor:
+        """``[S]`` values of a ``[B, T]`` tensor that is constant over each segment (read at
+        its first token)."""
+        return values.reshape(-1)[self.segment_start]
+
 
 def segment_turns(loss_mask: torch.Tensor, turn_ids: torch.Tensor | None = None) -> TurnSegments:
     """Segment each row into turns.
@@ -70,60 +83,102 @@ def segment_turns(loss_mask: torch.Tensor, turn_ids: torch.Tensor | None = None)
         turn_ids: optional ``[B, T]`` integer turn ids from the rollout; must be >= 0 on
             policy tokens (values elsewhere are ignored). Policy tokens of a row sharing an id
             form one turn, numbered in increasing id order.
+
+    Whole-tensor work only: runs of the mask (or of the ids) are found from their boundaries,
+    in one pass over the tokens; explicit ids that are not non-decreasing along a row (ids
+    shared by separate runs) take a sort of the policy tokens' (row, id) keys instead.
     """
     if loss_mask.dim() != 2:
         raise ValueError(f"loss_mask must be [batch, seq], got shape {tuple(loss_mask.shape)}")
-    mask = loss_mask.bool()
+    mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask.bool()
     batch, seq = mask.shape
     device = mask.device
-    rows = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
-
+    if turn_ids is not None and turn_ids.shape != mask.shape:
+        raise ValueError(f"turn_ids shape {tuple(turn_ids.shape)} != loss_mask shape {tuple(mask.shape)}")
+    flat_mask = mask.reshape(-1)
     if turn_ids is None:
-        prev = torch.zeros_like(mask)
-        prev[:, 1:] = mask[:, :-1]
-        starts = mask & ~prev
-        # Row-major cumsum of run starts numbers every run globally; a run never crosses rows
+        starts = mask.clone()
+        starts[:, 1:] &= ~mask[:, :-1]  # a run starts where the previous token is not a policy token
+        segment_start = torch.nonzero(starts.reshape(-1)).flatten()
+        # row-major cumsum of run starts numbers every run globally; a run never crosses rows
         # because a policy token at t == 0 always starts a run.
-        global_id = torch.cumsum(starts.reshape(-1).long(), 0).reshape(batch, seq) - 1
-        num_segments = int(starts.sum().item())
-        segment_row = rows[starts]
+        global_id = torch.cumsum(starts.reshape(-1), 0) - 1
+        num_segments = int(segment_start.numel())
+        segment_row = torch.div(segment_start, seq, rounding_mode="floor")
+        lengths = _run_lengths(segment_start, flat_mask, starts, mask)
+        segment_index = torch.where(flat_mask, global_id, num_segments).reshape(batch, seq)
     else:
-        if turn_ids.shape != mask.shape:
-            raise ValueError(f"turn_ids shape {tuple(turn_ids.shape)} != loss_mask shape {tuple(mask.shape)}")
-        ids = turn_ids.long()
-        if bool((ids[mask] < 0).any()):
-            raise ValueError("turn_ids must be >= 0 on every policy token (loss_mask == 1)")
-        span = int(ids[mask].max().item()) + 1 if bool(mask.any()) else 1
-        keys = rows * span + ids  # unique per (row, turn id); sorted by row, then id
-        uniq, inverse = torch.unique(keys[mask], return_inverse=True)
-        global_id = torch.full_like(ids, -1)
-        global_id[mask] = inverse
-        num_segments = int(uniq.numel())
-        segment_row = torch.div(uniq, span, rounding_mode="floor")
-
-    segment_index = torch.where(mask, global_id, torch.full_like(global_id, num_segments))
-    counts = torch.zeros(num_segments + 1, device=device, dtype=torch.float32)
-    counts.index_add_(0, segment_index.reshape(-1), mask.reshape(-1).to(torch.float32))
+        segment_index, segment_row, lengths, segment_start = _segments_from_ids(mask, turn_ids.long())
+        num_segments = int(segment_row.numel())
     turns_per_row = (
         torch.bincount(segment_row, minlength=batch)
         if num_segments
         else torch.zeros(batch, dtype=torch.long, device=device)
     )
-    first = torch.cumsum(turns_per_row, 0) - turns_per_row
-    turn_index = torch.where(mask, global_id - first[rows], torch.full_like(global_id, -1))
     return TurnSegments(
         segment_index=segment_index,
-        turn_index=turn_index,
         segment_row=segment_row,
-        segment_length=counts[:num_segments],
+        segment_length=lengths.to(torch.float32),
         turns_per_row=turns_per_row,
         mask=mask,
+        segment_start=segment_start,
     )
+
+
+def _run_lengths(segment_start: torch.Tensor, flat_mask: torch.Tensor, starts: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """Lengths of the runs of ones that start at ``segment_start`` (flat indices): from the
+    flat index one past each run's end."""
+    ends = mask.clone()
+    ends[:, :-1] &= ~mask[:, 1:]  # a run ends where the next token is not a policy token
+    segment_end = torch.nonzero(ends.reshape(-1)).flatten()
+    return segment_end - segment_start + 1
+
+
+def _segments_from_ids(mask: torch.Tensor, ids: torch.Tensor):
+    """``(segment_index, segment_row, lengths, segment_start)`` of explicit turn ids."""
+    batch, seq = mask.shape
+    flat_mask = mask.reshape(-1)
+    policy_ids = ids.reshape(-1)[flat_mask]
+    if bool((policy_ids < 0).any()):
+        raise ValueError("turn_ids must be >= 0 on every policy token (loss_mask == 1)")
+    span = int(policy_ids.max().item()) + 1 if policy_ids.numel() else 1
+    position = torch.nonzero(flat_mask).flatten()  # flat index of each policy token, row-major
+    keys = torch.div(position, seq, rounding_mode="floor") * span + policy_ids  # unique per (row, turn id)
+    if keys.numel() < 2 or bool((keys[1:] >= keys[:-1]).all()):  # ids non-decreasing along rows: no sort
+        uniq, inverse, counts = torch.unique_consecutive(keys, return_inverse=True, return_counts=True)
+        first = torch.cumsum(counts, 0) - counts
+        segment_start = position[first]
+    else:
+        uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+        segment_start = torch.full((uniq.numel(),), batch * seq, dtype=torch.long, device=mask.device)
+        segment_start = segment_start.scatter_reduce(0, inverse, position, "amin")
+    num_segments = int(uniq.numel())
+    segment_index = torch.full((batch * seq,), num_segments, dtype=torch.long, device=mask.device)
+    segment_index[position] = inverse
+    segment_row = torch.div(uniq, span, rounding_mode="floor")
+    return segment_index.reshape(batch, seq), segment_row, counts, segment_start
 
 
 def row_segments(loss_mask: torch.Tensor) -> TurnSegments:
     """Each non-empty row as a single segment (the sequence level used by GSPO)."""
-    return segment_turns(loss_mask, turn_ids=torch.zeros_like(loss_mask, dtype=torch.long))
+    mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask.bool()
+    batch, seq = mask.shape
+    counts = mask.sum(dim=-1)
+    nonempty = counts > 0
+    segment_row = torch.nonzero(nonempty).flatten()
+    num_segments = int(segment_row.numel())
+    row_id = torch.cumsum(nonempty, 0) - 1  # segment of each non-empty row
+    segment_index = torch.where(mask, row_id.unsqueeze(1), num_segments)
+    first_token = mask.to(torch.uint8).argmax(dim=-1)  # first policy token (argmax returns the first max)
+    return TurnSegments(
+        segment_index=segment_index,
+        segment_row=segment_row,
+        segment_length=counts[segment_row].to(torch.float32),
+        turns_per_row=nonempty.long(),
+        mask=mask,
+        segment_start=segment_row * seq + first_token[segment_row],
+    )
 
 
 def segment_sum(values: torch.Tensor, segments: TurnSegments) -> torch.Tensor:

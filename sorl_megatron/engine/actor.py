@@ -195,8 +195,10 @@ class PolicyEngine(EngineBase):
     def _diagnostics(self, reduced: dict[str, float], log_ratios: list[Histogram]) -> dict[str, float]:
         """The mini-batch's turn-ratio spread from its summed parts, and its |log r| histogram
         (from the contributing ranks: last stage, TP rank 0) merged into the update's."""
-        rows = reduced.pop("turn_ratio/multi_turn_rows", 0.0)
-        out = {"turn_ratio/spread": reduced.pop("turn_ratio/spread_sum", 0.0) / max(rows, 1.0)}
+        out = {}
+        if "turn_ratio/multi_turn_rows" in reduced:  # turn-level losses, or loss.diagnostics
+            rows = reduced.pop("turn_ratio/multi_turn_rows")
+            out["turn_ratio/spread"] = reduced.pop("turn_ratio/spread_sum", 0.0) / max(rows, 1.0)
         h = Histogram.empty(ABS_LOG_RATIO_EDGES, device())
         for part in log_ratios if self.contributes else []:
             h = h.merge(part)
@@ -263,6 +265,39 @@ class PolicyEngine(EngineBase):
 
         return self._fit_mini_batch(batch, rows, mbs, agg, micro_loss)
 
+    def _param_grad_clip_bias_norm(
+        self, micro: list[dict], clipping: torch.Tensor, denominator: LossDenominators, need_entropy: bool,
+        replay_mode: Optional[str],
+    ) -> float:
+        """``||dS/dtheta||`` of the mini-batch whose loss gradient the buffers hold: a second
+        backward of the clip-bias surrogate ``S`` over the micro-batches that clipped anything on
+        some rank (``S``'s gradient is exactly 0 on the others, so a mini-batch that clipped
+        nothing, like the on-policy first one, costs no pass), reduced like the gradient. The
+        loss gradient is set aside meanwhile and put back unchanged."""
+        torch.distributed.all_reduce(clipping, op=torch.distributed.ReduceOp.MAX)  # last stages decide for all
+        chosen = [mb for mb, c in zip(micro, clipping.tolist()) if c > 0]
+        if not chosen:
+            return 0.0
+        loss_cfg = self.cfg.loss
+        scale = float(len(chosen) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp
+
+        def surrogate_fn(mb, logits):
+            lp, ent = self._token_outputs(mb, logits, need_entropy)
+            s = clip_bias_surrogate(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg,
+                                    **self._loss_kwargs(mb, denominator, ent))
+            return s * scale, {"clip_bias/surrogate": s.detach()}
+
+        buffers = [b for c in self.model.chunks for b in c.buffers + c.expert_parallel_buffers]
+        saved = [b.grad_data.clone() for b in buffers]  # the loss gradient, DP-reduced
+        self._zero_grads()
+        self._run(chosen, surrogate_fn, forward_only=False, replay_mode=replay_mode)
+        self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm())
+        self._zero_grads()
+        for b, g in zip(buffers, saved):
+            b.grad_data.copy_(g)
+        return norm
+
     def _train_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int) -> dict[str, float]:
         loss_cfg = self.cfg.loss
         spec = POLICY_LOSSES[loss_cfg.name]
@@ -277,22 +312,9 @@ class PolicyEngine(EngineBase):
         self._zero_grads()
         # ||C|| in parameter space: the param_grad mode's factor, or a diagnostic for any loss
         measure_c = (spec.clip_normalized and mode == "param_grad") or loss_cfg.clip_bias.diagnostics
-        if measure_c:
-            # Second backward over the same micro-batches: the gradient of the clip-bias surrogate S,
-            # reduced like the gradient; its norm is ||C|| in parameter space.
-            def surrogate_fn(mb, logits):
-                lp, ent = self._token_outputs(mb, logits, need_entropy)
-                s = clip_bias_surrogate(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg,
-                                        **self._loss_kwargs(mb, denominator, ent))
-                return s * scale, {"clip_bias/surrogate": s.detach()}
-
-            self._run(micro, surrogate_fn, forward_only=False, replay_mode=replay_mode)
-            self.optimizer.prepare_grads()
-            c_norm = float(self.optimizer.get_grad_norm())
-            self._zero_grads()
-
         acc: dict[str, list[float]] = {}
         log_ratios: list[Histogram] = []
+        clipping = torch.zeros(len(micro), dtype=torch.float32, device=device())  # per micro-batch: C != 0
 
         def loss_fn(mb, logits):
             lp, ent = self._token_outputs(mb, logits, True)  # entropy comes with the log-probs: always logged
@@ -300,14 +322,20 @@ class PolicyEngine(EngineBase):
                 lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg, normalize=False,
                 **self._loss_kwargs(mb, denominator, ent),
             )
+            if measure_c:  # sum_t c_t^2 = 0 exactly when dS/dlog pi = 0, i.e. C = 0 on this micro-batch
+                clipping[len(log_ratios)] = float(metrics["clip_bias/sq_sum"] > 0)
             accumulate_metrics(acc, metrics, weight=float(metrics["policy_tokens"]))
             log_ratios.append(abs_log_ratio_histogram(lp, mb["old_logprobs"], mb["loss_mask"]))
             return loss * scale, {}
 
         self._run(micro, loss_fn, forward_only=False, replay_mode=replay_mode)
+        c_norm = 0.0
+        if measure_c:
+            c_norm = self._param_grad_clip_bias_norm(micro, clipping, denominator, need_entropy, replay_mode)
         reduced = reduce_metrics(acc, self.contributes)
         step_metrics.update(reduced)
-        step_metrics["clip_bias/logprob_norm"] = max(reduced.get("clip_bias/sq_sum", 0.0), 0.0) ** 0.5
+        if "clip_bias/sq_sum" in reduced:  # losses that normalize by ||C||, or with diagnostics
+            step_metrics["clip_bias/logprob_norm"] = max(reduced["clip_bias/sq_sum"], 0.0) ** 0.5
         step_metrics.update(self._diagnostics(step_metrics, log_ratios))
         if loss_cfg.clip_bias.diagnostics:
             step_metrics["clip_bias/param_norm"] = c_norm  # logged only: the update is unchanged

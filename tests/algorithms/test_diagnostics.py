@@ -68,13 +68,19 @@ def test_turn_ratio_spread_hand_example():
                        [5.0, 5.0, 5.0, 0, 0, 0, 0], [0.0] * 7])
     spread, rows = turn_ratio_spread(lr * mask, segment_turns(mask), clamp=20.0)
     assert spread.item() == pytest.approx(1.5) and rows.item() == 1
-    # the same through a loss's metrics, for a token-level loss too; explicit turn ids regroup turns
+    # the same through a loss's metrics: a turn-level loss's own turn ratios, and a token-level loss
+    # with diagnostics on (the lean path leaves it out); explicit turn ids regroup turns
     old = torch.zeros(3, 7)
     lp = (lr * mask).requires_grad_()
+    _, m = compute_policy_loss(lp, old, torch.ones(3, 7), mask, PolicyLossConfig(name="turn_ppo"))
+    assert m["turn_ratio/spread"].item() == pytest.approx(1.5) and m["turn_ratio/multi_turn_rows"].item() == 1
     _, m = compute_policy_loss(lp, old, torch.ones(3, 7), mask, PolicyLossConfig(name="grpo"))
+    assert "turn_ratio/spread" not in m and "clip_bias/sq_sum" not in m
+    grpo = PolicyLossConfig(name="grpo", diagnostics=True)
+    _, m = compute_policy_loss(lp, old, torch.ones(3, 7), mask, grpo)
     assert m["turn_ratio/spread"].item() == pytest.approx(1.5) and m["turn_ratio/multi_turn_rows"].item() == 1
     ids = torch.tensor([[0, 0, 0, 0, 0, 1, 1], [0, 0, 1, 0, 0, 0, 0], [0] * 7])  # row 0: 2 turns, row 1: 2
-    _, m = compute_policy_loss(lp, old, torch.ones(3, 7), mask, PolicyLossConfig(name="grpo"), turn_ids=ids)
+    _, m = compute_policy_loss(lp, old, torch.ones(3, 7), mask, grpo, turn_ids=ids)
     # row 0: exp(mean(log 4, 0, log .5)) = exp(log 2 / 3) vs 1; row 1: 1 vs 1
     assert m["turn_ratio/spread_sum"].item() == pytest.approx(2 ** (1 / 3) - 1, rel=1e-5)
     assert m["turn_ratio/multi_turn_rows"].item() == 2

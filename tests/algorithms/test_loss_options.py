@@ -130,7 +130,7 @@ def test_micro_batches_with_global_denominator_add_up(agg, name):
     old = -torch.rand(B, T, generator=g) * 2
     lp = (old + 0.4 * torch.randn(B, T, generator=g)).requires_grad_()
     adv = torch.randn(B, T, generator=g) * 5
-    cfg = PolicyLossConfig(name=name, loss_agg=agg, clip_bias=ClipBiasConfig(delta=1e-4))
+    cfg = PolicyLossConfig(name=name, loss_agg=agg, clip_bias=ClipBiasConfig(delta=1e-4), diagnostics=True)
     full, m_full = compute_policy_loss(lp, old, adv, mask, cfg, normalize=False)
     (g_full,) = torch.autograd.grad(full, lp)
     denom = aggregation_denominator(mask, agg)

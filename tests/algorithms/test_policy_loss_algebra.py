@@ -52,7 +52,7 @@ def test_gradient_is_policy_gradient_minus_clip_bias_lemma_4_2(name, agg):
     lp, old, adv, mask = random_batch(batch=6, seq=14, scale=0.5, seed=7)
     # shift whole rows so that sequence- and turn-level ratios leave the clip range too
     old = old + torch.tensor([0.5, 0.0, -0.6, 0.4, -0.3, 1.5]).unsqueeze(1)
-    g, _, metrics = grad_of(name, lp, old, adv, mask, loss_agg=agg, dual_clip=3.0)
+    g, _, metrics = grad_of(name, lp, old, adv, mask, loss_agg=agg, dual_clip=3.0, diagnostics=True)
     assert metrics["clip_frac"] > 0
     # Unclipped importance-weighted policy gradient (the first term of eq. 7), in loss sign.
     lp2 = lp.detach().requires_grad_()

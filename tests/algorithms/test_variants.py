@@ -73,7 +73,7 @@ def _gspo_batch(per_token: bool, seed=3):
 
 
 def _loss_grad(name, lp, old, adv, mask, agg="seq-mean-token-mean"):
-    cfg = PolicyLossConfig(name=name, eps_low=3e-4, eps_high=4e-4, loss_agg=agg)
+    cfg = PolicyLossConfig(name=name, eps_low=3e-4, eps_high=4e-4, loss_agg=agg, diagnostics=True)  # C of every loss
     loss, m = compute_policy_loss(lp, old, adv, mask, cfg)
     (grad,) = torch.autograd.grad(loss, lp)
     return loss, grad, m

@@ -89,6 +89,9 @@ def test_clip_bias_diagnostics_measure_param_norm_for_any_loss_and_leave_the_upd
     assert r["direct_pg_norm"] > 0 and r["m_diag"]["clip_bias/factor"] == 1.0
     assert r["param_diff"] == 0.0  # the second backward leaves the grpo update exactly as it was
     assert r["m_diag"]["loss"] == r["m_plain"]["loss"]
+    # a mini-batch that clipped nothing has C = 0 exactly and costs no second pass
+    assert r["m_on_policy"]["clip_bias/param_norm"] == 0.0 and r["m_on_policy"]["clip_frac"] == 0.0
+    assert r["on_policy_passes"] == 1
 
 
 def test_every_loss_runs_and_matches_across_layouts(ws1, ws2, engine_work):

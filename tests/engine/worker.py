@@ -158,7 +158,7 @@ def op_placement(case: dict, models: str, work: str) -> dict:
         after = params_of(actor)
         update = sum(float(((after[k] - before[k]) ** 2).sum()) for k in before) ** 0.5
         keys = ("clip_bias/factor", "clip_bias/grad_scale", "clip_bias/lr_scale", "grad_norm", "clip_bias/logprob_norm")
-        res[variant] = {"update_norm": update, **{k: m[k] for k in keys}}
+        res[variant] = {"update_norm": update, **{k: m[k] for k in keys if k in m}}  # grpo: no ||C|| (lean)
         del actor
     return res
 
@@ -513,7 +513,8 @@ def op_diagnostics(case: dict, models: str, work: str) -> dict:
     path = os.path.join(models, case["model"])
 
     def engine(diagnostics: bool) -> PolicyEngine:
-        cfg = actor_config(name="grpo", lr=1e-3)  # one mini-batch of 8 rows: one optimizer step
+        # one mini-batch of 8 rows: one optimizer step; loss diagnostics on: grpo's turn-ratio spread
+        cfg = actor_config(name="grpo", lr=1e-3, diagnostics=True)
         cfg.loss.clip_bias.diagnostics = diagnostics
         cfg.optim.clip_grad = 1e-3  # clipping certainly acts: grad_norm must be the norm before it
         return PolicyEngine(path, layout, cfg)
@@ -543,6 +544,14 @@ def op_diagnostics(case: dict, models: str, work: str) -> dict:
     with_diag = engine(True)
     res["m_diag"] = with_diag.update(batch)
     res["param_diff"] = _max_param_diff(params_of(plain), params_of(with_diag))
+    # on policy (old log-probs = the current ones) nothing is clipped: C = 0 and no second pass runs
+    passes = []
+    run = with_diag._run
+    with_diag._run = lambda micro, *a, **k: passes.append(len(micro)) or run(micro, *a, **k)
+    on_policy = batch.replace(old_logprobs=with_diag.compute_logprobs(batch).logprobs)
+    passes.clear()
+    res["m_on_policy"] = with_diag.update(on_policy)
+    res["on_policy_passes"] = len(passes)
     return res
 
 
