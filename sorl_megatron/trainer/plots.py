@@ -91,7 +91,7 @@ def style_axis(ax, key: str, values: Sequence[float], xlabel: str = "RL step", y
     if axis.unit_interval:
         low, high = min(0.0, low), max(1.0, high)
     elif low >= 0:
-        low, high = 0.0, max(high, axis.floor)
+        low, high = 0.0, max(high, axis.floor) or 1.0  # all zeros: a flat line at the bottom, not mid-panel
     else:
         return  # a signed quantity: matplotlib's own range
     if high > low:

@@ -158,6 +158,22 @@ def test_plot_axes_fit_their_metrics(tmp_path, monkeypatch):
     assert title == "run so_grpo: so_grpo with grpo advantages; 8 prompts x 8, mini-batch 32, lr 0.0003, seed 1234"
 
 
+def test_an_all_zero_non_negative_metric_sits_at_the_bottom():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sorl_megatron.trainer.plots import style_axis
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [0.0, 0.0])
+    style_axis(ax, "actor/grad_norm", [0.0, 0.0])
+    low, high = ax.get_ylim()
+    assert -0.1 < low <= 0 and high >= 1
+    plt.close(fig)
+
+
 def test_plot_smoothing_and_overlays(tmp_path, monkeypatch):
     figures = _captured_figures(monkeypatch)
     _demo_like_run(tmp_path / "a", em=(0.2, 0.6, 0.4))
