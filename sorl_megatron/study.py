@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from .common.typed_config import ConfigError, build_dataclass
 from .trainer.config import load_recipe, overrides_tree
 from .trainer.metrics_log import read_metrics
+from .trainer.plots import METRIC_AXES, style_axis
 
 # What the summary plots and tables (SORL Figs. 2-8): score, KL, clip ratio, gradient norm, ||C||.
 FIGURE_METRICS: dict[str, str] = {
@@ -40,11 +41,6 @@ FIGURE_METRICS: dict[str, str] = {
     "actor/clip_bias/logprob_norm": "||C|| (log-prob space)",
     "actor/clip_bias/factor": "normalization factor",
 }
-
-# fractions and scores: drawn on [0, 1] so that a change of one validation question does not
-# fill the panel
-BOUNDED_METRICS = frozenset({"val/em", "rollout/reward", "actor/clip_frac"})
-
 
 @dataclass
 class StudyConfig:
@@ -272,6 +268,7 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
         fig, axes = plt.subplots(1, len(cfg.stress), figsize=(5 * len(cfg.stress), 3.4), squeeze=False)
         drawn = False
         for ax, stress in zip(axes[0], cfg.stress):
+            band_values: list[float] = []
             for loss in cfg.losses:
                 series = [_series(runs[c], key) for c in runs if (c.loss, c.stress) == (loss, stress)]
                 series = [s for s in series if s]
@@ -283,17 +280,15 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
                 values = [[s[t] for s in series] for t in steps]
                 mean = [sum(v) / len(v) for v in values]
                 line = ax.plot(steps, mean, label=f"{loss} (n={len(series)})")[0]
-                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values],
-                                color=line.get_color(), alpha=0.2)
+                low, high = [min(v) for v in values], [max(v) for v in values]
+                ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+                band_values += low + high
                 drawn = True
             ax.set_title(f"stress: {stress}")
-            ax.set_xlabel("RL step")
-            ax.set_ylabel(title)
-            ax.xaxis.get_major_locator().set_params(integer=True)
-            if key in BOUNDED_METRICS:
-                ax.set_ylim(-0.02, 1.02)
+            style_axis(ax, key, band_values, ylabel=None if key in METRIC_AXES else title)
         if drawn:
             axes[0][-1].legend(fontsize=7)
+            fig.suptitle(f"{title}: mean over seeds, band min-max", fontsize=10)
             fig.tight_layout()
             path = fig_dir / f"{key.replace('/', '_')}.png"
             fig.savefig(path, dpi=80)

@@ -37,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        return _run(args)
+    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the trainer's exit stack stopped the servers
+        from .trainer.servers import report_interrupt
+
+        return report_interrupt(err)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         cfg = load_recipe(args.config, args.overrides)
         if args.print_config:
             # the schema only: the layout checks need the world size and model.path's config.json

@@ -48,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(cfg.logging.dir) / cfg.logging.run_name
     print(f"[demo] training {cfg.algorithm.loss.name} ({args.recipe}); metrics in {run_dir}/metrics.jsonl", flush=True)
     show_trainer_log()
-    RLTrainer(cfg).run()
+    try:
+        RLTrainer(cfg).run()
+    except KeyboardInterrupt as err:  # Ctrl-C: the trainer stopped its servers; one line, no traceback
+        from sorl_megatron.trainer.servers import report_interrupt
+
+        return report_interrupt(err)
     written = plot_runs([run_dir], run_dir / "plots")
     rows = [r for r in read_metrics(run_dir) if r.get("val/em") is not None]
     if rows:

@@ -1,10 +1,12 @@
 """Plot training curves of one or several runs.
 
-    python tools/plot.py RUN_DIR [RUN_DIR ...] --out plots/ [--labels a,b]
+    python tools/plot.py RUN_DIR [RUN_DIR ...] --out plots/ [--labels a,b] [--smooth 0.6]
 
-Each RUN_DIR holds the metrics.jsonl a training run writes (logging.dir / logging.run_name).
-Writes one PNG per logged metric (reward, validation EM, clipping ratio, KL, gradient norm,
-clip-bias norm, train/inference mismatch, ...) and summary.png with all of them, runs overlaid.
+Each RUN_DIR holds the metrics.jsonl a training run writes (logging.dir / logging.run_name),
+and sft/metrics.jsonl when the run had an SFT stage. Writes one PNG per logged metric (reward,
+validation EM, clipping ratio, KL, gradient norm, clip-bias norm, train/inference mismatch, the
+SFT loss, ...) and summary.png with all of them, runs overlaid, titled with the run names (and
+for one run its recipe). Axes: whole steps; y labelled, EM and rates on [0, 1].
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
     parser.add_argument("--out", required=True, help="output directory for the PNGs")
     parser.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
+    parser.add_argument("--smooth", type=float, default=0.0,
+                        help="EMA smoothing weight in [0, 1) as TensorBoard's slider (default 0: raw curves); "
+                        "the raw curve stays drawn faintly")
     args = parser.parse_args(argv)
     try:
-        paths = plot_runs(args.runs, args.out, labels=args.labels.split(",") if args.labels else None)
+        paths = plot_runs(args.runs, args.out, labels=args.labels.split(",") if args.labels else None,
+                          smooth=args.smooth)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

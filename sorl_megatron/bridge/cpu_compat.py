@@ -302,7 +302,18 @@ class _DropCpuRngWarning(logging.Filter):
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
-_NOT_ON_CPU_WARNINGS = r"(Transformer Engine and )?Apex (is|are) not installed"
+# Warnings that say nothing on a CPU machine (on GPU they stay): TransformerEngine and apex
+# cannot exist there; CUDA_DEVICE_MAX_CONNECTIONS and CUDA-graph scopes are CUDA settings; and
+# loading a checkpoint prints deprecation notices of megatron's and torch's own internals
+# (ShardedTensor, DCP's load_state_dict), nothing a user of this project can act on.
+_NOT_ON_CPU_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    (r"(Transformer Engine and )?Apex (is|are) not installed", UserWarning),
+    (r"When using (sequence parallelism|async grad allreduce) it is recommended to set the environment "
+     r"variable CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
+    (r"full scope is deprecated\. Use empty cuda_graph_scope", UserWarning),
+    (r"`load_state_dict` is deprecated and will be removed in future versions", FutureWarning),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
+)
 
 
 def apply_cpu_compat(force: bool = False) -> list[str]:
@@ -311,9 +322,8 @@ def apply_cpu_compat(force: bool = False) -> list[str]:
         return []
     if not _APPLIED:
         logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropCpuRngWarning())
-        # TransformerEngine and apex cannot exist on a CPU machine: megatron's import-time
-        # "... not installed, falling back" warnings say nothing there (on GPU they stay).
-        warnings.filterwarnings("ignore", message=_NOT_ON_CPU_WARNINGS, category=UserWarning)
+        for message, category in _NOT_ON_CPU_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
     for name, patch in PATCHES.items():
         if name not in _APPLIED:
             patch.apply()

@@ -136,8 +136,28 @@ def retrieval_server_spec(corpus: str, topk: int) -> ServerSpec:
     )
 
 
+class SignalInterrupt(KeyboardInterrupt):
+    """A signal (SIGTERM) turned into KeyboardInterrupt so that every cleanup runs; ``signum`` says which."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def report_interrupt(err: KeyboardInterrupt) -> int:
+    """For an entry point that caught Ctrl-C (or SIGTERM, as :class:`SignalInterrupt`) after
+    the trainer's cleanup stopped its servers: one line on rank 0 instead of a traceback per
+    rank; returns the exit code a shell expects (128 + the signal number)."""
+    signum = int(getattr(err, "signum", signal.SIGINT))
+    if int(os.environ.get("RANK", "0")) == 0:
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"interrupted ({what}): stopped the run and its servers; run the same command again to resume "
+              "from its last checkpoint", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
 def _raise_keyboard_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise SignalInterrupt(signum)
 
 
 def _in_main_thread() -> bool:

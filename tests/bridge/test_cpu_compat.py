@@ -73,3 +73,38 @@ def test_cpu_only_te_apex_warnings_are_quieted(mode):
     assert out.returncode == 0, out.stderr
     noisy = "Apex is not installed" in out.stderr
     assert noisy == (mode == "plain"), out.stderr[-2000:]
+
+
+_WARN_ALL = """
+import sys, warnings
+warnings.simplefilter("always")
+if sys.argv[1] == "quiet":
+    from sorl_megatron.bridge.cpu_compat import apply_cpu_compat
+    apply_cpu_compat()
+warnings.warn("When using sequence parallelism it is recommended to set the environment variable "
+              "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+warnings.warn("When using async grad allreduce it is recommended to set the environment variable "
+              "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
+warnings.warn("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.")
+warnings.warn("`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead.",
+              FutureWarning)
+warnings.warn("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning)
+warnings.warn("a real warning about CUDA_DEVICE_MAX_CONNECTIONS")
+warnings.warn("`load_state_dict` is deprecated and will be removed in future versions.", UserWarning)
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "plain"])
+def test_cpu_irrelevant_warnings_are_quieted_and_nothing_else(mode):
+    """The CUDA-only and checkpoint-loading notices a CPU run printed (issue 21) are quieted by
+    the CPU patches; other warnings, even with similar words or another category, are not."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _WARN_ALL, mode], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    shown = [line for line in out.stderr.splitlines() if line.startswith("<string>:")]  # not the import's own
+    assert len(shown) == (2 if mode == "quiet" else 7), out.stderr
+    if mode == "quiet":
+        assert "a real warning" in shown[0] and shown[1].endswith("UserWarning: `load_state_dict` is deprecated and "
+                                                                  "will be removed in future versions.")

@@ -114,3 +114,104 @@ def test_tokens_per_second_per_pass():
     got = tokens_per_second(times, {"actor_update": 1000.0, "old_logprobs": 1000.0, "values": 10.0,
                                     "critic_update": 5.0, "ref_logprobs": None})
     assert got == {"time/actor_update_tokens_per_s": 500.0, "time/old_logprobs_tokens_per_s": 2000.0}
+
+
+def _captured_figures(monkeypatch) -> dict:
+    """Figures by file name, caught as plot_runs saves them."""
+    from matplotlib.figure import Figure
+
+    figures, save = {}, Figure.savefig
+
+    def capture(fig, path, *args, **kwargs):
+        figures[Path(path).name] = fig
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", capture)
+    return figures
+
+
+def _demo_like_run(path, em=(0.40, 0.42, 0.45), mismatch=1e-7):
+    """A run directory as the trainer leaves it: config.yaml, RL metrics, the SFT stage's."""
+    from sorl_megatron.trainer.config import dump_config, load_recipe
+
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(dump_config(load_recipe(ROOT / "recipes" / "tiny_search_so_grpo.yaml")))
+    sft = MetricsLogger(path / "sft", total_steps=40, tensorboard=False, progress="none", name="sft")
+    for step in range(1, 41):
+        sft.log(step, {"sft/nll": 3.0 / step})
+    sft.close()
+    log = MetricsLogger(path, total_steps=len(em) - 1, tensorboard=False, progress="none")
+    for step, value in enumerate(em):
+        log.log(step, {"val/em": value, "rollout/reward": value, "actor/is/mismatch_abs_mean": mismatch * (1 + step)})
+    log.close()
+
+
+def test_plot_axes_fit_their_metrics(tmp_path, monkeypatch):
+    """EM and rates on [0, 1], whole-step ticks, labelled axes, 1e-7 noise drawn flat, the SFT
+    curve against SFT steps, and the run with its recipe in the summary's title."""
+    figures = _captured_figures(monkeypatch)
+    _demo_like_run(tmp_path / "so_grpo")
+    written = plot_runs([tmp_path / "so_grpo"], tmp_path / "plots")
+    assert {p.name for p in written} == {"val_em.png", "rollout_reward.png", "actor_is_mismatch_abs_mean.png",
+                                         "sft_nll.png", "summary.png"}
+    em = figures["val_em.png"].axes[0]
+    low, high = em.get_ylim()
+    assert low <= 0 and 1 <= high < 1.1  # an EM change of 0.05 does not fill the panel
+    assert em.get_ylabel() == "exact match (fraction of questions)" and em.get_xlabel() == "RL step"
+    assert all(float(t).is_integer() for t in em.get_xticks())  # no step 0.5
+    mismatch = figures["actor_is_mismatch_abs_mean.png"].axes[0]
+    assert mismatch.get_ylim()[1] >= 1e-3 and mismatch.get_ylim()[0] <= 0  # noise of 1e-7 stays flat
+    sft = figures["sft_nll.png"].axes[0]
+    assert sft.get_xlabel() == "SFT step" and sft.get_lines()[0].get_xdata()[-1] == 40
+    title = figures["summary.png"]._suptitle.get_text()
+    assert title == "run so_grpo: so_grpo with grpo advantages; 8 prompts x 8, mini-batch 32, lr 0.0003, seed 1234"
+
+
+def test_an_all_zero_non_negative_metric_sits_at_the_bottom():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sorl_megatron.trainer.plots import style_axis
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [0.0, 0.0])
+    style_axis(ax, "actor/grad_norm", [0.0, 0.0])
+    low, high = ax.get_ylim()
+    assert -0.1 < low <= 0 and high >= 1
+    plt.close(fig)
+
+
+def test_plot_smoothing_and_overlays(tmp_path, monkeypatch):
+    figures = _captured_figures(monkeypatch)
+    _demo_like_run(tmp_path / "a", em=(0.2, 0.6, 0.4))
+    _demo_like_run(tmp_path / "b", em=(0.3, 0.3, 0.3))
+    plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "plots", smooth=0.5)
+    em = figures["val_em.png"].axes[0]
+    lines = em.get_lines()
+    assert len(lines) == 4  # per run: the raw curve, faint, and its smoothing
+    raw, smoothed = lines[0].get_ydata(), lines[1].get_ydata()
+    assert list(raw) == [0.2, 0.6, 0.4] and smoothed[0] == pytest.approx(0.2) and smoothed[1] < 0.6
+    assert [t.get_text() for t in em.get_legend().get_texts()] == ["a", "b"]
+    assert figures["summary.png"]._suptitle.get_text() == "runs a, b (smoothed, weight 0.5)"
+
+
+def test_smooth_ema():
+    from sorl_megatron.trainer.plots import smooth_ema
+
+    assert smooth_ema([1.0, 2.0, 3.0], 0.0) == [1.0, 2.0, 3.0]
+    assert smooth_ema([5.0, 5.0, 5.0], 0.9) == pytest.approx([5.0, 5.0, 5.0])  # debiased: no pull to 0
+    assert smooth_ema([0.0, 1.0], 0.5) == pytest.approx([0.0, 2 / 3])
+    with pytest.raises(ValueError, match=r"smoothing weight must be in \[0, 1\)"):
+        smooth_ema([1.0], 1.0)
+
+
+def test_plot_cli_smooth_flag(tmp_path):
+    _demo_like_run(tmp_path / "a")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "a"), "--out",
+                           str(tmp_path / "p"), "--smooth", "0.6"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "summary.png" in proc.stdout, proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "a"), "--out",
+                           str(tmp_path / "p"), "--smooth", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "smoothing weight must be in [0, 1), got 1.0" in proc.stderr

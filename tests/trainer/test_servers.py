@@ -55,3 +55,19 @@ def test_server_that_dies_at_start_is_reported_and_reaped(tmp_path):
 def test_missing_corpus_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="retrieval.corpus"):
         retrieval_server_spec(str(tmp_path / "nope.jsonl"), topk=3)
+
+
+def test_an_interrupted_run_reports_one_line_on_rank_0(capsys, monkeypatch):
+    import signal
+
+    from sorl_megatron.trainer.servers import SignalInterrupt, report_interrupt
+
+    monkeypatch.setenv("RANK", "0")
+    assert report_interrupt(KeyboardInterrupt()) == 128 + signal.SIGINT
+    assert capsys.readouterr().err == ("interrupted (Ctrl-C): stopped the run and its servers; run the same command "
+                                       "again to resume from its last checkpoint\n")
+    assert report_interrupt(SignalInterrupt(signal.SIGTERM)) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.startswith("interrupted (SIGTERM): ")
+    monkeypatch.setenv("RANK", "1")
+    assert report_interrupt(KeyboardInterrupt()) == 130
+    assert capsys.readouterr().err == ""
