@@ -27,7 +27,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from .common.typed_config import ConfigError, build_dataclass
-from .trainer.config import load_recipe
+from .trainer.config import load_recipe, overrides_tree
 from .trainer.metrics_log import read_metrics
 
 # What the summary plots and tables (SORL Figs. 2-8): score, KL, clip ratio, gradient norm, ||C||.
@@ -40,6 +40,10 @@ FIGURE_METRICS: dict[str, str] = {
     "actor/clip_bias/logprob_norm": "||C|| (log-prob space)",
     "actor/clip_bias/factor": "normalization factor",
 }
+
+# fractions and scores: drawn on [0, 1] so that a change of one validation question does not
+# fill the panel
+BOUNDED_METRICS = frozenset({"val/em", "rollout/reward", "actor/clip_frac"})
 
 
 @dataclass
@@ -99,7 +103,7 @@ def load_study(path: str | Path, overrides: list[str] = ()) -> StudyConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"study recipe {path} not found")
-    merged = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+    merged = OmegaConf.merge(OmegaConf.load(path), overrides_tree(overrides))
     cfg = build_dataclass(StudyConfig, OmegaConf.to_container(merged, resolve=True), "study")
     cfg.recipe = str((path.resolve().parent / cfg.recipe).resolve())
     return cfg
@@ -219,11 +223,31 @@ def summarize(cfg: StudyConfig) -> Path:
             collapsed = sum(int(s.get("collapsed", 0)) for s in stats)
             lines.append(f"| {loss} | {len(stats)} | " + " | ".join(cells_txt) + f" | {collapsed}/{len(stats)} |")
         lines.append("")
+    lines += run_table(runs) + [""]
     figures = _figures(cfg, runs, out / "figures")
     lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
     path = out / "summary.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def run_table(runs: dict[Cell, list[dict[str, Any]]]) -> list[str]:
+    """Every run seed by seed: its validation EM curve, KL and clip-ratio peaks, and the range of
+    the clip-bias factor (each RL step's mean over its optimizer steps) over the run."""
+    lines = ["## Every run", "",
+             "| run | validation EM | max KL (k3) | max clip ratio | factor per RL step (min-max) |",
+             "|---|---|---|---|---|"]
+    for cell, rows in runs.items():
+        em = sorted(_series(rows, "val/em").items())
+        curve = " / ".join(f"{v:.3f}" for _, v in em) + (f" (steps {', '.join(str(t) for t, _ in em)})" if em else "-")
+        peaks = []
+        for key in ("actor/approx_kl_k3", "actor/clip_frac"):
+            series = _series(rows, key)
+            peaks.append(f"{max(series.values()):.3g}" if series else "-")
+        factor = _series(rows, "actor/clip_bias/factor")
+        span = f"{min(factor.values()):.2f}-{max(factor.values()):.2f}" if factor else "-"
+        lines.append(f"| {cell.loss}, {cell.stress}, {cell.seed} | {curve} | " + " | ".join(peaks) + f" | {span} |")
+    return lines
 
 
 def _mean_std(values: list[float]) -> str:
@@ -266,6 +290,8 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
             ax.set_xlabel("RL step")
             ax.set_ylabel(title)
             ax.xaxis.get_major_locator().set_params(integer=True)
+            if key in BOUNDED_METRICS:
+                ax.set_ylim(-0.02, 1.02)
         if drawn:
             axes[0][-1].legend(fontsize=7)
             fig.tight_layout()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sorl_megatron.study import Cell, cell_statistics, load_study, main
+from sorl_megatron.study import Cell, cell_statistics, load_study, main, run_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,6 +23,15 @@ def test_cell_statistics_and_the_collapse_rule():
     assert s["em_auc"] == pytest.approx((4 * 0.5 + 4 * 0.4 + 4 * 0.35) / 12)
     assert cell_statistics(rows, 0.3)["collapsed"] == 0.0  # 0.2 is not below 0.3 x 0.6
     assert cell_statistics([{"step": 0, "val/em": 0.0}, {"step": 4, "val/em": 0.0}], 0.5)["collapsed"] == 0.0
+
+
+def test_the_run_table_lists_every_run_seed_by_seed():
+    rows = [{"step": 0, "val/em": 0.4375}, {"step": 1, "actor/approx_kl_k3": 0.02, "actor/clip_frac": 0.1,
+             "actor/clip_bias/factor": 0.8}, {"step": 2, "actor/approx_kl_k3": 1.5, "actor/clip_frac": 0.3,
+             "actor/clip_bias/factor": 1.0, "val/em": 0.1}]
+    lines = run_table({Cell("so_grpo", "high", 2): rows, Cell("grpo", "low", 1): [{"step": 0}]})
+    assert lines[-2] == "| so_grpo, high, 2 | 0.438 / 0.100 (steps 0, 2) | 1.5 | 0.3 | 0.80-1.00 |"
+    assert lines[-1] == "| grpo, low, 1 | - | - | - | - |"
 
 
 def test_bad_study_recipes_name_the_key(tmp_path):

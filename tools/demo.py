@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", default=str(ROOT / "recipes" / "tiny_search_so_grpo.yaml"))
+    parser.add_argument("--recipe", default=str(ROOT / "recipes" / "tiny_search_so_grpo.yaml"),
+                        help="recipe to train (default recipes/tiny_search_so_grpo.yaml)")
     parser.add_argument("--data", default="runs/tiny", help="where the synthetic data and model go (default runs/tiny)")
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. schedule.total_steps=4")
     args = parser.parse_args(argv)

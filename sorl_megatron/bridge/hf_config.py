@@ -22,12 +22,26 @@ def load_hf_config(source: Union[str, os.PathLike, PretrainedConfig]) -> Pretrai
     if isinstance(source, PretrainedConfig):
         return normalize_hf_config(source)
     path = os.fspath(source)
-    if not os.path.isdir(path):
-        raise CheckpointFileError(f"HF model directory {path!r} does not exist")
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        raise CheckpointFileError(f"{config_file} not found: {path!r} is not an HF model directory")
+    require_hf_dir(path)
     return normalize_hf_config(AutoConfig.from_pretrained(path, local_files_only=True))
+
+
+def require_hf_dir(path: Union[str, os.PathLike], what: str = "HF model directory", config: bool = True) -> None:
+    """``path`` is a local directory (holding ``config.json`` unless ``config=False``, e.g. a
+    tokenizer directory), else a CheckpointFileError naming ``what`` and the path. Checked
+    before transformers sees the path: it would take a missing directory for a Hub repo id."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointFileError(
+            f"{what} {path!r} does not exist (a local directory is needed; nothing is downloaded)"
+        )
+    if not os.path.isdir(path):
+        raise CheckpointFileError(f"{what} {path!r} is not a directory")
+    if config and not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointFileError(
+            f"{what} {path!r} is not an HF model checkpoint: {os.path.join(path, 'config.json')} not found "
+            "(expected config.json, *.safetensors and tokenizer files)"
+        )
 
 
 def normalize_hf_config(hf_config: PretrainedConfig) -> PretrainedConfig:

@@ -12,6 +12,7 @@ maps and the dist-checkpoint keys are identical whichever spec built the model.
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any, Optional
 
 import torch
@@ -215,6 +216,55 @@ def _divide(n: int, d: int) -> int:
     return n // d
 
 
+def _length_classes(lengths: torch.Tensor, ratio: float = 1.5) -> torch.Tensor:
+    """A class per segment: segments within a factor ``ratio`` of length share one."""
+    return torch.ceil(torch.log(lengths.double().clamp(min=1)) / math.log(ratio)).long()
+
+
+class LocalDotProductAttention(DotProductAttention):
+    """Megatron's DotProductAttention that also takes packed sequences (THD, ``cu_seqlens``).
+
+    Megatron's own refuses ``packed_seq_params`` (only TE's attention runs THD). Here each
+    segment attends causally within itself: segments of similar length (within 1.5x) are
+    gathered into a right-padded ``[len, n, heads, dim]`` block and run through the parent's
+    causal softmax attention, then scattered back; padding keys sit after every real query, so
+    the causal mask alone hides them. This is the per-document causal mask of packed training
+    without building a ``[T, T]`` mask, at the attention cost of the unpacked rows.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        if packed_seq_params.qkv_format != "thd":
+            fmt = packed_seq_params.qkv_format
+            raise ValueError(f"local attention takes packed sequences in THD format, got {fmt!r}")
+        cu = packed_seq_params.cu_seqlens_q
+        if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(cu, packed_seq_params.cu_seqlens_kv):
+            raise ValueError("local packed attention is self-attention: cu_seqlens_q must equal cu_seqlens_kv")
+        cu = cu.to(device=query.device, dtype=torch.long)
+        starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+        if int(cu[-1]) != query.shape[0]:
+            raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed sequence has {query.shape[0]} tokens")
+        classes = _length_classes(lengths)
+        positions, outputs = [], []
+        for c in torch.unique(classes).tolist():  # a handful of length classes, never tokens
+            sel = (classes == c) & (lengths > 0)
+            if not bool(sel.any()):
+                continue
+            width = int(lengths[sel].max())
+            t = torch.arange(width, device=query.device)
+            idx = starts[sel].unsqueeze(0) + t.unsqueeze(1)  # [width, n]: segment-major columns
+            valid = t.unsqueeze(1) < lengths[sel].unsqueeze(0)
+            idx = torch.where(valid, idx, starts[sel].unsqueeze(0))  # padding reads a real row (masked)
+            mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device=query.device), diagonal=1)
+            ctx = super().forward(query[idx], key[idx], value[idx], mask[None, None], attn_mask_type)
+            positions.append(idx[valid])
+            outputs.append(ctx[valid])
+        order = torch.argsort(torch.cat(positions))
+        return torch.cat(outputs)[order]
+
+
 def _attention_spec(qk_layernorm: bool) -> ModuleSpec:
     qk_norm = LocalRMSNorm if qk_layernorm else IdentityOp
     return ModuleSpec(
@@ -222,7 +272,7 @@ def _attention_spec(qk_layernorm: bool) -> ModuleSpec:
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=LocalLayerNormColumnParallelLinear,
-            core_attention=DotProductAttention,
+            core_attention=LocalDotProductAttention,
             linear_proj=RowParallelLinear,
             q_layernorm=qk_norm,
             k_layernorm=qk_norm,

@@ -35,7 +35,7 @@ from ..bridge.model import ModelOptions
 from .base import EngineBase, accumulate_metrics, device, factor_scales, reduce_metrics
 from .config import BatchingConfig, OptimConfig
 from .rl_batch import RLBatch, validate_batch
-from .vocab_parallel import next_token_targets, shift_to_token_positions, vocab_parallel_logprobs_entropy
+from .vocab_parallel import next_token_targets, vocab_parallel_logprobs_entropy
 
 RoutingReplayMode = Literal["off", "r2", "r3"]
 
@@ -141,13 +141,12 @@ class PolicyEngine(EngineBase):
         self, mb: dict, logits: torch.Tensor, entropy: bool
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Log-probs (and entropy) aligned to token positions, 0 off the attention mask."""
-        logits = self._logits_scaled(logits)  # [b, s, V/tp]
-        lp, ent = vocab_parallel_logprobs_entropy(logits, next_token_targets(mb["input_ids"]))
-        att = mb["attention_mask"].bool()
-        lp = torch.where(att, shift_to_token_positions(lp), torch.zeros_like(lp))
+        logits = self._logits_scaled(logits)  # [b, s, V/tp] (packed: [1, T, V/tp])
+        lp, ent = vocab_parallel_logprobs_entropy(logits, next_token_targets(self._model_tokens(mb)))
+        lp = self._at_token_positions(mb, lp)
         if not entropy:
             return lp, None
-        return lp, torch.where(att, shift_to_token_positions(ent), torch.zeros_like(ent))
+        return lp, self._at_token_positions(mb, ent)
 
     @torch.no_grad()
     def compute_logprobs(
@@ -189,7 +188,7 @@ class PolicyEngine(EngineBase):
             torch.distributed.all_reduce(record)  # each (row, position, layer) written by one rank
             routed = (record - 1)[:b0, :s0]
             routed = torch.where(batch.attention_mask[:b0, :s0, None, None].bool(), routed, torch.full_like(routed, -1))
-        return LogprobOutput(lp, ent, routed, self._replay_metrics())
+        return LogprobOutput(lp, ent, routed, {**self._replay_metrics(), **self.batching_metrics()})
 
     # -- update -------------------------------------------------------------------------
 
@@ -303,8 +302,7 @@ class PolicyEngine(EngineBase):
         loss_cfg = self.cfg.loss
         spec = POLICY_LOSSES[loss_cfg.name]
         denominator = loss_denominators(batch.loss_mask[rows], batch.advantages[rows], loss_cfg).to(device())
-        my_rows = self._dp_rows(rows, mbs, "batching.mini_batch_size")
-        micro = self._micro_dicts(batch, my_rows, mbs)
+        _, micro = self._micro_batches(batch, rows, mbs, "batching.mini_batch_size")
         scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp
         need_entropy = loss_cfg.entropy_coef > 0
         replay_mode = self._replay_mode(batch, training=True)

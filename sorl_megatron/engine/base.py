@@ -28,8 +28,10 @@ from ..bridge.hf_config import load_hf_config
 from ..bridge.layout import ParallelLayout, num_experts_of
 from ..bridge.model import MegatronModel, ModelOptions
 from .config import BatchingConfig, OptimConfig, check
-from .rl_batch import BatchError, RLBatch, split_rows
+from .packing import DUMMY, MicroBatchPlan, PackedRow, make_plan
+from .rl_batch import BatchError, RLBatch
 from .routing_replay import RoutingReplay
+from .vocab_parallel import shift_to_token_positions
 
 
 def factor_scales(factor: float, apply_to: str, grad_norm: float, clip: float) -> dict[str, float]:
@@ -162,6 +164,8 @@ class EngineBase:
         self.trainable = trainable
         self.temperature = float(temperature)
         self.step = 0  # optimizer steps taken
+        self.config_prefix = "batching"  # what errors call this engine's batching settings
+        self._begin_pass_stats()
         options = model_options or ModelOptions()
         overrides = dict(options.config_overrides)
         hf_config = load_hf_config(hf)
@@ -268,27 +272,87 @@ class EngineBase:
     def _mask(self, s: int) -> torch.Tensor:
         return causal_attention_mask(s, device())
 
-    def _micro_dicts(self, batch: RLBatch, rows: torch.Tensor, mbs: int, extra: Optional[dict] = None) -> list[dict]:
-        """This DP rank's micro-batches of `rows` (global row ids into `batch`) as dicts."""
-        out = []
-        dev = device()
-        for sl in split_rows(len(rows), len(rows) // mbs, "micro_batch_size"):
-            r = rows[sl]
-            mb = {k: v[r].to(dev) for k, v in batch.tensors().items() if k != "group_ids"}
-            mb["rows"] = r
-            if extra:
-                mb.update({k: v(r) for k, v in extra.items()})
-            out.append(mb)
-        return out
+    def _plan(self, batch: RLBatch, rows: torch.Tensor, mbs: int, what: str) -> MicroBatchPlan:
+        """How the pass over ``rows`` (global ids into ``batch``) is cut (``engine/packing.py``)."""
+        b = self.batching
+        return make_plan(
+            rows, batch.attention_mask[rows].sum(1), dp=self.ranks["dp"], micro_batch_size=mbs,
+            seq_len=batch.seq_len, pack=b.pack_sequences, max_tokens=b.max_tokens_per_micro_batch,
+            multiple=self._seq_multiple(), key=f"{self.config_prefix}.max_tokens_per_micro_batch", what=what,
+            micro_multiple=self.layout.pp if len(self.model.chunks) > 1 else 1,
+        )
 
-    def _dp_rows(self, rows: torch.Tensor, mbs: int, what: str) -> torch.Tensor:
-        r = self.ranks
-        if len(rows) % (r["dp"] * mbs):
-            raise BatchError(
-                f"{what}: {len(rows)} rows are not a multiple of data-parallel size {r['dp']} x "
-                f"micro_batch_size {mbs} = {r['dp'] * mbs}"
-            )
-        return rows[split_rows(len(rows), r["dp"], what)[r["dp_rank"]]]
+    def _micro_batches(self, batch: RLBatch, rows: torch.Tensor, mbs: int, what: str) -> tuple[RLBatch, list[dict]]:
+        """This DP rank's micro-batches of the pass over ``rows``, as dicts of the rows' tensors
+        (``[n, S]``, what the losses read) plus, when packed, ``packed`` (a :class:`PackedRow`) and
+        ``model`` (the packed ``[1, T]`` model inputs). Returns the batch the dicts index: with a
+        dummy row appended when the plan needs one (row id ``batch_size``)."""
+        plan = self._plan(batch, rows, mbs, what)
+        dummy = batch.batch_size
+        if plan.has_dummy:
+            batch, _ = batch.padded_rows(dummy + 1)
+        self._pass_stats += torch.tensor([plan.real_tokens, plan.token_slots, plan.micro_batches_per_rank],
+                                         dtype=torch.float64)
+        tensors = {k: v for k, v in batch.tensors().items() if k != "group_ids"}
+        lengths = batch.attention_mask.sum(1)
+        dev = device()
+        out = []
+        for ids in plan.micro[self.ranks["dp_rank"]]:
+            ids = torch.where(ids == DUMMY, torch.full_like(ids, dummy), ids)
+            mb = {k: v[ids].to(dev) for k, v in tensors.items()}
+            mb["rows"] = ids
+            if plan.packed:
+                mb["packed"] = self._packed_inputs(batch, ids, lengths[ids], plan.seq_len, mb)
+            out.append(mb)
+        return batch, out
+
+    def _packed_inputs(self, batch: RLBatch, ids: torch.Tensor, lengths: torch.Tensor, seq_len: int, mb: dict):
+        """Pack the rows ``ids`` into one ``[1, T]`` row: the model's inputs go to ``mb['model']``."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        dev = device()
+        p = PackedRow.build(ids, lengths, seq_len)
+        model = {
+            "input_ids": p.pack(batch.input_ids).to(dev),
+            "position_ids": p.pack_positions().to(dev),
+            "packed_seq_params": PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=p.cu_seqlens.to(dev), cu_seqlens_kv=p.cu_seqlens.to(dev),
+                max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen,
+            ),
+        }
+        if batch.routed_experts is not None:
+            model["routed_experts"] = p.pack(batch.routed_experts, fill=-1).to(dev)
+        mb["model"] = model
+        return p.to(dev)
+
+    def _begin_pass_stats(self) -> None:
+        self._pass_stats = torch.zeros(3, dtype=torch.float64)  # real tokens, token slots, micro-batches per rank
+
+    def batching_metrics(self) -> dict[str, float]:
+        """How the last call (an update or a forward pass) was cut: ``batching/padding_frac``
+        (padding among the token positions the model computed, all ranks), ``batching/micro_batches``
+        (forward passes each DP rank ran, over all mini-batches and epochs; the ``param_grad``
+        pass repeats them) and ``batching/tokens`` (real tokens processed, all ranks)."""
+        real, slots, micro = self._pass_stats.tolist()
+        return {
+            "batching/padding_frac": 1.0 - real / slots if slots else 0.0,
+            "batching/micro_batches": micro,
+            "batching/tokens": real,
+        }
+
+    def _model_tokens(self, mb: dict) -> torch.Tensor:
+        """The token ids the model saw for ``mb`` (``[1, T]`` packed, else the rows ``[b, S]``)."""
+        return mb["model"]["input_ids"] if "packed" in mb else mb["input_ids"]
+
+    def _at_token_positions(self, mb: dict, per_prediction: torch.Tensor) -> torch.Tensor:
+        """Per-prediction outputs in the model's layout -> the rows' ``[n, S]`` token positions
+        (the batch contract: position t holds what the output at t-1 said; 0 at t = 0 and off the
+        attention mask). Differentiable."""
+        p = mb.get("packed")
+        if p is None:
+            att = mb["attention_mask"].bool()
+            return torch.where(att, shift_to_token_positions(per_prediction), torch.zeros_like(per_prediction))
+        return p.unpack_predictions(per_prediction, mb["input_ids"].shape[1])
 
     # -- the pass -----------------------------------------------------------------------
 
@@ -305,19 +369,31 @@ class EngineBase:
 
         if not micro:
             raise BatchError("no micro-batches on this rank (empty batch?)")
-        b, s = micro[0]["input_ids"].shape
-        mask = self._mask(s)
+        packed = "packed" in micro[0]
+        b, s = micro[0]["model"]["input_ids"].shape if packed else micro[0]["input_ids"].shape
+        mask = None if packed else self._mask(s)
         chunks = self.model.chunks
         replay = self.replay if (self.replay is not None and replay_mode is not None) else None
 
         def step(data_iterator, model):
             mb = next(data_iterator)
             ci = self._chunk_index[id(model)]
+            inputs = mb["model"] if packed else mb
             if replay is not None and replay_mode == "replay":
-                replay.set_targets(ci, mb.get("routed_experts"))
-            out = model(mb["input_ids"], mb["position_ids"], mask)
+                replay.set_targets(ci, inputs.get("routed_experts"))
+            if packed:
+                out = model(inputs["input_ids"], inputs["position_ids"], None,
+                            packed_seq_params=inputs["packed_seq_params"])
+            else:
+                out = model(mb["input_ids"], mb["position_ids"], mask)
             if replay is not None and record_into is not None:
-                replay.collect_records(ci, record_into, mb["rows"])
+                if packed:
+                    p = mb["packed"]
+                    token_rows, token_pos = p.token_row.unsqueeze(0), p.token_pos.unsqueeze(0)
+                else:
+                    token_rows = mb["rows"].unsqueeze(1).expand(b, s)
+                    token_pos = torch.arange(s).unsqueeze(0).expand(b, s)
+                replay.collect_records(ci, record_into, token_rows.cpu(), token_pos.cpu())
             return out, functools.partial(loss_fn, mb)
 
         iterators = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
@@ -405,13 +481,15 @@ class EngineBase:
         }
 
     def _forward_micro_batches(self, batch: RLBatch) -> tuple[RLBatch, list[dict]]:
-        """``batch`` padded for a forward-only pass (sequence multiple, rows to a multiple of
-        DP x micro-batch) and this rank's micro-batches of it."""
+        """``batch`` padded for a forward-only pass (sequence multiple; for fixed-size
+        micro-batches rows to a multiple of DP x micro-batch, else a dummy row where the plan
+        needs one) and this rank's micro-batches of it."""
+        self._begin_pass_stats()
         mbs = self.batching.forward_micro_batch_size or self.batching.micro_batch_size
         batch = batch.padded_seq(self._seq_multiple())
-        batch, _ = batch.padded_rows(self.ranks["dp"] * mbs)
-        rows = self._dp_rows(torch.arange(batch.batch_size), mbs, "batching.forward_micro_batch_size")
-        return batch, self._micro_dicts(batch, rows, mbs)
+        if not (self.batching.pack_sequences or self.batching.max_tokens_per_micro_batch):
+            batch, _ = batch.padded_rows(self.ranks["dp"] * mbs)
+        return self._micro_batches(batch, torch.arange(batch.batch_size), mbs, "batching.forward_micro_batch_size")
 
     def extra_state(self) -> dict[str, Any]:
         """JSON-serializable engine state beyond weights, optimizer and schedule (checkpointed)."""
@@ -444,6 +522,7 @@ class EngineBase:
 
     def _optimize(self, batch: RLBatch, train_mini_batch) -> dict[str, float]:
         """``epochs`` x mini-batches of ``train_mini_batch(batch, rows, micro_batch_size)``."""
+        self._begin_pass_stats()
         batch = batch.padded_seq(self._seq_multiple())
         n = batch.batch_size
         mini = self._mini_batches(n)
@@ -457,6 +536,7 @@ class EngineBase:
         out = mean_over_steps(per_step)
         out["steps"] = float(len(per_step))
         out["lr"] = per_step[-1]["lr"]
+        out.update(self.batching_metrics())
         return out
 
     def _fit_mini_batch(
@@ -469,7 +549,7 @@ class EngineBase:
         count); the policy update has its own step because of the clip-bias normalization.
         """
         denominator = aggregation_denominator(batch.loss_mask[rows], loss_agg).to(device())
-        micro = self._micro_dicts(batch, self._dp_rows(rows, mbs, "batching.mini_batch_size"), mbs)
+        _, micro = self._micro_batches(batch, rows, mbs, "batching.mini_batch_size")
         scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp
         acc: dict[str, list[float]] = {}
 

@@ -226,6 +226,22 @@ def _refuse_old_format(ckpt_dir: str) -> None:
             )
 
 
+def read_checkpoint_meta(ckpt_dir: Union[str, Path]) -> tuple[int, bool, dict]:
+    """``(world_size, has_critic, extra)`` of a checkpoint's ``trainer.json`` (the caller's
+    ``extra`` holds e.g. the trainer's step), without loading anything else; a missing or
+    malformed file is a CheckpointFileError naming it."""
+    meta_path = os.path.join(ckpt_dir, "trainer.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+        world_size, has_critic, extra = int(meta["world_size"]), bool(meta["has_critic"]), dict(meta["extra"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointFileError(f"{meta_path}: not a complete engine checkpoint ({type(e).__name__}: {e})") from None
+    return world_size, has_critic, extra
+
+
 def load_engine_checkpoint(ckpt_dir: str, actor: EngineBase, critic: Optional[EngineBase] = None) -> dict:
     """Restore what :func:`save_engine_checkpoint` wrote into already built engines (any layout).
 
@@ -237,15 +253,7 @@ def load_engine_checkpoint(ckpt_dir: str, actor: EngineBase, critic: Optional[En
         raise CheckpointFileError(f"engine checkpoint {ckpt_dir!r} does not exist")
     _refuse_old_format(ckpt_dir)
     verify_manifest(ckpt_dir)
-    meta_path = os.path.join(ckpt_dir, "trainer.json")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
-        world_size, has_critic, extra = int(meta["world_size"]), bool(meta["has_critic"]), meta["extra"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointFileError(f"{meta_path}: not a complete engine checkpoint ({type(e).__name__}: {e})") from None
+    world_size, has_critic, extra = read_checkpoint_meta(ckpt_dir)
     _load_engine(actor, os.path.join(ckpt_dir, "actor"))
     if critic is not None:
         if not has_critic:

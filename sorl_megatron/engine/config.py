@@ -79,6 +79,12 @@ class BatchingConfig:
     micro_batch_size: rows per forward/backward on one DP rank.
     forward_micro_batch_size: rows per micro-batch in forward-only passes (None = micro_batch_size).
     shuffle: permute rows each epoch (same permutation on every rank: seed, step, epoch).
+    pack_sequences: pack trajectories back to back into rows of at most ``max_tokens_per_micro_batch``
+        tokens (default: micro-batch size x the batch's padded length), one packed row per
+        micro-batch, attention within each trajectory (``engine/packing.py``).
+    max_tokens_per_micro_batch: token budget of a micro-batch (dynamic micro-batch size): with
+        packing the capacity of a packed row, without it ``budget // S`` padded rows; the
+        micro-batches of a mini-batch are balanced over the DP ranks. None = ``micro_batch_size`` rows.
     """
 
     epochs: int = 1
@@ -87,6 +93,8 @@ class BatchingConfig:
     forward_micro_batch_size: Optional[int] = None
     shuffle: bool = False
     seed: int = 0
+    pack_sequences: bool = False
+    max_tokens_per_micro_batch: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,3 +112,10 @@ class BatchingConfig:
             )
         if self.forward_micro_batch_size is not None:
             check(self.forward_micro_batch_size >= 1, f"{prefix}.forward_micro_batch_size must be >= 1")
+        check(isinstance(self.pack_sequences, bool), f"{prefix}.pack_sequences must be true or false")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None:
+            check(
+                isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1,
+                f"{prefix}.max_tokens_per_micro_batch must be an int >= 1 or null, got {budget!r}",
+            )

@@ -21,7 +21,6 @@ from ..bridge.model import ModelOptions, ScalarValueHead
 from .base import EngineBase
 from .config import BatchingConfig, OptimConfig
 from .rl_batch import RLBatch, validate_batch
-from .vocab_parallel import shift_to_token_positions
 
 
 @dataclass
@@ -97,8 +96,7 @@ class ValueEngine(EngineBase):
         return validate_batch(batch.replace(routed_experts=None), need=need, vocab_size=self.model.hf_config.vocab_size)
 
     def _values(self, mb: dict, head_out: torch.Tensor) -> torch.Tensor:
-        v = shift_to_token_positions(head_out.float().squeeze(-1))
-        return torch.where(mb["attention_mask"].bool(), v, torch.zeros_like(v))
+        return self._at_token_positions(mb, head_out.float().squeeze(-1))
 
     @torch.no_grad()
     def compute_values(self, batch: RLBatch) -> torch.Tensor:

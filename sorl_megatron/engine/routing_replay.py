@@ -172,17 +172,20 @@ class RoutingReplay:
             local = routed[:, sl, s.layer, :].transpose(0, 1).reshape(-1, routed.shape[-1])
             s.replay.set_target_indices(local.to(torch.long))
 
-    def collect_records(self, chunk: int, out: torch.Tensor, rows: torch.Tensor) -> None:
+    def collect_records(self, chunk: int, out: torch.Tensor, token_rows: torch.Tensor, token_pos: torch.Tensor) -> None:
         """After a chunk's forward in record mode: write the recorded indices (+1, so that 0
-        means 'not written') into out[rows, positions of this rank, layer, :]."""
-        seq_len = out.shape[1]
+        means 'not written') into ``out[row, position, layer, :]`` of every token this rank's
+        routers saw. ``token_rows`` / ``token_pos`` ``[b, s]`` give each model position's row
+        and position in ``out`` (-1 for packing padding, never written)."""
+        seq_len = token_rows.shape[1]
         sl = _sp_slice(seq_len, self.sequence_parallel)
-        n_local = sl.stop - sl.start
+        rows, pos = token_rows[:, sl], token_pos[:, sl]
+        keep = rows >= 0
         for s in self.slots:
             if s.chunk != chunk:
                 continue
             if not s.replay._sorl_records:
                 continue
             idx = s.replay._sorl_records.pop(0)
-            idx = idx.view(n_local, len(rows), -1).transpose(0, 1)
-            out[rows, sl, s.layer, :] = idx.to(out.dtype) + 1
+            idx = idx.view(rows.shape[1], rows.shape[0], -1).transpose(0, 1)
+            out[rows[keep], pos[keep], s.layer, :] = idx[keep].to(out.dtype).cpu() + 1

@@ -37,6 +37,7 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from ..bridge.hf_config import require_hf_dir
 from ..common.protocol import GenRequest, encode_routed_experts
 from .precision import Precision, apply_precision
 from .weights import check_compatible, read_checkpoint
@@ -125,6 +126,9 @@ class Engine:
         self.cfg = cfg
         self.model_path = cfg.model_path
         self.weight_version = cfg.weight_version
+        require_hf_dir(cfg.model_path, "rollout model path")
+        if cfg.tokenizer_path and not cfg.skip_tokenizer_init:
+            require_hf_dir(cfg.tokenizer_path, "rollout tokenizer path", config=False)
         self.hf_config = AutoConfig.from_pretrained(cfg.model_path)
         self.tokenizer = (
             None if cfg.skip_tokenizer_init else AutoTokenizer.from_pretrained(cfg.tokenizer_path or cfg.model_path)

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -531,6 +532,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    from ..bridge.hf_config import CheckpointFileError, require_hf_dir
+
+    try:  # before transformers, which would take a mistyped directory for a Hub repo id
+        require_hf_dir(args.model_path, "--model-path")
+        if args.tokenizer_path and not args.skip_tokenizer_init:
+            require_hf_dir(args.tokenizer_path, "--tokenizer-path", config=False)
+    except CheckpointFileError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import torch
 

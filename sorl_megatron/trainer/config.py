@@ -1,8 +1,9 @@
 """The typed schema of a training recipe, and the recipe loader.
 
-A recipe is NeMo-style OmegaConf YAML: an optional ``defaults:`` list of other recipes
+A recipe is NeMo-style OmegaConf YAML: an optional ``defaults:`` recipe or list of recipes
 (paths relative to the file, ``.yaml`` optional) merged in order, then the file itself, then
-dotted command-line overrides (``algorithm.loss.name=so_grpo``). The merged tree is checked
+dotted command-line overrides (``algorithm.loss.name=so_grpo``, or Hydra's ``+key=value`` /
+``++key=value`` as NeMo-RL writes them). The merged tree is checked
 against the dataclasses below before any process starts: unknown keys (with a
 did-you-mean), wrong types, non-finite numbers (YAML's ``.nan`` / ``.inf``), values out of
 range, malformed URLs and impossible layouts or batch sizes are errors naming the key.
@@ -162,12 +163,20 @@ class OptimizerConfig(OptimConfig):
 class ScheduleConfig:
     """Batch geometry. ``batch_size`` prompts x ``group_size`` trajectories are split into
     mini-batches of ``mini_batch_size`` trajectories (one optimizer step each), each over
-    ``ppo_epochs`` epochs: batch/mini-batch > 1 or epochs > 1 is off-policy (SORL A.5)."""
+    ``ppo_epochs`` epochs: batch/mini-batch > 1 or epochs > 1 is off-policy (SORL A.5).
+
+    ``pack_sequences`` packs trajectories back to back into rows of at most
+    ``max_tokens_per_micro_batch`` tokens (default ``micro_batch_size`` x the batch's padded
+    length), one packed row per micro-batch; ``max_tokens_per_micro_batch`` alone sets the
+    micro-batch size in padded rows from the batch's length. Either way the work of a
+    mini-batch is balanced over the DP ranks and its gradient is unchanged (docs/engine.md)."""
 
     total_steps: int = 10
     batch_size: int = 8
     mini_batch_size: int = 16
     micro_batch_size: int = 4
+    pack_sequences: bool = False
+    max_tokens_per_micro_batch: Optional[int] = None
     ppo_epochs: int = 1
     critic_epochs: int = 1
     val_every: int = 5
@@ -204,11 +213,25 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases logging (the optional ``wandb`` package: ``pip install -e '.[wandb]'``),
+    beside the JSONL and TensorBoard logs. One W&B run per training run, its SFT curve
+    included; a resumed run continues its W&B run."""
+
+    mode: Literal["online", "offline", "disabled"] = "disabled"
+    project: str = "sorl-megatron"
+    entity: Optional[str] = None  # None: the account's default entity
+    name: Optional[str] = None  # None: logging.run_name
+    init_timeout_s: float = 90.0  # the longest wait for wandb.init (online: the W&B server)
+
+
+@dataclass
 class LoggingConfig:
     dir: str = "runs"
     run_name: str = "run"
     tensorboard: bool = True
     progress: Literal["tqdm", "plain", "none"] = "tqdm"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -244,11 +267,12 @@ CONFIG_GROUPS: dict[str, str] = {
     "retrieval": "retrieval URL (or embedded BM25 corpus), top-k",
     "data": "train / val files (Search-R1 / verl parquet), prompt length",
     "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule, distributed optimizer",
-    "schedule": "steps, batch / mini-batch / micro-batch sizes, ppo_epochs, validation period, seed",
+    "schedule": "steps, batch / mini-batch / micro-batch sizes, sequence packing and token budget, ppo_epochs, "
+    "validation period, seed",
     "sft": "cold-start supervised stage",
     "reward": "metric override (em / f1; default: each data_source's own), format weight",
     "checkpoint": "directory (default <logging.dir>/<run_name>/checkpoints), period, resume=auto|none|DIR",
-    "logging": "run directory and name, TensorBoard, progress bar",
+    "logging": "run directory and name, TensorBoard, progress bar, wandb (mode online/offline/disabled, project, ...)",
 }
 
 
@@ -323,6 +347,21 @@ def _check_resume(resume: str) -> None:
     raise ConfigError(f"checkpoint.resume: {resume!r} is not auto, none or a checkpoint directory{hint}")
 
 
+def _check_wandb(w: WandbConfig) -> None:
+    if w.mode == "disabled":
+        return
+    if not w.project.strip():
+        raise ConfigError("logging.wandb.project is empty")
+    if not w.init_timeout_s > 0:
+        raise ConfigError(f"logging.wandb.init_timeout_s must be > 0 seconds, got {w.init_timeout_s}")
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"logging.wandb.mode={w.mode} needs the wandb package: pip install -e '.[wandb]' (or pip install wandb)"
+        )
+
+
 def _check_values(cfg: TrainConfig) -> None:
     _check_finite(cfg)
     if not cfg.model.path:
@@ -380,6 +419,7 @@ def _check_values(cfg: TrainConfig) -> None:
     if cfg.retrieval.url:
         _check_url("retrieval.url", cfg.retrieval.url)
     _check_resume(cfg.checkpoint.resume)
+    _check_wandb(cfg.logging.wandb)
     if cfg.sft.lr <= 0:
         raise ConfigError(f"sft.lr must be > 0, got {cfg.sft.lr}")
     trajectories = s.batch_size * cfg.rollout.group_size
@@ -388,14 +428,15 @@ def _check_values(cfg: TrainConfig) -> None:
             f"schedule.mini_batch_size={s.mini_batch_size} must divide "
             f"schedule.batch_size x rollout.group_size = {trajectories}"
         )
-    if s.mini_batch_size % s.micro_batch_size:
+    fixed_micro = _check_token_budget(cfg)
+    if fixed_micro and s.mini_batch_size % s.micro_batch_size:
         raise ConfigError(
             f"schedule.micro_batch_size={s.micro_batch_size} must divide schedule.mini_batch_size={s.mini_batch_size}"
         )
     if cfg.sft.enabled:
         _positive_int("sft.steps", cfg.sft.steps)
         _positive_int("sft.batch_size", cfg.sft.batch_size)
-        if cfg.sft.batch_size % s.micro_batch_size:
+        if fixed_micro and cfg.sft.batch_size % s.micro_batch_size:
             raise ConfigError(
                 f"schedule.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={cfg.sft.batch_size}"
             )
@@ -414,6 +455,22 @@ def _check_values(cfg: TrainConfig) -> None:
             raise ConfigError(f"algorithm.pvpo.refresh_at steps must be >= 1, got {a.pvpo.refresh_at}")
     if a.value_clip is not None and a.value_clip <= 0:
         raise ConfigError(f"algorithm.value_clip must be > 0 or null, got {a.value_clip}")
+
+
+def _check_token_budget(cfg: TrainConfig) -> bool:
+    """``schedule.max_tokens_per_micro_batch`` holds the longest trajectory a rollout can make
+    (one is never split); returns whether micro-batches are ``micro_batch_size`` padded rows."""
+    s = cfg.schedule
+    budget = s.max_tokens_per_micro_batch
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise ConfigError(f"schedule.max_tokens_per_micro_batch must be an integer or null, got {budget!r}")
+        if budget < cfg.rollout.max_total_tokens:
+            raise ConfigError(
+                f"schedule.max_tokens_per_micro_batch={budget} must be >= rollout.max_total_tokens="
+                f"{cfg.rollout.max_total_tokens}: a trajectory is never split across micro-batches"
+            )
+    return budget is None and not s.pack_sequences
 
 
 def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
@@ -438,6 +495,13 @@ def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
         _check_layout_rules(cfg, hf_config, key, world_size)
     dp = world_size // mp
     s = cfg.schedule
+    if s.pack_sequences:
+        return  # packed micro-batches are dealt to the DP ranks whatever the row count
+    if s.max_tokens_per_micro_batch is not None:
+        if s.mini_batch_size % dp:
+            raise ConfigError(f"schedule.mini_batch_size={s.mini_batch_size} must be a multiple of the "
+                              f"data-parallel size {dp} (token-budget micro-batches of padded rows)")
+        return
     if s.mini_batch_size % (s.micro_batch_size * dp):
         raise ConfigError(
             f"schedule.mini_batch_size={s.mini_batch_size} must be a multiple of "
@@ -509,15 +573,8 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Train
     from omegaconf import OmegaConf
 
     tree = _load_with_defaults(Path(path), seen=())
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value (e.g. algorithm.loss.name=so_grpo)")
     if overrides:
-        try:
-            dotlist = OmegaConf.from_dotlist(list(overrides))
-        except Exception as err:  # omegaconf's grammar errors
-            raise ConfigError(f"bad override in {list(overrides)}: {err}") from None
-        tree = OmegaConf.merge(tree, dotlist)
+        tree = OmegaConf.merge(tree, overrides_tree(overrides))
     try:
         plain = OmegaConf.to_container(tree, resolve=True)
     except Exception as err:  # unresolvable interpolation
@@ -526,10 +583,37 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Train
     return build_dataclass(TrainConfig, plain)
 
 
-def _load_with_defaults(path: Path, seen: tuple[Path, ...]):
+def overrides_tree(overrides: Sequence[str]):
+    """Command-line overrides as an OmegaConf tree to merge over a recipe.
+
+    The grammar NeMo-RL's loader takes (Hydra's): ``key=value``, ``+key=value`` (add a key)
+    and ``++key=value`` (add or override). Every key this project has is in the typed schema,
+    so the three set the key alike and the schema decides whether it exists: an unknown one
+    is an error naming it, whichever form added it. Values are YAML (``[a,b]``, ``null``).
+    """
     from omegaconf import OmegaConf
 
-    if path.suffix not in (".yaml", ".yml"):
+    dotlist = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if key.startswith("~"):
+            raise ConfigError(f"override {item!r}: deleting a key (~key) is not supported; set it instead (key=value)")
+        name = key[2:] if key.startswith("++") else key[1:] if key.startswith("+") else key
+        if not sep or not name.strip() or name != name.strip() or name.startswith("+"):
+            raise ConfigError(
+                f"override {item!r} is not key=value, +key=value or ++key=value (e.g. algorithm.loss.name=so_grpo)"
+            )
+        dotlist.append(f"{name}={value}")
+    try:
+        return OmegaConf.from_dotlist(dotlist)
+    except Exception as err:  # omegaconf's grammar errors
+        raise ConfigError(f"bad override in {list(overrides)}: {err}") from None
+
+
+def _load_with_defaults(path: Path, seen: tuple[Path, ...]):
+    from omegaconf import ListConfig, OmegaConf
+
+    if path.suffix not in (".yaml", ".yml") and path.name:
         candidate = path.with_name(path.name + ".yaml")  # names may hold dots: sorl_qwen2.5_7b_base
         path = candidate if candidate.is_file() else path
     path = path.resolve()
@@ -542,13 +626,19 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...]):
         node = OmegaConf.load(path)
     except Exception as err:
         raise ConfigError(f"{path}: not valid YAML ({err})") from None
-    defaults = node.pop("defaults", []) if "defaults" in node else []
     if not isinstance(OmegaConf.to_container(node) if node is not None else {}, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping")
+    defaults = node.pop("defaults", None) if "defaults" in node else None
+    if isinstance(defaults, str):  # NeMo-RL's loader takes one parent as a string
+        defaults = [defaults]
+    elif defaults is None:
+        defaults = []
+    elif not isinstance(defaults, ListConfig):
+        raise ConfigError(f"{path}: defaults must be a recipe path or a list of them, got {defaults!r}")
     merged = OmegaConf.create({})
-    for item in defaults or []:
-        if not isinstance(item, str):
-            raise ConfigError(f"{path}: defaults entries must be recipe paths (strings), got {item!r}")
+    for item in defaults:
+        if not isinstance(item, str) or not item.strip():
+            raise ConfigError(f"{path}: defaults entries must be recipe paths (non-empty strings), got {item!r}")
         merged = OmegaConf.merge(merged, _load_with_defaults(path.parent / item, seen + (path,)))
     return OmegaConf.merge(merged, node)
 

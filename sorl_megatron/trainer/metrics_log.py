@@ -1,4 +1,5 @@
-"""Run logging: JSONL metrics per step, TensorBoard scalars, console progress with ETA.
+"""Run logging: JSONL metrics per step, TensorBoard scalars, optional Weights & Biases,
+console progress with ETA.
 
 Only rank 0 writes. Each JSONL line is ``{"step": int, "time": float, <metric>: float, ...}``
 with the metric names the losses and engine produce (``actor/clip_frac``,
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -31,8 +34,47 @@ def show_trainer_log(level: int = logging.INFO) -> None:
         logger.setLevel(level)
 
 
+WANDB_ID_FILE = "wandb_run_id"  # in the run directory: a resumed run continues its W&B run
+
+
+def open_wandb(settings: Any, run_dir: str | Path, run_name: str, config: Mapping[str, Any], resume: bool):
+    """Start (or, when ``resume``, continue) the W&B run of a training run; None when
+    ``settings.mode`` is disabled. ``settings`` is the recipe's ``logging.wandb``.
+
+    The W&B files go to ``$WANDB_DIR`` when set, else into the run directory; the W&B run id
+    is kept in ``<run_dir>/wandb_run_id`` so that a resumed run logs into the same W&B run.
+    ``wandb.init`` waits at most ``settings.init_timeout_s``."""
+    if settings.mode == "disabled":
+        return None
+    import wandb  # optional dependency: the recipe check said so if it is missing
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if resume and id_file.is_file() else ""
+    if not run_id:
+        run_id = secrets.token_hex(6)  # W&B ids: lowercase letters and digits
+        id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=settings.project,
+        entity=settings.entity,
+        name=settings.name or run_name,
+        mode=settings.mode,
+        id=run_id,
+        resume="allow",
+        dir=os.environ.get("WANDB_DIR") or str(run_dir),
+        config=dict(config),
+        settings=wandb.Settings(init_timeout=settings.init_timeout_s),
+    )
+
+
 class MetricsLogger:
-    """Append-only JSONL + optional TensorBoard + a progress line per step."""
+    """Append-only JSONL + optional TensorBoard + optional W&B + a progress line per step.
+
+    With ``wandb_run`` (see :func:`open_wandb`) each row also goes to W&B, plotted against
+    ``<name>/step`` (``sft/step`` for the SFT stage, ``rl/step`` for RL), so that one W&B
+    run holds both curves; the logger does not finish the W&B run, its opener does.
+    """
 
     def __init__(
         self,
@@ -43,9 +85,13 @@ class MetricsLogger:
         enabled: bool = True,
         start_step: int = 0,
         name: str = "rl",  # the progress line's label
+        wandb_run: Any = None,
     ) -> None:
         self.enabled = enabled
         self.name = name
+        self._wandb = wandb_run if enabled else None
+        self._wandb_step = f"{name}/step"
+        self._wandb_keys: set[str] = set()
         self.total_steps = total_steps
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
@@ -87,6 +133,15 @@ class MetricsLogger:
                 if key not in ("step", "time") and value is not None:
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            values = {k: v for k, v in row.items() if k not in ("step", "time") and v is not None}
+            if self._wandb_step not in self._wandb_keys:
+                self._wandb.define_metric(self._wandb_step)
+                self._wandb_keys.add(self._wandb_step)
+            for key in sorted(values.keys() - self._wandb_keys):  # exact names: no glob precedence to rely on
+                self._wandb.define_metric(key, step_metric=self._wandb_step)
+                self._wandb_keys.add(key)
+            self._wandb.log({**values, self._wandb_step: int(step)})
         self._show(step, row)
 
     def log_histogram(self, step: int, tag: str, hist: Histogram) -> None:

@@ -31,6 +31,7 @@ from ..bridge.parallel import init_distributed
 from ..bridge.weights import iter_hf_weights, save_hf_checkpoint
 from ..common.fp8 import quantize_hf_tensor
 from ..common.http import RetryPolicy, ServerError
+from ..common.typed_config import to_dict
 from ..data.gold import cold_start_plans, gold_plan, gold_trajectory
 from ..data.qa import QARow, encode_prompt
 from ..engine.actor import ActorConfig, PolicyEngine
@@ -38,6 +39,7 @@ from ..engine.checkpoint import (
     complete_checkpoints,
     load_engine_checkpoint,
     newest_checkpoint,
+    read_checkpoint_meta,
     save_engine_checkpoint,
 )
 from ..engine.config import BatchingConfig, OptimConfig
@@ -50,7 +52,7 @@ from ..rollout.client import RolloutClient, RolloutClientConfig
 from ..rollout.trajectory import Trajectory, collate
 from .config import TrainConfig, dump_config
 from .inputs import validate_inputs
-from .metrics_log import MetricsLogger
+from .metrics_log import MetricsLogger, open_wandb
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
 from .rollout_phase import RolloutResult, collect_rollouts, rollout_metrics
 from .servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
@@ -70,6 +72,29 @@ def _broadcast(obj: Any) -> Any:
     box = [obj if _rank() == 0 else None]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def start_message(cfg: TrainConfig, resume: Optional[Path], step: int) -> tuple[bool, str]:
+    """Whether a run has steps left to train, and the line that says what it does: start,
+    resume (from which step of how many), or nothing because it is finished (and then how to
+    extend it or start over)."""
+    name, total = cfg.logging.run_name, cfg.schedule.total_steps
+    run_dir = Path(cfg.logging.dir) / name
+    if resume is None:
+        return True, f"starting run {name}: {total} RL steps, logs and checkpoints in {run_dir}"
+    if step < total:
+        return True, f"resuming run {name} from step {step} of {total} ({resume})"
+    o = cfg.optimizer
+    if o.lr_schedule != "constant" and o.decay_steps is None:
+        extend = (f"its LR schedule (optimizer.lr_schedule={o.lr_schedule}) decays over the run's length, so it "
+                  "cannot be extended")
+    else:
+        extend = f"to train it further, run the same command with schedule.total_steps={max(step, total) + total}"
+    return False, (
+        f"run {name} is finished: its checkpoint {resume} is at step {step} of schedule.total_steps={total}. "
+        f"Nothing to do; {extend}; to start over, add checkpoint.resume=none, remove {run_dir} or pick another "
+        "logging.run_name"
+    )
 
 
 @dataclass
@@ -93,6 +118,16 @@ class DataStream:
                 here = epochs == epoch
                 i[here] = order[i[here]]
         return [self.indices[k] for k in i.tolist()]
+
+
+def tokens_per_second(times: dict[str, float], tokens: dict[str, Optional[float]]) -> dict[str, float]:
+    """``time/<pass>_tokens_per_s``: real tokens an engine pass processed over its timed seconds."""
+    out = {}
+    for name, n in tokens.items():
+        seconds = times.get(f"time/{name}", 0.0)
+        if n is not None and seconds > 0:
+            out[f"time/{name}_tokens_per_s"] = n / seconds
+    return out
 
 
 @dataclass
@@ -142,6 +177,7 @@ class RLTrainer:
         # PVPO
         self.pvpo: Optional[PVPOState] = None
         self._gold_cache: dict[int, Optional[Trajectory]] = {}  # ground truth by prompt index (None: none usable)
+        self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -159,7 +195,8 @@ class RLTrainer:
         layout, options = cfg.parallelism, self._model_options()
         batching = BatchingConfig(
             epochs=s.ppo_epochs, mini_batch_size=s.mini_batch_size, micro_batch_size=s.micro_batch_size,
-            shuffle=True, seed=s.seed,
+            shuffle=True, seed=s.seed, pack_sequences=s.pack_sequences,
+            max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
         )
         self.actor = PolicyEngine(policy_path, layout, ActorConfig(
             loss=cfg.algorithm.loss, optim=cfg.optimizer.actor(self._optimizer_steps(s.ppo_epochs)), batching=batching,
@@ -173,6 +210,9 @@ class RLTrainer:
             self.critic = ValueEngine(cfg.model.critic_path or policy_path, layout, CriticConfig(
                 optim=cfg.optimizer.critic(self._optimizer_steps(s.critic_epochs)), batching=critic_batching,
                 value_clip=cfg.algorithm.value_clip, loss_agg=cfg.algorithm.loss.loss_agg), model_options=options)
+        for engine in (self.actor, self.ref, self.critic):
+            if engine is not None:
+                engine.config_prefix = "schedule"  # batching errors name the recipe's keys
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -185,6 +225,14 @@ class RLTrainer:
                 raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no trainer.json)")
             return path
         return newest_checkpoint(self.ckpt_root)  # verified; a damaged newer one is skipped with a warning
+
+    def checkpoint_step(self, path: Path) -> int:
+        """The RL step a checkpoint was saved after (its ``trainer.json``; nothing else is read)."""
+        _, _, extra = read_checkpoint_meta(path)
+        try:
+            return int(extra["step"])
+        except (KeyError, TypeError, ValueError):
+            raise FileNotFoundError(f"{path}/trainer.json: no trainer step (not a training run's checkpoint)") from None
 
     def complete_checkpoints(self) -> list[Path]:
         """``step_<k>`` checkpoints whose save finished, oldest first (not ``.tmp`` / ``.old``)."""
@@ -397,6 +445,13 @@ class RLTrainer:
         with timer("weight_sync"):
             self.sync_weights(step + 1)
         metrics.update(timer.times)
+        metrics.update(tokens_per_second(timer.times, {
+            "old_logprobs": metrics.get("old/batching/tokens"),
+            "ref_logprobs": self.ref.batching_metrics()["batching/tokens"] if self.ref is not None else None,
+            "values": self.critic.batching_metrics()["batching/tokens"] if values is not None else None,
+            "actor_update": metrics.get("actor/batching/tokens"),
+            "critic_update": metrics.get("critic/batching/tokens"),
+        }))
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -475,6 +530,13 @@ class RLTrainer:
         row), before any server, engine or run directory exists."""
         init_distributed()  # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
         cfg = self.cfg
+        resume = self.latest_checkpoint()
+        found = self.checkpoint_step(resume) if resume is not None else 0
+        go_on, message = start_message(cfg, resume, found)
+        if _rank() == 0:
+            log.info("%s", message)
+        if not go_on:
+            return {}  # finished: no data read, no server started
         inputs = validate_inputs(cfg, check_corpus=_rank() == 0, rewards=self.rewards)  # rank 0 alone serves retrieval
         self.rows, self.val_rows = inputs.train, inputs.val
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -486,12 +548,15 @@ class RLTrainer:
             if _rank() == 0:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+                self.wandb_run = open_wandb(cfg.logging.wandb, self.run_dir, cfg.logging.run_name, to_dict(cfg),
+                                            resume=resume is not None)
+                if self.wandb_run is not None:
+                    stack.callback(self.wandb_run.finish)
                 self.retrieval_url = cfg.retrieval.url or servers.start(
                     retrieval_server_spec(cfg.retrieval.corpus, cfg.retrieval.topk)
                 )
             policy_path = self.sft_stage() if cfg.sft.enabled else cfg.model.path
             self.build_engines(policy_path)
-            resume = self.latest_checkpoint()
             start = self.restore(resume) if resume is not None else 0
             # only now: a logger opened at step 0 deletes metrics.jsonl, which a resumed run continues
             logger = MetricsLogger(
@@ -501,6 +566,7 @@ class RLTrainer:
                 cfg.logging.progress,
                 enabled=_rank() == 0,
                 start_step=start,
+                wandb_run=self.wandb_run,
             )
             stack.callback(logger.close)
             if _rank() == 0:
@@ -552,8 +618,11 @@ class RLTrainer:
         trajs = _broadcast(payload)
         engine = PolicyEngine(cfg.model.path, cfg.parallelism, ActorConfig(
             loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
-            batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size)),
+            batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size,
+                                    pack_sequences=cfg.schedule.pack_sequences,
+                                    max_tokens_per_micro_batch=cfg.schedule.max_tokens_per_micro_batch)),
             model_options=self._model_options())
+        engine.config_prefix = "schedule"
         sft_log = MetricsLogger(
             self.run_dir / "sft",
             sft.steps,
@@ -561,6 +630,7 @@ class RLTrainer:
             cfg.logging.progress,
             enabled=_rank() == 0,
             name="sft",
+            wandb_run=self.wandb_run,
         )
         try:
             run_sft(

@@ -555,6 +555,104 @@ def op_diagnostics(case: dict, models: str, work: str) -> dict:
     return res
 
 
+def packing_batch(experts: int = 4, layers: int = 2, topk: int = 2):
+    """8 trajectories of very different lengths (4..24 tokens) with explicit turn ids and
+    rollout routes (prompt positions missing: the live router decides)."""
+    b = make_batch(rows=8, seq=24, seed=13)
+    lengths = torch.tensor([24, 5, 17, 9, 4, 21, 12, 7])
+    pos = torch.arange(24).unsqueeze(0)
+    att = (pos < lengths.unsqueeze(1)).long()
+    loss = b.loss_mask * att
+    loss[:, 3] = 1  # every row has a policy token
+    turn_ids = torch.cumsum(((loss[:, 1:] == 1) & (loss[:, :-1] == 0)).long(), 1)
+    turn_ids = torch.cat([torch.zeros(8, 1, dtype=torch.long), turn_ids], 1) * loss
+    g = torch.Generator().manual_seed(17)
+    routes = torch.argsort(torch.rand(8, 24, layers, experts, generator=g), dim=-1)[..., :topk].int()
+    routes[:, :3] = -1
+    routes = torch.where(att[:, :, None, None].bool(), routes, torch.full_like(routes, -1))
+    return b.replace(
+        attention_mask=att, loss_mask=loss, turn_ids=turn_ids, routed_experts=routes,
+        advantages=b.advantages * loss, old_logprobs=b.old_logprobs * att, ref_logprobs=b.ref_logprobs * att,
+        rollout_logprobs=b.rollout_logprobs * att, returns=b.returns * loss, values=b.values * loss,
+    )
+
+
+def _local_max_grad_diff(a, b) -> float:
+    pa = {n: p for c in a.model.chunks for n, p in c.named_parameters()}
+    pb = {n: p for c in b.model.chunks for n, p in c.named_parameters()}
+    diff = torch.tensor(max(float((pa[n].main_grad - pb[n].main_grad).abs().max()) for n in pa))
+    torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)  # every rank's shard
+    return float(diff)
+
+
+def op_packing(case: dict, models: str, work: str) -> dict:
+    """Padded vs token-budget vs packed micro-batches on the same weights and batch: log-probs,
+    entropy, routes, the update's losses and gradients (so_ppo turn ratios with explicit turn ids,
+    R3 replay, KL, entropy bonus, TIS, param_grad clip-bias), then the critic's values and update."""
+    layout = ParallelLayout.from_string(case["layout"])
+    path = os.path.join(models, case["model"])
+
+    def actor(**batching):
+        loss = PolicyLossConfig.from_dict({
+            "name": "so_ppo", "kl_coef": 0.05, "entropy_coef": 0.01, "is_correction": {"mode": "tis"},
+            "clip_bias": {"mode": "param_grad", "apply_to": "lr", "delta": 0.05}, "loss_agg": "seq-mean-token-mean",
+        })
+        return PolicyEngine(path, layout, ActorConfig(
+            loss=loss, optim=OptimConfig(lr=1e-3, clip_grad=0.0, adam_eps=1e-6), routing_replay="r3",
+            batching=BatchingConfig(micro_batch_size=2, mini_batch_size=8, **batching)))
+
+    # budget 72: 3 padded rows of 24 per micro-batch (at dp = 1 one of them a dummy row)
+    variants = {"padded": {}, "budget": {"max_tokens_per_micro_batch": 72},
+                "packed": {"pack_sequences": True, "max_tokens_per_micro_batch": 40}}
+    engines = {k: actor(**v) for k, v in variants.items()}
+    batch = packing_batch()
+    res: dict = {"lengths": batch.attention_mask.sum(1).tolist()}
+    out = {}
+    for k, e in engines.items():
+        r3 = e.compute_logprobs(batch, entropy=True, record_routing=True)  # replays the given routes
+        live = e.compute_logprobs(batch, record_routing=True, replay=False)  # R2's record
+        out[k] = (r3, live)
+    g = torch.Generator().manual_seed(19)
+    ref_lp = out["padded"][0].logprobs
+    train = batch.replace(old_logprobs=ref_lp + 0.3 * torch.randn(ref_lp.shape, generator=g) * batch.loss_mask,
+                          ref_logprobs=ref_lp - 0.05 * batch.loss_mask)
+    metrics = {k: e.update(train) for k, e in engines.items()}
+    keys = ("loss", "pg_loss", "kl_ref", "entropy", "clip_bias/norm", "clip_bias/logprob_norm", "clip_frac",
+            "grad_norm", "turn_ratio/spread", "routing/replay_mismatch_frac", "policy_tokens")
+    for k in ("budget", "packed"):
+        a, b = out["padded"], out[k]
+        res[k] = {
+            "logprobs": float((a[0].logprobs - b[0].logprobs).abs().max()),
+            "entropy": float((a[0].entropy - b[0].entropy).abs().max()),
+            "r3_routes_equal": bool(torch.equal(a[0].routed_experts, b[0].routed_experts)),
+            "live_routes_equal": bool(torch.equal(a[1].routed_experts, b[1].routed_experts)),
+            "metrics": {m: abs(metrics["padded"][m] - metrics[k][m]) for m in keys},
+            "grads": _local_max_grad_diff(engines["padded"], engines[k]),
+            "params": _max_param_diff(params_of(engines["padded"]), params_of(engines[k])),
+        }
+    res["batching"] = {k: {m: v for m, v in metrics[k].items() if m.startswith("batching/")} for k in engines}
+    res["old_batching"] = {k: {m: v for m, v in out[k][0].metrics.items() if m.startswith("batching/")} for k in out}
+    res["update"] = {k: {m: metrics[k][m] for m in keys} for k in engines}
+    del engines, out
+
+    def critic(**batching):
+        return ValueEngine(path, layout, CriticConfig(
+            optim=OptimConfig(lr=1e-3, clip_grad=0.0, adam_eps=1e-6), value_clip=0.2,
+            batching=BatchingConfig(micro_batch_size=2, mini_batch_size=8, **batching)))
+
+    critics = {"padded": critic(), "packed": critic(pack_sequences=True, max_tokens_per_micro_batch=40)}
+    values = {k: c.compute_values(batch) for k, c in critics.items()}
+    cm = {k: c.update(batch.replace(values=values["padded"] + 0.3 * batch.loss_mask)) for k, c in critics.items()}
+    res["critic"] = {
+        "values": float((values["padded"] - values["packed"]).abs().max()),
+        "value_loss": abs(cm["padded"]["value_loss"] - cm["packed"]["value_loss"]),
+        "grads": _local_max_grad_diff(critics["padded"], critics["packed"]),
+        "padding_frac": [cm[k]["batching/padding_frac"] for k in critics],
+        "value_clip_frac": cm["padded"]["value_clip_frac"],
+    }
+    return res
+
+
 def _max_param_diff(a, b) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
@@ -572,6 +670,7 @@ OPS = {
     "ckpt_safety": op_ckpt_safety,
     "bad_input": op_bad_input,
     "diagnostics": op_diagnostics,
+    "packing": op_packing,
 }
 
 

@@ -89,3 +89,41 @@ def test_subprocess_server_skip_tokenizer_init(moe_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_a_mistyped_model_path_is_named_not_taken_for_a_hub_repo(tmp_path):
+    """The path as the user typed it, what is wrong with it, exit code 2, no traceback and no
+    Hugging Face Hub message."""
+    missing = tmp_path / "data" / "synt" / "model"
+    out = subprocess.run([sys.executable, "-m", "sorl_megatron.rollout.server", "--model-path", str(missing)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"error: --model-path '{missing}' does not exist (a local directory is needed; "
+                                  "nothing is downloaded)")
+
+
+def test_model_and_tokenizer_paths_that_are_not_checkpoints(tmp_path, capsys, moe_dir):
+    import pytest
+
+    from sorl_megatron.bridge.hf_config import CheckpointFileError
+    from sorl_megatron.rollout.engine import Engine, EngineConfig
+    from sorl_megatron.rollout.server import main
+
+    a_file, empty = tmp_path / "weights.safetensors", tmp_path / "empty"
+    a_file.write_bytes(b"")
+    empty.mkdir()
+    cases = [
+        (["--model-path", str(a_file)], f"error: --model-path '{a_file}' is not a directory"),
+        (["--model-path", str(empty)], f"error: --model-path '{empty}' is not an HF model checkpoint: "
+                                       f"{empty / 'config.json'} not found"),
+        (["--model-path", str(moe_dir), "--tokenizer-path", str(tmp_path / "tok")],
+         f"error: --tokenizer-path '{tmp_path / 'tok'}' does not exist"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.startswith(message)
+    # the engine checks the same in-process (the trainer's tests and embedders build it directly)
+    with pytest.raises(CheckpointFileError, match=rf"rollout model path '{empty}' is not an HF model checkpoint"):
+        Engine(EngineConfig(model_path=str(empty)))

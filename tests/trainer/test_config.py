@@ -42,6 +42,11 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["algorithm.routing_replay=r4"], r"algorithm.routing_replay: 'r4' is not one of"),
         (["schedule.mini_batch_size=7"], r"schedule.mini_batch_size=7 must divide"),
         (["schedule.micro_batch_size=3"], r"schedule.micro_batch_size=3 must divide"),
+        (["schedule.max_tokens_per_micro_batch=600"],
+         r"schedule.max_tokens_per_micro_batch=600 must be >= rollout.max_total_tokens=640"),
+        (["schedule.max_tokens_per_micro_batch=0"], r"schedule.max_tokens_per_micro_batch=0 must be >="),
+        (["schedule.max_tokens_per_micro_batch=abc"], r"schedule.max_tokens_per_micro_batch must be an integer"),
+        (["schedule.pack_sequences=maybe"], r"schedule.pack_sequences"),
         (["rollout.group_size=1", "schedule.mini_batch_size=8"], r"needs rollout.group_size >= 2"),
         (["rollout.top_p=1.5"], r"rollout.top_p"),
         (["sft.direct_answer_fraction=1.0"], r"sft.direct_answer_fraction must be in \[0, 1\)"),
@@ -159,6 +164,75 @@ def test_missing_and_cyclic_recipes(tmp_path):
         load_recipe(tmp_path / "bad.yaml")
 
 
+_PARENT = ("schedule:\n  total_steps: 7\nmodel:\n  path: m\ndata:\n  train: t.parquet\n"
+           "retrieval:\n  corpus: c.jsonl\n")
+
+
+@pytest.mark.parametrize("defaults", ["base.yaml", "base", "[base]", "[base.yaml]", "\n  - base.yaml"])
+def test_defaults_as_a_string_or_a_list(tmp_path, defaults):
+    """NeMo-RL's loader takes ``defaults: parent.yaml`` (one string) as well as a list."""
+    (tmp_path / "base.yaml").write_text(_PARENT)
+    (tmp_path / "top.yaml").write_text(f"defaults: {defaults}\nrollout:\n  group_size: 2\n")
+    cfg = load_recipe(tmp_path / "top.yaml")
+    assert cfg.schedule.total_steps == 7 and cfg.model.path == "m" and cfg.rollout.group_size == 2
+
+
+def test_a_string_default_chains_and_names_its_file_when_missing(tmp_path):
+    (tmp_path / "base.yaml").write_text(_PARENT)
+    (tmp_path / "mid.yaml").write_text("defaults: base\nschedule:\n  batch_size: 16\n")
+    (tmp_path / "top.yaml").write_text("defaults: mid.yaml\nrollout:\n  group_size: 2\n")
+    cfg = load_recipe(tmp_path / "top.yaml")
+    assert (cfg.schedule.total_steps, cfg.schedule.batch_size) == (7, 16)
+    (tmp_path / "orphan.yaml").write_text("defaults: parent.yaml\n")
+    with pytest.raises(ConfigError, match=rf"recipe {tmp_path / 'parent.yaml'} not found \(listed in the defaults "
+                                          rf"of {tmp_path / 'orphan.yaml'}\)"):
+        load_recipe(tmp_path / "orphan.yaml")
+
+
+@pytest.mark.parametrize("defaults,message", [
+    ("5", r"defaults must be a recipe path or a list of them, got 5"),
+    ("{a: b}", r"defaults must be a recipe path or a list of them"),
+    ("['']", r"defaults entries must be recipe paths \(non-empty strings\), got ''"),
+    ("[[a]]", r"defaults entries must be recipe paths"),
+    ("'/'", r"recipe / not found"),
+])
+def test_bad_defaults_name_the_file(tmp_path, defaults, message):
+    (tmp_path / "r.yaml").write_text(f"defaults: {defaults}\n")
+    with pytest.raises(ConfigError, match=message) as err:
+        load_recipe(tmp_path / "r.yaml")
+    assert "r.yaml" in str(err.value) or "not found" in str(err.value)
+
+
+def test_hydra_style_overrides_add_keys_the_schema_allows():
+    plain = load_recipe(BASE)
+    assert plain.checkpoint.keep_last == 2 and plain.algorithm.loss.kl_coef == 0.0  # not set in the recipe files
+    cfg = load_recipe(BASE, ["+checkpoint.keep_last=5", "++schedule.total_steps=3", "algorithm.loss.kl_coef=0.01",
+                             "+rollout.urls=[http://a:30000]"])
+    assert (cfg.checkpoint.keep_last, cfg.schedule.total_steps, cfg.algorithm.loss.kl_coef) == (5, 3, 0.01)
+    assert cfg.rollout.urls == ["http://a:30000"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("+algorithm.loss.nme=ppo", r"unknown config key\(s\): algorithm.loss.nme \(did you mean algorithm.loss.name\?\)"),
+    ("++schedulee.total_steps=3", r"unknown config key\(s\): schedulee \(did you mean schedule\?\)"),
+    ("+logging.wandb_project=x", r"unknown config key\(s\): logging.wandb_project"),
+    ("+=3", r"override '\+=3' is not key=value, \+key=value or \+\+key=value"),
+    ("+++a=1", r"is not key=value"),
+    ("+ schedule.seed=1", r"is not key=value"),
+    ("+schedule.seed", r"override '\+schedule.seed' is not key=value"),
+    ("~schedule.seed", r"override '~schedule.seed': deleting a key \(~key\) is not supported"),
+])
+def test_bad_hydra_style_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(BASE, [override])
+
+
+def test_packing_frees_the_micro_batch_divisibility():
+    cfg = load_recipe(BASE, ["schedule.pack_sequences=true", "schedule.micro_batch_size=3",
+                             "schedule.max_tokens_per_micro_batch=4096"])
+    assert cfg.schedule.pack_sequences and cfg.schedule.max_tokens_per_micro_batch == 4096
+
+
 def test_zero_periods_and_a_retrieval_url_without_corpus_are_fine():
     cfg = load_recipe(BASE, ["schedule.val_every=0", "checkpoint.save_every=0", "checkpoint.keep_last=0",
                              "retrieval.corpus=''", "retrieval.url=http://localhost:8000/retrieve", "sft.enabled=false",
@@ -238,6 +312,14 @@ def test_layout_checks_against_world_size_and_model(tmp_path):
         validate_layout_for_launch(cfg(ep=3), world_size=3)
     with pytest.raises(ConfigError, match="micro_batch_size x data-parallel size = 4 x 8"):
         validate_layout_for_launch(cfg(), world_size=8)
+    packed = cfg()
+    packed.schedule.pack_sequences = True  # packed rows are dealt to the DP ranks: no row-count rule
+    validate_layout_for_launch(packed, world_size=8)
+    budget = cfg()
+    budget.schedule.max_tokens_per_micro_batch = 2048
+    validate_layout_for_launch(budget, world_size=8)  # 16 rows over 8 DP ranks, micro-batch size from the budget
+    with pytest.raises(ConfigError, match="mini_batch_size=16 must be a multiple of the data-parallel size 32"):
+        validate_layout_for_launch(budget, world_size=32)
     # the expert layout against the world size (megatron/layout.py's rules): EP 4 x PP 2 needs 8 ranks
     with pytest.raises(ConfigError, match=r"parallelism \(tp=1, pp=2, vpp=1, ep=4, etp=None\) at world size 4 .*"
                                           r"ETP x EP x PP = 8"):

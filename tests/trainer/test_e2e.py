@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 import os
 import signal
@@ -294,7 +295,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_resume_after_kill_equals_uninterrupted(tiny_data, shared_servers, server_spy, tmp_path, one_thread):
+def test_resume_after_kill_equals_uninterrupted(tiny_data, shared_servers, server_spy, tmp_path, one_thread, caplog):
     """Run A: 3 steps uninterrupted (in process). Run B: the CLI in a subprocess, SIGKILLed
     once its step-2 checkpoint is complete (its servers must die with it); a half-written
     ``step_3.tmp`` is left behind as a kill mid-save would. Run C: the same command resumed
@@ -350,8 +351,13 @@ def test_resume_after_kill_equals_uninterrupted(tiny_data, shared_servers, serve
     restored = []
     original_restore = trainer.restore
     trainer.restore = lambda path: restored.append(original_restore(path)) or restored[-1]
-    trainer.run()
-    assert restored == [2]
+    with caplog.at_level(logging.INFO, logger="sorl_megatron.trainer"):
+        trainer.run()
+        assert restored == [2]
+        assert f"resuming run killed from step 2 of 3 ({ckpt / 'step_2'})" in caplog.messages
+        caplog.clear()
+        assert _trainer(killed).run() == {}  # the same command once more: finished, says so, does nothing
+        assert caplog.messages[0].startswith(f"run killed is finished: its checkpoint {ckpt / 'step_3'} is at step 3")
     _assert_reaped(server_spy)  # C's embedded servers stopped on normal exit
 
     resumed = read_metrics(tmp_path / "killed")

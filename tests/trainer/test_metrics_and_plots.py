@@ -105,3 +105,12 @@ def test_entry_points_show_the_trainer_log_once(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("PVPO: 3 prompts kept") == 1 and "hidden" not in proc.stderr
+
+
+def test_tokens_per_second_per_pass():
+    from sorl_megatron.trainer.rl_loop import tokens_per_second
+
+    times = {"time/actor_update": 2.0, "time/old_logprobs": 0.5, "time/values": 0.0}
+    got = tokens_per_second(times, {"actor_update": 1000.0, "old_logprobs": 1000.0, "values": 10.0,
+                                    "critic_update": 5.0, "ref_logprobs": None})
+    assert got == {"time/actor_update_tokens_per_s": 500.0, "time/old_logprobs_tokens_per_s": 2000.0}

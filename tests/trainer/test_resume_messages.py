@@ -1,0 +1,83 @@
+"""A run says what it does: starts, resumes from step k of N, or is finished (issue 21)."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from sorl_megatron.bridge.manifest import write_manifest
+from sorl_megatron.engine.checkpoint import FORMAT_VERSION
+from sorl_megatron.trainer.config import load_recipe
+from sorl_megatron.trainer.rl_loop import RLTrainer, start_message
+
+BASE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_search_base.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group(monkeypatch):
+    """A world of one without torch.distributed: init_distributed would leave RANK / MASTER_*
+    in os.environ for the process (the checkpoint helpers work without a group)."""
+    import sorl_megatron.trainer.rl_loop as rl_loop
+
+    monkeypatch.setattr(rl_loop, "init_distributed", lambda: None)
+
+
+def _cfg(tmp_path, *extra):
+    return load_recipe(BASE, [f"logging.dir={tmp_path}", "logging.run_name=mine", "schedule.total_steps=4",
+                              "logging.progress=none", "logging.tensorboard=false", *extra])
+
+
+def _fake_checkpoint(root: Path, step: int) -> Path:
+    """What the trainer reads to decide where a run stands: trainer.json under a verified manifest."""
+    path = root / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / "trainer.json").write_text(json.dumps({"format_version": FORMAT_VERSION, "world_size": 1,
+                                                   "has_critic": False, "actor_step": step, "extra": {"step": step}}))
+    write_manifest(str(path))
+    return path
+
+
+def test_start_resume_and_finished_lines(tmp_path):
+    cfg = _cfg(tmp_path)
+    go, text = start_message(cfg, None, 0)
+    assert go and text == f"starting run mine: 4 RL steps, logs and checkpoints in {tmp_path / 'mine'}"
+    go, text = start_message(cfg, Path("ck/step_2"), 2)
+    assert go and text == "resuming run mine from step 2 of 4 (ck/step_2)"
+    go, text = start_message(cfg, Path("ck/step_4"), 4)
+    assert not go
+    assert text.startswith("run mine is finished: its checkpoint ck/step_4 is at step 4 of schedule.total_steps=4.")
+    assert "schedule.total_steps=8" in text and "checkpoint.resume=none" in text and str(tmp_path / "mine") in text
+    # a checkpoint past a lowered total_steps is finished too; extending means going past it
+    go, text = start_message(cfg, Path("ck/step_6"), 6)
+    assert not go and "step 6 of schedule.total_steps=4" in text and "schedule.total_steps=10" in text
+
+
+@pytest.mark.parametrize("extra,extendable", [([], True), (["optimizer.lr_schedule=cosine"], False),
+                                              (["optimizer.lr_schedule=cosine", "optimizer.decay_steps=100"], True)])
+def test_a_run_whose_lr_decays_over_its_length_is_not_offered_an_extension(tmp_path, extra, extendable):
+    _, text = start_message(_cfg(tmp_path, *extra), Path("ck/step_4"), 4)
+    assert ("schedule.total_steps=8" in text) == extendable
+    assert ("cannot be extended" in text) != extendable
+
+
+def test_a_finished_run_says_so_and_reads_nothing_else(tmp_path, caplog):
+    """The recipe's model and data paths do not exist here: a finished run stops before them."""
+    cfg = _cfg(tmp_path, "model.path=nowhere/model", "data.train=nowhere/train.parquet")
+    _fake_checkpoint(Path(cfg.checkpoint.dir), 2)
+    _fake_checkpoint(Path(cfg.checkpoint.dir), 4)
+    with caplog.at_level(logging.INFO, logger="sorl_megatron.trainer"):
+        assert RLTrainer(cfg).run() == {}
+    [line] = [r.getMessage() for r in caplog.records if r.name == "sorl_megatron.trainer"]
+    assert line.startswith(f"run mine is finished: its checkpoint {Path(cfg.checkpoint.dir) / 'step_4'} is at step 4")
+    assert not (tmp_path / "mine" / "servers").exists() and not (tmp_path / "mine" / "config.yaml").exists()
+
+
+def test_a_run_with_steps_left_announces_the_resume_then_reads_its_inputs(tmp_path, caplog):
+    from sorl_megatron.trainer.inputs import InputError
+
+    cfg = _cfg(tmp_path, "data.train=nowhere/train.parquet")
+    _fake_checkpoint(Path(cfg.checkpoint.dir), 2)
+    with caplog.at_level(logging.INFO, logger="sorl_megatron.trainer"), pytest.raises(InputError, match="nowhere"):
+        RLTrainer(cfg).run()
+    assert f"resuming run mine from step 2 of 4 ({Path(cfg.checkpoint.dir) / 'step_2'})" in caplog.messages
