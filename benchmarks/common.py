@@ -51,20 +51,33 @@ def best_of(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> floa
     return min(times)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(
+    fns: dict[str, Callable[[], object]],
+    repeats: int = 7,
+    warmup: int = 1,
+    prepare: dict[str, Callable[[], object]] | None = None,
+) -> dict[str, list[float]]:
     """Wall times in seconds of each of ``fns`` over ``repeats`` rounds; every round runs each
     once, in alternating order (forward, then reversed), so that drifting load and cache
-    effects fall on all of them alike."""
+    effects fall on all of them alike. ``prepare[name]``, if given, runs untimed right before
+    each call of ``fns[name]``."""
     names = list(fns)
+    prepare = prepare or {}
+
+    def call(name: str) -> float:
+        if name in prepare:
+            prepare[name]()
+        start = time.perf_counter()
+        fns[name]()
+        return time.perf_counter() - start
+
     for _ in range(warmup):
         for name in names:
-            fns[name]()
+            call(name)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         for name in names if r % 2 == 0 else reversed(names):
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(call(name))
     return times
 
 
