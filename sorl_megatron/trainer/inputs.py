@@ -67,10 +67,15 @@ def validate_inputs(
         _file("retrieval.corpus", cfg.retrieval.corpus)
         if check_corpus:
             passages = _corpus(cfg.retrieval.corpus)
+    check_resume_dir(cfg)
+    return InputSummary(train, val, passages)
+
+
+def check_resume_dir(cfg: TrainConfig) -> None:
+    """``checkpoint.resume``, when it names a directory, is one (InputError otherwise)."""
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         raise InputError(f"checkpoint.resume: {resume} is not a directory (auto, none or a checkpoint directory)")
-    return InputSummary(train, val, passages)
 
 
 def _file(key: str, path: str) -> Path:

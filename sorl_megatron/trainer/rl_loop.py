@@ -51,7 +51,7 @@ from ..rollout.agent import AgentConfig, SearchAgent
 from ..rollout.client import RolloutClient, RolloutClientConfig
 from ..rollout.trajectory import Trajectory, collate
 from .config import TrainConfig, dump_config
-from .inputs import validate_inputs
+from .inputs import check_resume_dir, validate_inputs
 from .metrics_log import MetricsLogger, open_wandb
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
 from .rollout_phase import RolloutResult, collect_rollouts, rollout_metrics
@@ -530,14 +530,17 @@ class RLTrainer:
         row), before any server, engine or run directory exists."""
         init_distributed()  # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
         cfg = self.cfg
+        check_resume_dir(cfg)
         resume = self.latest_checkpoint()
         found = self.checkpoint_step(resume) if resume is not None else 0
         go_on, message = start_message(cfg, resume, found)
-        if _rank() == 0:
-            log.info("%s", message)
-        if not go_on:
-            return {}  # finished: no data read, no server started
+        if not go_on:  # finished: said so before reading the data or starting a server
+            if _rank() == 0:
+                log.info("%s", message)
+            return {}
         inputs = validate_inputs(cfg, check_corpus=_rank() == 0, rewards=self.rewards)  # rank 0 alone serves retrieval
+        if _rank() == 0:
+            log.info("%s", message)  # starting / resuming, once the inputs are known to be good
         self.rows, self.val_rows = inputs.train, inputs.val
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
