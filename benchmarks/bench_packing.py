@@ -2,7 +2,7 @@
 
 Two trajectory-length distributions, each one batch through two PolicyEngines built from the
 same weights (one with ``micro_batch_size`` padded rows, one with ``pack_sequences``), whose
-``update`` calls are timed in alternation (ABBA order) over ``--repeats``:
+``update`` calls are timed in alternation (``common.interleaved``) over ``--repeats``:
 
 - ``demo``: the CPU demo's model and trajectories. ``data.synthetic`` writes the demo's data and
   tiny Qwen3-MoE (hidden 128, tied embeddings) into ``--work``; its SFT cold-start
@@ -10,13 +10,15 @@ same weights (one with ``micro_batch_size`` padded rows, one with ``pack_sequenc
   BM25 retriever with the demo's limits (3 turns of <= 32 tokens, observations <= 128, top-1,
   640 tokens). 64 of them (batch 8 x group 8), mini-batch 32, micro-batch 8 and the demo's loss
   (so_grpo, ``param_grad`` clip-bias, delta 1): tiny_search_base.yaml.
-- ``longtail``: 32 trajectories of 100-4000 tokens (log-normal, median ~450), random tokens,
-  alternating 64-token policy turns and observations after a 100-token prompt; mini-batch 16;
-  padded micro-batches of 1 row against packed rows of <= 4096 tokens (about the same memory).
+- ``longtail``: ``--longtail-rows`` (16) trajectories of 100-4000 tokens (log-normal, median
+  ~450), random tokens, alternating 64-token policy turns and observations after a 100-token
+  prompt; two mini-batches; padded micro-batches of 1 row against packed rows of <= 4096
+  tokens (about the same memory).
 
 Prints per distribution the padding fraction of both paths, tokens/s (real tokens / update
-seconds) of each, and the packed/padded ratio's median and min over the repeats, with the load
-average before and after (the ratios are what to compare across machines, not the seconds).
+seconds) of each, and the packed/padded tokens/s ratio (median of the per-round ratios, and of
+the fastest updates), with the load average before and after (the ratios are what to compare
+across machines, not the seconds).
 
     nice -n 10 .venv/bin/python benchmarks/bench_packing.py [--repeats 5] [--only demo|longtail]
 """
@@ -25,23 +27,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import functools
 import random
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from common import interleaved, load
 
 from sorl_megatron.algorithms import PolicyLossConfig
 from sorl_megatron.bridge import ParallelLayout, init_distributed
 from sorl_megatron.engine.actor import ActorConfig, PolicyEngine
 from sorl_megatron.engine.config import BatchingConfig, OptimConfig
 from sorl_megatron.engine.rl_batch import RLBatch
-
-
-def load() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def demo_trajectories(work: Path, n: int, seed: int = 0) -> tuple[str, RLBatch]:
@@ -118,25 +116,24 @@ def measure(name: str, model: str, batch: RLBatch, group: int, mini: int, micro:
     print(f"\n== {name}: {batch.batch_size} trajectories, length min/median/mean/max "
           f"{int(lengths.min())}/{int(lengths.median())}/{lengths.mean():.0f}/{int(lengths.max())}, "
           f"padded length {batch.seq_len}; mini-batch {mini}, padded micro-batch {micro} rows, "
-          f"packed budget {budget or f'{micro} x {batch.seq_len}'} tokens")
-    for k in e:  # warm-up (allocations, first-call costs)
-        e[k].update(batch)
-    rates: dict[str, list[float]] = {k: [] for k in e}
+          f"packed budget {budget or f'{micro} x {batch.seq_len}'} tokens", flush=True)
     stats: dict[str, dict] = {}
+
+    def update(k):
+        stats[k] = e[k].update(batch)
+
     before = load()
-    for r in range(repeats):
-        for k in (("padded", "packed") if r % 2 == 0 else ("packed", "padded")):
-            t0 = time.perf_counter()
-            m = e[k].update(batch)
-            rates[k].append(m["batching/tokens"] / (time.perf_counter() - t0))
-            stats[k] = m
-    ratios = [p / q for p, q in zip(rates["packed"], rates["padded"])]
+    times = interleaved({k: functools.partial(update, k) for k in e}, repeats=repeats, warmup=1)
+    tokens = stats["padded"]["batching/tokens"]
     for k in e:
+        rates = [tokens / t for t in times[k]]
         print(f"{k:7s} padding {stats[k]['batching/padding_frac']:.3f}  micro-batches/update "
-              f"{stats[k]['batching/micro_batches']:.0f}  tokens/s median {statistics.median(rates[k]):8.0f} "
-              f"(all: {', '.join(f'{x:.0f}' for x in rates[k])})")
-    print(f"packed / padded tokens/s: median {statistics.median(ratios):.2f}x  min {min(ratios):.2f}x "
-          f"over {repeats} alternating repeats; load average (1/5/15 min) before {before}, after {load()}")
+              f"{stats[k]['batching/micro_batches']:.0f}  tokens/s median {statistics.median(rates):8.0f} "
+              f"(all: {', '.join(f'{x:.0f}' for x in rates)})")
+    ratios = [p / q for p, q in zip(times["padded"], times["packed"])]  # packed tokens/s over padded
+    print(f"packed / padded tokens/s: median {statistics.median(ratios):.2f}x, of the fastest updates "
+          f"{min(times['padded']) / min(times['packed']):.2f}x, over {repeats} interleaved rounds; "
+          f"before: {before}; after: {load()}", flush=True)
 
 
 def main() -> None:
@@ -144,11 +141,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--work", default="/tmp/sorl_bench_packing", help="where the demo's data and model are made")
     ap.add_argument("--only", choices=("demo", "longtail"))
+    ap.add_argument("--longtail-rows", type=int, default=16, help="trajectories of the long-tailed batch (default 16)")
     ap.add_argument("--demo-budget", type=int, default=None,
                     help="packed row budget for the demo (default: micro-batch size x padded length)")
     args = ap.parse_args()
     init_distributed(timeout_s=600)
-    print(f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, load average {load()}")
+    print(f"torch threads {torch.get_num_threads()}; {load()}")
     model, demo = demo_trajectories(Path(args.work), 64)
     if args.only != "longtail":
         measure("demo", model, demo, group=8, mini=32, micro=8, budget=args.demo_budget, repeats=args.repeats)
@@ -156,7 +154,8 @@ def main() -> None:
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(model).vocab_size
-        measure("longtail", model, longtail_batch(32, vocab), group=8, mini=16, micro=1, budget=4096,
+        n = args.longtail_rows
+        measure("longtail", model, longtail_batch(n, vocab), group=8, mini=n // 2, micro=1, budget=4096,
                 repeats=args.repeats)
 
 

@@ -290,7 +290,9 @@ class PolicyEngine(EngineBase):
         buffers = [b for c in self.model.chunks for b in c.buffers + c.expert_parallel_buffers]
         saved = [b.grad_data.clone() for b in buffers]  # the loss gradient, DP-reduced
         self._zero_grads()
+        replay_stats = self._replay_stats  # routing/* report the loss pass over every micro-batch, not this subset
         self._run(chosen, surrogate_fn, forward_only=False, replay_mode=replay_mode)
+        self._replay_stats = replay_stats
         self.optimizer.prepare_grads()
         norm = float(self.optimizer.get_grad_norm())
         self._zero_grads()
