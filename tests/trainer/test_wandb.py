@@ -81,6 +81,7 @@ def test_offline_run_holds_the_sft_and_rl_curves_beside_unchanged_jsonl(tmp_path
     rl.log(2, {"rollout/reward": 0.75, "val/em": 0.5})
     rl.close()
     run.finish()
+    wandb.teardown()  # the wandb-core service writes the run file on its own time; stopping it flushes it
 
     run_id = (run_dir / WANDB_ID_FILE).read_text().strip()
     [run_file] = list(wandb_env.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
