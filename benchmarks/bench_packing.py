@@ -105,7 +105,10 @@ def engines(model: str, mini: int, micro: int, budget) -> dict[str, PolicyEngine
         batching = BatchingConfig(mini_batch_size=mini, micro_batch_size=micro, pack_sequences=pack,
                                   max_tokens_per_micro_batch=budget if pack else None)
         out[name] = PolicyEngine(model, ParallelLayout(), ActorConfig(
-            loss=loss, optim=OptimConfig(lr=3e-4, clip_grad=1.0), batching=batching))
+            # lr 1e-12: the weights stay put, so every round repeats the same work (the same tokens
+            # clip, the same micro-batches take the param_grad pass); with the demo's 3e-4 the two
+            # engines drift apart and their rounds stop being comparable
+            loss=loss, optim=OptimConfig(lr=1e-12, clip_grad=1.0), batching=batching))
     return out
 
 
