@@ -90,7 +90,7 @@ def iter_owned_hf_weights(
     dense_owner, expert_owner = weight_sync_roles()
     tied = bool(getattr(model.config, "share_embeddings_and_output_weights", False))
     with detached_value_heads(model), torch.no_grad():
-        for chunk in model.unwrapped:
+        for chunk in model.unwrapped():
             local_to_global = bridge._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=True)
             params = dict(chunk.named_parameters())
             extra = {k: v for k, v in chunk.state_dict().items()

@@ -163,7 +163,8 @@ class DistributedSender:
                    lock=contextlib.nullcontext) -> int:
         """Send ``named`` in buckets; returns the bytes this rank sent."""
         if self.group is None:
-            await self.connect()
+            with lock():  # a server joins one group at a time (SGLang's init blocks until it forms)
+                await self.connect()
         sent = 0
         for bucket in buckets(named, bucket_bytes):  # the export's gathers run here, outside the lock
             spec = BucketSpec.of(bucket, self.group_name, flush_cache=False)

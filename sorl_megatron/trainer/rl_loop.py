@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from ..algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
 from ..bridge.model import ModelOptions
 from ..bridge.parallel import init_distributed
-from ..bridge.weights import iter_hf_weights, iter_owned_hf_weights, save_hf_checkpoint, weight_sync_roles
+from ..bridge.weights import iter_hf_weights, save_hf_checkpoint
 from ..common.fp8 import quantize_hf_tensor
 from ..common.http import RetryPolicy, ServerError
 from ..common.typed_config import to_dict
@@ -50,7 +50,6 @@ from ..rewards.registry import RewardRegistry
 from ..rollout.agent import AgentConfig, SearchAgent
 from ..rollout.client import RolloutClient, RolloutClientConfig
 from ..rollout.trajectory import Trajectory, collate
-from ..rollout.weight_sync import DistributedSender, StoreMutex, begin_update, end_update
 from .config import TrainConfig, dump_config
 from .inputs import check_resume_dir, validate_inputs
 from .metrics_log import MetricsLogger, open_wandb
@@ -58,6 +57,7 @@ from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_stat
 from .rollout_phase import RolloutResult, collect_rollouts, rollout_metrics
 from .servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
 from .sft import run_sft
+from .weight_sync import DistributedWeightSync
 
 log = logging.getLogger("sorl_megatron.trainer")
 
@@ -73,15 +73,6 @@ def _broadcast(obj: Any) -> Any:
     box = [obj if _rank() == 0 else None]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank (a collective: every rank calls it)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0])
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item() > 0)
 
 
 def start_message(cfg: TrainConfig, resume: Optional[Path], step: int) -> tuple[bool, str]:
@@ -188,10 +179,8 @@ class RLTrainer:
         self.pvpo: Optional[PVPOState] = None
         self._gold_cache: dict[int, Optional[Trajectory]] = {}  # ground truth by prompt index (None: none usable)
         self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
-        # distributed weight sync: this rank's group with the servers (senders only; first sync)
-        self._sender: Optional[DistributedSender] = None
-        self._sync_peer: Optional[tuple[list[str], Optional[str]]] = None  # (urls, api key) on every rank
-        self.weight_sync_bytes = 0  # sent by this rank in the last sync
+        self._wsync = DistributedWeightSync(cfg.rollout)  # rollout.weight_sync=distributed: groups, senders
+        self.weight_sync_bytes = 0  # sent by this rank in the last distributed sync
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -365,7 +354,8 @@ class RLTrainer:
         self.check_servers(f"the weight sync to version {version}", retrieval=False)
 
         if self.cfg.rollout.weight_sync == "distributed":
-            self._sync_distributed(version)
+            self.weight_sync_bytes = self._wsync.sync(
+                self.actor.model, self.rollout_urls, self.api_keys.get("rollout"), version)
             return
         # external servers get FP8 weights; the embedded ones quantize what they receive themselves
         fp8 = self.cfg.rollout.precision == "fp8" and bool(self.cfg.rollout.urls)
@@ -383,96 +373,6 @@ class RLTrainer:
         else:
             for _ in tensors:  # every rank joins the gathers inside the export
                 pass
-
-    def _sync_client(self) -> RolloutClient:
-        """A sending rank's client: rank 0's servers and key (``_sync_peer``), the recipe's policies."""
-        r = self.cfg.rollout
-        urls, key = self._sync_peer
-        return RolloutClient(RolloutClientConfig(
-            urls=tuple(urls), control_retry=RetryPolicy(timeout_s=r.weight_sync_timeout_s, retries=r.retries),
-            health_retry=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries), api_key=key))
-
-    def _sync_distributed(self, version: str) -> None:
-        """SGLang's distributed update: every rank exports its own part (TP gathers only); the
-        senders (``weight_sync_roles``) broadcast it bucket by bucket to every server in their own
-        group, one bucket on the wire at a time; rank 0 opens and closes the sync. FP8 rollouts
-        get the quantizer's block-FP8 pairs. A failure anywhere fails the sync on every rank,
-        after every rank has finished the export (so no gather is left waiting)."""
-        r = self.cfg.rollout
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        if self._sync_peer is None:
-            self._sync_peer = _broadcast((list(self.rollout_urls), self.api_keys.get("rollout")))
-        dense, expert = weight_sync_roles()
-        sends = dense or expert
-        error: Optional[BaseException] = None
-
-        async def go():
-            client = self._sync_client()
-            try:
-                if self._sender is None:
-                    self._sender = DistributedSender(client, f"sorl_wsync_r{_rank()}", r.weight_sync_init_timeout_s,
-                                                     master_address=r.weight_sync_master_address)
-                self._sender.bind(client)
-                lock = (StoreMutex(torch.distributed.distributed_c10d._get_default_store(), "sorl_wsync_lock",
-                                   r.weight_sync_init_timeout_s) if world > 1 else None)
-                export = iter_owned_hf_weights(self.actor.model)
-                tensors = export
-                if r.precision == "fp8":
-                    tensors = (pair for name, t in export for pair in quantize_hf_tensor(name, t))
-                try:
-                    return await self._sender.send(tensors, r.weight_sync_bucket_mb * 1024**2,
-                                                   **({"lock": lock} if lock else {}))
-                except BaseException:
-                    for _ in export:  # finish the export: this rank's tensor-parallel peers wait on its gathers
-                        pass
-                    raise
-            finally:
-                await client.close()
-
-        if _rank() == 0:
-            try:
-                asyncio.run(self._with_client(begin_update))
-            except BaseException as exc:
-                error = exc
-        failed = _any_rank(error is not None)
-        if not failed:
-            try:
-                if sends:
-                    self.weight_sync_bytes = asyncio.run(go())
-                else:
-                    for _ in iter_owned_hf_weights(self.actor.model):  # the gathers need every rank
-                        pass
-            except BaseException as exc:
-                error = exc
-            failed = _any_rank(error is not None)
-        if _rank() == 0:
-            try:
-                asyncio.run(self._with_client(lambda c: end_update(c, version, ok=not failed)))
-            except BaseException as exc:
-                error = error or exc
-                failed = True
-        if error is not None:
-            raise error
-        if failed:
-            raise RuntimeError(f"the weight sync to version {version} failed on another rank (see its log)")
-
-    def close_weight_sync(self) -> None:
-        """Leave this rank's weight-update group (``/destroy_weights_update_group`` on the servers)."""
-        if self._sender is not None and self._sender.group is not None:
-            sender, self._sender = self._sender, None
-
-            async def go():
-                client = self._sync_client()
-                sender.bind(client)
-                try:
-                    await sender.close()
-                finally:
-                    await client.close()
-
-            try:
-                asyncio.run(go())
-            except Exception as exc:  # the run's own outcome is what matters now
-                log.warning("leaving the weight-update group failed: %s", exc)
 
     async def _with_client(self, fn):
         client = self._rollout_client()
@@ -679,7 +579,7 @@ class RLTrainer:
                 wandb_run=self.wandb_run,
             )
             stack.callback(logger.close)
-            stack.callback(self.close_weight_sync)
+            stack.callback(self._wsync.close)
             if _rank() == 0:
                 self.rollout_urls = list(cfg.rollout.urls) or [servers.start(rollout_server_spec(
                     policy_path, cfg.rollout.precision, cfg.algorithm.routing_replay == "r3", cfg.schedule.seed))]
