@@ -49,6 +49,7 @@ _EXPORTS = {
     "init_parallel": "parallel",
     "iter_hf_weight_buckets": "weights",
     "iter_hf_weights": "weights",
+    "iter_owned_hf_weights": "weights",
     "load_hf_weights": "weights",
     "save_hf_checkpoint": "weights",
 }

@@ -40,7 +40,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from ..bridge.hf_config import require_hf_dir
 from ..common.protocol import GenRequest, encode_routed_experts
 from .precision import Precision, apply_precision
-from .weights import check_compatible, read_checkpoint
+from .weights import WeightError, check_bucket, check_compatible, dequantize_fp8_pairs, read_checkpoint
 
 log = logging.getLogger("sorl_megatron.rollout.engine")
 transformers.utils.logging.disable_progress_bar()
@@ -152,6 +152,8 @@ class Engine:
         self._pending_version: str | None = None  # applied with the weights at end_update
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        self._groups: dict[str, tuple[Any, threading.Lock]] = {}  # weight-update groups by name
+        self._groups_lock = threading.Lock()
         self.num_waves = 0
 
     # ----- model -----
@@ -184,6 +186,11 @@ class Engine:
         return self
 
     def stop(self) -> None:
+        with self._groups_lock:
+            groups = [g for g, _ in self._groups.values() if g is not None]
+            self._groups.clear()
+        for g in groups:
+            g.destroy()
         self._stop.set()
         self._queue.put(None)
         self._thread.join(timeout=30)
@@ -245,6 +252,7 @@ class Engine:
         return "weight update begun"
 
     def update_from_tensors(self, named: dict[str, torch.Tensor], weight_version: str | None) -> str:
+        named = dequantize_fp8_pairs(named, self.cfg.fp8_block_size)  # an FP8 export's pairs -> float32
         check_compatible(self.state, named, full=False)
         for k, v in named.items():
             self.state[k] = v.detach().to(torch.float32).clone()
@@ -267,6 +275,67 @@ class Engine:
             return f"weight_version {version} takes effect at /end_weight_update"
         self.weight_version = version
         return f"weight_version set to {version}"
+
+    # ----- distributed weight updates (HTTP worker threads; the scheduler keeps generating) -----
+
+    def init_weights_group(self, spec: Any, timeout_s: float) -> str:
+        """Join ``spec`` (a ``GroupSpec``) as rank ``rank_offset``; returns once every member has."""
+        from ..common.weight_group import WeightGroup
+
+        with self._groups_lock:
+            if spec.group_name in self._groups:
+                raise WeightError(f"group_name {spec.group_name!r} is already initialized (destroy it first)")
+            self._groups[spec.group_name] = (None, threading.Lock())  # reserved while it forms
+        try:
+            group = WeightGroup(spec, spec.rank_offset, timeout_s)
+        except BaseException:
+            with self._groups_lock:
+                self._groups.pop(spec.group_name, None)
+            raise
+        with self._groups_lock:
+            self._groups[spec.group_name] = (group, self._groups[spec.group_name][1])
+        return f"joined weight-update group {spec.group_name!r} as rank {spec.rank_offset} of {spec.world_size}"
+
+    def _group(self, name: str) -> tuple[Any, threading.Lock]:
+        with self._groups_lock:
+            entry = self._groups.get(name)
+        if entry is None or entry[0] is None:
+            known = sorted(k for k, v in self._groups.items() if v[0] is not None)
+            raise WeightError(
+                f"group_name {name!r} is not initialized (call /init_weights_update_group first; "
+                f"initialized: {known})"
+            )
+        return entry
+
+    def receive_bucket(self, spec: Any) -> dict[str, torch.Tensor]:
+        """Receive one announced bucket (a ``BucketSpec``) from its group's rank 0.
+
+        The bucket is checked against the served weights before anything is received; a
+        broadcast that fails or times out drops the group (the trainer must re-initialize it)
+        and leaves the weights unchanged: the tensors are applied only by ``update_from_tensors``.
+        """
+        group, lock = self._group(spec.group_name)
+        check_bucket(self.state, spec.names, spec.dtypes, spec.shapes, self.cfg.fp8_block_size)
+        timeout = group.timeout.total_seconds()
+        if not lock.acquire(timeout=timeout):
+            raise WeightError(f"group {spec.group_name!r} is busy with another bucket for more than {timeout:g} s")
+        try:
+            tensors = [torch.empty(s, dtype=d) for s, d in zip(spec.shapes, spec.dtypes)]
+            try:
+                group.broadcast(tensors)
+            except Exception:
+                self.destroy_weights_group(spec.group_name)
+                raise
+        finally:
+            lock.release()
+        return dict(zip(spec.names, tensors))
+
+    def destroy_weights_group(self, name: str) -> str:
+        group, _ = self._group(name)
+        with self._groups_lock:
+            self._groups.pop(name, None)
+        group.destroy()
+        return f"destroyed weight-update group {name!r}"
 
     def _apply_pending(self) -> None:
         # The served model and the version it reports change together, between waves.

@@ -3,8 +3,10 @@
     python -m sorl_megatron.rollout.server --model-path DIR --port 30000
 
 Answers the subset of SGLang's native HTTP API that RL rollouts use (docs/rollout.md):
-``/generate`` (single and batch, ``n``, log-probs, routed experts), weight updates from disk
-and from tensors (between ``/begin_weight_update`` and ``/end_weight_update``),
+``/generate`` (single and batch, ``n``, log-probs, routed experts), weight updates from disk,
+from tensors and through a torch.distributed group (``/init_weights_update_group``,
+``/update_weights_from_distributed``, ``/destroy_weights_update_group``; gloo on CPU),
+between ``/begin_weight_update`` and ``/end_weight_update``,
 ``/flush_cache``, ``/health``, ``/model_info``. A malformed request gets HTTP 400 with
 ``{"error": {"message": ...}}``; an internal failure gets 500; neither stops the server.
 """
@@ -60,6 +62,7 @@ class ServerOptions:
         max_tokens_per_request: most tokens one ``/generate`` may ask for: the sum over its
             sequences of prompt tokens plus ``max_new_tokens`` (capped by the context length).
         api_key: when set, every endpoint but ``/health*`` needs ``Authorization: Bearer <key>``.
+        weight_group_timeout_s: bound on joining a weight-update group and on each broadcast in it.
     """
 
     max_body_mb: int = 64
@@ -67,11 +70,14 @@ class ServerOptions:
     max_prompts_per_request: int = 1024
     max_tokens_per_request: int = 1 << 20
     api_key: str | None = field(default=None, repr=False)
+    weight_group_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("max_body_mb", "max_weight_body_mb", "max_prompts_per_request", "max_tokens_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.weight_group_timeout_s < float("inf"):
+            raise ValueError(f"weight_group_timeout_s must be > 0 seconds, got {self.weight_group_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no authentication)")
 
@@ -235,6 +241,7 @@ def _result(ok: bool, msg: str, status: int | None = None) -> web.Response:
 
 
 def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Application:
+    from ..common.weight_group import BucketSpec, GroupSpec, WeightGroupError, parse_group_name
     from .weights import WeightError, deserialize_named_tensors  # torch: after --help, like the engine
 
     opts = opts or ServerOptions()
@@ -337,6 +344,31 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
         version = _version(body)
         return lambda: engine.update_from_tensors(named, version)
 
+    def group_handler(parse, work, apply=None):
+        """A distributed-update endpoint: ``parse(body)`` checks the request (400 on a bad one),
+        ``work(parsed)`` runs in a thread of its own (it waits on the other group members), then
+        ``apply(parsed, result)``, if given, on the scheduler thread between waves."""
+
+        async def handler(request: web.Request) -> web.Response:
+            try:
+                body = await read_json(request, body_limit, "--max-body-mb")
+                if not isinstance(body, dict):
+                    raise ProtocolError("body must be a JSON object")
+                parsed = parse(body)
+                msg = result = await asyncio.to_thread(work, parsed)
+                if apply is not None:
+                    msg = await run_control(lambda: apply(parsed, result))
+            except BodyError as exc:
+                return _result(False, str(exc), exc.status)
+            except (ProtocolError, WeightError, WeightGroupError) as exc:
+                return _result(False, str(exc))
+            except Exception as exc:
+                log.exception("distributed weight update failed")
+                return _result(False, f"{type(exc).__name__}: {exc}", 500)
+            return _result(True, msg)
+
+        return handler
+
     def set_version(body: dict):
         v = _version(body, "new_version")
         if v is None:
@@ -368,6 +400,7 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
                 **engine.cfg.__dict__,
                 **engine.info(),
                 **opts.public(),
+                "tp_size": 1,  # ranks this server holds in a weight-update group
                 "num_waves": engine.num_waves,
                 "num_tracked_aborts": engine.num_tracked_aborts,
             }
@@ -399,6 +432,15 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
         "/update_weights_from_tensor", weight_handler(from_tensor, weight_limit, "--max-weight-body-mb")
     )
     r.add_post("/end_weight_update", weight_handler(lambda b: engine.end_update))
+    r.add_post(
+        "/init_weights_update_group",
+        group_handler(GroupSpec.from_json, lambda spec: engine.init_weights_group(spec, opts.weight_group_timeout_s)),
+    )
+    r.add_post("/update_weights_from_distributed", group_handler(
+        # the weights are untouched until the whole bucket is here
+        BucketSpec.from_json, engine.receive_bucket, lambda spec, named: engine.update_from_tensors(
+            named, spec.weight_version)))
+    r.add_post("/destroy_weights_update_group", group_handler(parse_group_name, engine.destroy_weights_group))
     r.add_post("/update_weight_version", weight_handler(set_version))
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_get("/health", health)
@@ -521,6 +563,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1 << 20,
         help="most tokens one /generate may ask for: prompt + max_new_tokens per sequence, summed (default 1048576)",
     )
+    p.add_argument(
+        "--weight-group-timeout-s",
+        type=float,
+        default=600.0,
+        help="bound in seconds on joining a weight-update group and on each broadcast in it (default 600)",
+    )
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)
     if args.api_key is None:
@@ -566,6 +614,7 @@ def main(argv: list[str] | None = None) -> None:
         max_prompts_per_request=args.max_prompts_per_request,
         max_tokens_per_request=args.max_tokens_per_request,
         api_key=args.api_key,
+        weight_group_timeout_s=args.weight_group_timeout_s,
     )
     engine = Engine(cfg).start()
     log.info(

@@ -112,3 +112,66 @@ def deserialize_named_tensors(payload: str, load_format: str | None) -> dict[str
             raise WeightError("torch payload must be a list of (name, tensor) pairs or a dict")
         out[item[0]] = item[1]
     return out
+
+
+def _scale_shape(shape: tuple[int, ...], block: int) -> tuple[int, int]:
+    return (-(-shape[0] // block), -(-shape[1] // block))
+
+
+def check_bucket(
+    current: dict[str, torch.Tensor],
+    names: tuple[str, ...],
+    dtypes: tuple[torch.dtype, ...],
+    shapes: tuple[tuple[int, ...], ...],
+    block: int = 128,
+) -> None:
+    """Check an announced bucket (names, dtypes, shapes) before any byte of it is received.
+
+    Every name must be served with that shape, floating point; an FP8 weight (``float8_e4m3fn``)
+    must come with its ``<name>_scale_inv`` (float32, one entry per ``block x block`` tile) in the
+    same bucket, as the FP8 export writes them.
+    """
+    announced = dict(zip(names, zip(dtypes, shapes)))
+    for name, (dtype, shape) in announced.items():
+        if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in announced:
+            base_dtype, base_shape = announced[name.removesuffix("_scale_inv")]
+            if base_dtype != torch.float8_e4m3fn or len(base_shape) != 2:
+                raise WeightError(f"{name}: a scale for a weight that is not a 2-D float8_e4m3fn tensor")
+            if dtype != torch.float32 or shape != _scale_shape(base_shape, block):
+                raise WeightError(
+                    f"{name}: expected float32 {_scale_shape(base_shape, block)} ({block}x{block} blocks), "
+                    f"got {str(dtype).removeprefix('torch.')} {shape}"
+                )
+            continue
+        if name not in current:
+            raise WeightError(
+                f"unknown weight name {name!r}; expected HF checkpoint names like {next(iter(current))!r}"
+            )
+        if shape != tuple(current[name].shape):
+            raise WeightError(f"weight {name}: shape {shape} does not match the served {tuple(current[name].shape)}")
+        if not dtype.is_floating_point:
+            raise WeightError(f"weight {name}: dtype {dtype} is not floating point")
+        if dtype == torch.float8_e4m3fn and f"{name}_scale_inv" not in announced:
+            raise WeightError(f"FP8 weight {name} comes without {name}_scale_inv in the same bucket")
+
+
+def dequantize_fp8_pairs(named: dict[str, torch.Tensor], block: int = 128) -> dict[str, torch.Tensor]:
+    """Fold FP8 ``(<name>, <name>_scale_inv)`` pairs (the FP8 export's layout) into float32 weights;
+    other tensors pass through. A weight without its scale, or a scale without its weight, is an error."""
+    from ..common.fp8 import FP8_DTYPE, dequantize_block_fp8
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named.items():
+        if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in named:
+            continue
+        if t.dtype == FP8_DTYPE:
+            scale = named.get(f"{name}_scale_inv")
+            if scale is None:
+                raise WeightError(f"FP8 weight {name} comes without {name}_scale_inv in the same bucket")
+            try:
+                out[name] = dequantize_block_fp8(t, scale, torch.float32, (block, block))
+            except ValueError as exc:
+                raise WeightError(f"{name}: {exc}") from None
+        else:
+            out[name] = t
+    return out

@@ -98,7 +98,15 @@ class RolloutConfig:
     # ... per GET /health, asked before each phase (rollout, weight sync, validation, PVPO pass)
     health_timeout_s: float = 10.0
     retries: int = 2  # extra attempts after a refused connection or a 5xx answer (never after a timeout)
-    weight_sync: Literal["tensor", "disk"] = "tensor"
+    # distributed: SGLang's /update_weights_from_distributed (a gloo/NCCL group with the servers;
+    # each pipeline stage and expert owner sends its own tensors); tensor: HTTP bodies from rank 0
+    # (embedded servers only); disk: an HF checkpoint the servers reload (docs/rollout.md)
+    weight_sync: Literal["distributed", "tensor", "disk"] = "distributed"
+    weight_sync_bucket_mb: int = 512  # tensors per /update_weights_from_distributed (a larger one goes alone)
+    # bound on forming the weight-update group and on each broadcast in it
+    weight_sync_init_timeout_s: float = 120.0
+    # the address the servers reach the sending ranks at (null: the route towards the first server)
+    weight_sync_master_address: Optional[str] = None
 
 
 @dataclass
@@ -384,7 +392,16 @@ def _check_values(cfg: TrainConfig) -> None:
     r = cfg.rollout
     for key in ("group_size", "max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "concurrency"):
         _positive_int(f"rollout.{key}", getattr(r, key))
+    _positive_int("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
+    if r.weight_sync_master_address is not None and (
+        not r.weight_sync_master_address or any(c.isspace() for c in r.weight_sync_master_address)
+    ):
+        raise ConfigError(
+            "rollout.weight_sync_master_address must be a host name or IP address, "
+            f"got {r.weight_sync_master_address!r}"
+        )
     for key in ("rollout.timeout_s", "rollout.weight_sync_timeout_s", "rollout.health_timeout_s",
+                "rollout.weight_sync_init_timeout_s",
                 "retrieval.timeout_s", "retrieval.health_timeout_s"):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)

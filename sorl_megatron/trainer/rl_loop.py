@@ -57,6 +57,7 @@ from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_stat
 from .rollout_phase import RolloutResult, collect_rollouts, rollout_metrics
 from .servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
 from .sft import run_sft
+from .weight_sync import DistributedWeightSync
 
 log = logging.getLogger("sorl_megatron.trainer")
 
@@ -178,6 +179,8 @@ class RLTrainer:
         self.pvpo: Optional[PVPOState] = None
         self._gold_cache: dict[int, Optional[Trajectory]] = {}  # ground truth by prompt index (None: none usable)
         self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
+        self._wsync = DistributedWeightSync(cfg.rollout)  # rollout.weight_sync=distributed: groups, senders
+        self.weight_sync_bytes = 0  # sent by this rank in the last distributed sync
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -350,6 +353,10 @@ class RLTrainer:
         version = f"step_{step}"
         self.check_servers(f"the weight sync to version {version}", retrieval=False)
 
+        if self.cfg.rollout.weight_sync == "distributed":
+            self.weight_sync_bytes = self._wsync.sync(
+                self.actor.model, self.rollout_urls, self.api_keys.get("rollout"), version)
+            return
         # external servers get FP8 weights; the embedded ones quantize what they receive themselves
         fp8 = self.cfg.rollout.precision == "fp8" and bool(self.cfg.rollout.urls)
         if self.cfg.rollout.weight_sync == "disk":
@@ -572,6 +579,7 @@ class RLTrainer:
                 wandb_run=self.wandb_run,
             )
             stack.callback(logger.close)
+            stack.callback(self._wsync.close)
             if _rank() == 0:
                 self.rollout_urls = list(cfg.rollout.urls) or [servers.start(rollout_server_spec(
                     policy_path, cfg.rollout.precision, cfg.algorithm.routing_replay == "r3", cfg.schedule.seed))]

@@ -653,6 +653,77 @@ def op_packing(case: dict, models: str, work: str) -> dict:
     return res
 
 
+def op_wsync(case: dict, models: str, work: str) -> dict:
+    """Distributed weight sync at this layout to two embedded servers (on rank 0): after it,
+    every server's prompt log-probs equal the trainer's (fp32), or (fp8) every served weight
+    is the quantizer's output of the trainer's weight; bytes sent per rank."""
+    import asyncio
+
+    from sorl_megatron.bridge.weights import weight_sync_roles
+    from sorl_megatron.common.fp8 import dequantize_hf_state_dict, quantize_hf_tensor
+    from sorl_megatron.rollout.client import RolloutClient
+    from sorl_megatron.rollout.engine import EngineConfig
+    from sorl_megatron.rollout.server import ServerOptions, start_rollout_server
+    from sorl_megatron.trainer.config import RolloutConfig
+    from sorl_megatron.trainer.weight_sync import DistributedWeightSync
+
+    precision = case.get("precision", "fp32")
+    path = os.path.join(models, case["model"])
+    actor = PolicyEngine(path, ParallelLayout.from_string(case["layout"]), actor_config())
+    g = torch.Generator().manual_seed(100)  # one seed on every rank: replicated tensors stay equal
+    with torch.no_grad():  # move every shard away from the checkpoint the servers hold
+        for chunk in actor.model.chunks:
+            for p in chunk.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
+    servers = []
+    if rank() == 0:
+        opts = ServerOptions(weight_group_timeout_s=60)
+        servers = [start_rollout_server(EngineConfig(model_path=path, precision=precision, skip_tokenizer_init=True),
+                                        options=opts) for _ in range(2)]
+    sync = DistributedWeightSync(RolloutConfig(precision=precision, weight_sync_bucket_mb=1,
+                                               weight_sync_init_timeout_s=60))
+    try:
+        sent = sync.sync(actor.model, [s.url for s in servers], None, "step_1")
+        sent_by_rank = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(sent_by_rank, (sent, weight_sync_roles()))
+        full = params_of(actor)  # the trainer's whole model, for the checks only
+        res: dict = {"sent_by_rank": sent_by_rank, "total_bytes": sum(v.numel() * 4 for v in full.values())}
+        batch = make_batch(rows=4, seq=12, seed=3)
+        lp = actor.compute_logprobs(batch).logprobs
+        if rank() == 0:
+            res["versions"] = [s.engine.weight_version for s in servers]
+            if precision == "fp8":
+                expected = dequantize_hf_state_dict(dict(
+                    pair for n, t in full.items() for pair in quantize_hf_tensor(n, t)))
+                res["max_weight_diff"] = max(
+                    (s.engine.state[k] - v).abs().max().item() for s in servers for k, v in expected.items())
+                res["quantized"] = sum(t.dtype == torch.float8_e4m3fn for n, t in (
+                    pair for n, t in full.items() for pair in quantize_hf_tensor(n, t)))
+            else:
+                res["max_weight_diff"] = max(
+                    (s.engine.state[k] - v).abs().max().item() for s in servers for k, v in full.items())
+
+                async def server_lp(url):
+                    out = []
+                    async with RolloutClient(url) as c:
+                        for i in range(batch.batch_size):
+                            n = int(batch.attention_mask[i].sum())
+                            body = {"input_ids": batch.input_ids[i, :n].tolist(), "return_logprob": True,
+                                    "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 1}}
+                            obj = await c._post_generate(body)
+                            obj = obj[0] if isinstance(obj, tuple) else obj
+                            got = [x[0] for x in obj["meta_info"]["input_token_logprobs"][1:]]
+                            out.append((torch.tensor(got) - lp[i, 1:n]).abs().max().item())
+                    return max(out)
+
+                res["max_logprob_diff"] = max(asyncio.run(server_lp(s.url)) for s in servers)
+    finally:
+        sync.close()
+        for s in servers:
+            s.stop()
+    return res
+
+
 def _max_param_diff(a, b) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
@@ -671,6 +742,7 @@ OPS = {
     "bad_input": op_bad_input,
     "diagnostics": op_diagnostics,
     "packing": op_packing,
+    "wsync": op_wsync,
 }
 
 

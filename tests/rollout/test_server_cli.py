@@ -34,6 +34,7 @@ FLAGS = [
     "--max-weight-body-mb",
     "--max-prompts-per-request",
     "--max-tokens-per-request",
+    "--weight-group-timeout-s",
     "--log-level",
 ]
 

@@ -106,6 +106,10 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["rollout.urls=[http://a:99999]"], r"rollout.urls\[0\]: 'http://a:99999' is not a valid URL"),
         (["retrieval.url=ftp://x"], r"retrieval.url: 'ftp://x' is not an http\(s\) URL"),
         (["retrieval.url=http://"], r"retrieval.url: 'http://' is not an http\(s\) URL with a host"),
+        (["rollout.weight_sync=nccl"], r"rollout.weight_sync.*'nccl'.*distributed"),
+        (["rollout.weight_sync_bucket_mb=0"], r"rollout.weight_sync_bucket_mb"),
+        (["rollout.weight_sync_init_timeout_s=0"], r"rollout.weight_sync_init_timeout_s must be > 0 seconds"),
+        (["rollout.weight_sync_master_address='a b'"], r"rollout.weight_sync_master_address must be a host name"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
@@ -555,3 +559,8 @@ def test_defaults_may_name_recipes_with_dots(tmp_path):
     (tmp_path / "qwen2.5_base.yaml").write_text(BASE.read_text())
     (tmp_path / "top.yaml").write_text("defaults: [qwen2.5_base]\nschedule:\n  total_steps: 3\n")
     assert load_recipe(tmp_path / "top.yaml").schedule.total_steps == 3
+
+
+def test_weight_sync_defaults_to_distributed():
+    r = load_recipe(BASE, []).rollout
+    assert (r.weight_sync, r.weight_sync_bucket_mb, r.weight_sync_master_address) == ("distributed", 512, None)

@@ -1,0 +1,252 @@
+"""The trainer's end of SGLang's distributed weight update: one sending rank, all servers.
+
+Each sending rank (a pipeline stage's tensor-parallel rank 0 for its dense layers, each
+expert-parallel owner for its experts) owns one group, ``<prefix>_r<rank>``: itself as rank 0
+plus every server rank (``rank_offset`` = 1 + the ranks of the servers before it, a server
+holding its ``tp_size`` ranks). Per bucket (at most ``bucket_bytes``, a larger tensor alone) it
+posts ``/update_weights_from_distributed`` (names, dtypes, shapes) to every server and
+broadcasts the tensors meanwhile, so no rank ever holds more than its own shard plus one bucket.
+
+Buckets of different senders never overlap: a sender holds ``lock`` (a mutex shared by the
+senders, see ``StoreMutex``) only while one bucket is on the wire, never during a gather of
+the export, so a server is never asked to take part in two broadcasts at once (which a real
+SGLang server, handling weight updates one at a time, could not) and no gather waits on it.
+Every server must take in the whole model whichever rank sends it, so its inbound link
+bounds the sync; senders in parallel would not make it faster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from urllib.parse import urlsplit
+
+import torch
+
+from ..common.http import RequestRejectedError, RetryPolicy, ServerError, request
+from ..common.weight_group import BucketSpec, GroupSpec, WeightGroup, WeightGroupError
+from .client import RolloutClient
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group ``named`` into lists of at most ``bucket_bytes`` (a larger tensor alone); an FP8
+    weight and its ``_scale_inv`` (consecutive, as the quantizer yields them) stay together."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        pair = bucket and name == f"{bucket[-1][0]}_scale_inv"
+        if bucket and not pair and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def address_towards(url: str) -> str:
+    """This host's address on the route to ``url``'s host (no packet is sent)."""
+    host = urlsplit(url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+class StoreMutex:
+    """A mutex over a torch ``Store`` shared by the sending ranks (the training world's store):
+    ``compare_set`` claims it; every wait is bounded by ``timeout_s``."""
+
+    def __init__(self, store, key: str, timeout_s: float):
+        self.store, self.key, self.timeout_s = store, key, timeout_s
+        self.token = uuid.uuid4().hex
+
+    @contextlib.contextmanager
+    def __call__(self):
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0005
+        while self.store.compare_set(self.key, "", self.token).decode() != self.token:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"another sending rank held the weight-sync lock for more than {self.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        try:
+            yield
+        finally:
+            self.store.compare_set(self.key, self.token, "")
+
+
+class DistributedSender:
+    """One sending rank's group with every server: ``connect`` once, ``send`` per sync, ``close``.
+
+    ``init_timeout_s`` bounds the group's formation and each broadcast; ``client``'s control
+    policy bounds each HTTP call, which is never retried (a bucket must be received once).
+    """
+
+    def __init__(self, client: RolloutClient, group_name: str, init_timeout_s: float, backend: str | None = None,
+                 master_address: str | None = None):
+        self.group_name = group_name
+        self.timeout_s = init_timeout_s
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.master_address = master_address or address_towards(client.cfg.urls[0])
+        self.group: WeightGroup | None = None
+        self.bytes_sent = 0
+        self.bind(client)
+
+    def bind(self, client: RolloutClient) -> None:
+        """Talk HTTP through ``client`` from now on (a client lives in one event loop; the group
+        outlives it, from one sync to the next)."""
+        self.client = client
+        p = client.cfg.control_retry
+        self._once = RetryPolicy(timeout_s=p.timeout_s, retries=0, connect_timeout_s=p.connect_timeout_s)
+
+    async def _post_all(self, path: str, body: dict, policy: RetryPolicy | None = None) -> None:
+        """POST to every server at once, never retried; an answer with success false is an error."""
+        sess, urls = self.client._sess(), self.client.cfg.urls
+
+        async def one(url: str):
+            out = await request(sess, "POST", f"{url}{path}", body, policy or self._once)
+            if isinstance(out, dict) and out.get("success") is False:
+                raise RequestRejectedError(f"POST {url}{path}: {out.get('message')}", 400)
+
+        results = await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            kind = RequestRejectedError if any(isinstance(e, RequestRejectedError) for e in errors) else ServerError
+            msg = f"{path} failed on {len(errors)}/{len(urls)} rollout server(s): " + "; ".join(map(str, errors))
+            raise (kind(msg, 400) if kind is RequestRejectedError else kind(msg))
+
+    async def connect(self) -> None:
+        """Form the group: ask each server's ranks, post ``/init_weights_update_group`` to all,
+        and join as rank 0 meanwhile; bounded by ``init_timeout_s``."""
+        from torch.distributed import TCPStore
+
+        sess = self.client._sess()
+        infos = await asyncio.gather(*(  # SGLang's /get_server_info holds its server args (tp_size)
+            request(sess, "GET", f"{u}/get_server_info", None, self.client.cfg.control_retry)
+            for u in self.client.cfg.urls))
+        offsets, world = [], 1
+        for u, info in zip(self.client.cfg.urls, infos):
+            offsets.append(world)
+            world += int(info.get("tp_size") or 1)
+        store = TCPStore(self.master_address, 0, world, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=self.timeout_s))
+        base = GroupSpec(self.master_address, int(store.port), 1, world, self.group_name, self.backend)
+        policy = RetryPolicy(timeout_s=self.timeout_s + 30, retries=0)
+
+        async def init(url: str, offset: int):
+            body = {**base.to_json(), "rank_offset": offset}
+            out = await request(sess, "POST", f"{url}/init_weights_update_group", body, policy)
+            if isinstance(out, dict) and out.get("success") is False:
+                raise RequestRejectedError(f"POST {url}/init_weights_update_group: {out.get('message')}", 400)
+
+        posts = asyncio.ensure_future(asyncio.gather(*(init(u, o) for u, o in zip(self.client.cfg.urls, offsets))))
+        join = asyncio.ensure_future(asyncio.to_thread(WeightGroup, base, 0, self.timeout_s, store))
+        done, _ = await asyncio.wait({posts, join}, return_when=asyncio.FIRST_EXCEPTION)
+        if posts in done and posts.exception() is not None:
+            join.add_done_callback(lambda f: f.exception() or f.result().destroy())  # it ends at its timeout
+            raise WeightGroupError(f"a rollout server refused the weight-update group: {posts.exception()}")
+        self.group = await join  # raises WeightGroupError after the timeout
+        await posts
+
+    async def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                   lock=contextlib.nullcontext) -> int:
+        """Send ``named`` in buckets; returns the bytes this rank sent."""
+        if self.group is None:
+            with lock():  # a server joins one group at a time (SGLang's init blocks until it forms)
+                await self.connect()
+        sent = 0
+        for bucket in buckets(named, bucket_bytes):  # the export's gathers run here, outside the lock
+            spec = BucketSpec.of(bucket, self.group_name, flush_cache=False)
+            with lock():
+                await self._send_bucket(spec, [t for _, t in bucket])
+            sent += spec.nbytes
+        self.bytes_sent += sent
+        return sent
+
+    async def _send_bucket(self, spec: BucketSpec, tensors: list[torch.Tensor]) -> None:
+        group = self.group
+        posts = asyncio.ensure_future(self._post_all("/update_weights_from_distributed", spec.to_json()))
+        cast = _in_daemon_thread(group.broadcast, tensors)
+        done, _ = await asyncio.wait({posts, cast}, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((f for f in (posts, cast) if f in done and f.exception() is not None), None)
+        if failed is not None:
+            for f in (posts, cast):  # the other one's outcome is the same failure seen from elsewhere
+                f.add_done_callback(lambda f: f.cancelled() or f.exception())
+            # the group is unusable now (a member left a broadcast half done): drop it, so that
+            # the next sync forms a new one; the broadcast thread ends at the group's timeout
+            self.group = None
+            threading.Thread(target=_destroy_after, args=(cast, group), daemon=True).start()
+            raise failed.exception()
+        await posts
+        await cast
+
+    async def close(self) -> None:
+        """``/destroy_weights_update_group`` on every server (short health policy), then leave."""
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        try:
+            await self._post_all("/destroy_weights_update_group", {"group_name": self.group_name},
+                                 self.client.cfg.health_retry)
+        except ServerError:
+            pass  # a server that is gone has no group to destroy
+        finally:
+            group.destroy()
+
+
+def _in_daemon_thread(fn, *args) -> asyncio.Future:
+    """``fn(*args)`` in a daemon thread (not the loop's executor, which ``asyncio.run`` waits for:
+    a broadcast abandoned after a refused bucket must not hold the error until its timeout)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not fut.done():
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def target() -> None:
+        try:
+            out = (True, fn(*args))
+        except BaseException as exc:  # handed to the awaiting coroutine
+            out = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, *out)
+
+    threading.Thread(target=target, daemon=True, name="weight-sync-broadcast").start()
+    return fut
+
+
+def _destroy_after(fut: asyncio.Future, group: WeightGroup) -> None:
+    deadline = time.monotonic() + group.timeout.total_seconds() + 5
+    while not fut.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    group.destroy()
+
+
+async def begin_update(client: RolloutClient) -> None:
+    """Open a sync on every server (SGLang 0.5.x takes distributed updates between begin and end)."""
+    await client._all("POST", "/begin_weight_update", {"selector": "all"})
+
+
+async def end_update(client: RolloutClient, version: str, ok: bool = True) -> None:
+    """Label the sync ``version`` and close it (the servers switch weights and version together),
+    then drop their prefix caches. After a failed sync (``ok`` false) only close it, waiting on a
+    hung server no longer than the health policy."""
+    if not ok:
+        with contextlib.suppress(ServerError):
+            await client._all("POST", "/end_weight_update", {}, policy=client.cfg.health_retry)
+        return
+    await client._all("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
+    await client._all("POST", "/end_weight_update", {})
+    await client.flush_cache()

@@ -1,0 +1,187 @@
+"""SGLang's distributed weight update against two embedded servers, in one process.
+
+The test is the trainer's sending rank (``DistributedSender``); both servers join its gloo
+group through ``/init_weights_update_group`` and receive every bucket by broadcast. The
+multi-rank trainer side (TP2, EP2, PP2 senders) is tested in tests/trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sorl_megatron.common.fp8 import dequantize_block_fp8, quantize_block_fp8, quantize_hf_tensor
+from sorl_megatron.common.http import RequestRejectedError
+from sorl_megatron.common.protocol import SamplingParams
+from sorl_megatron.common.weight_group import WeightGroupError
+from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
+from sorl_megatron.rollout.engine import EngineConfig
+from sorl_megatron.rollout.server import ServerOptions, start_rollout_server
+from sorl_megatron.rollout.weight_sync import DistributedSender, begin_update, buckets, end_update
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def servers(moe_dir):
+    opts = ServerOptions(weight_group_timeout_s=20)
+    srvs = [start_rollout_server(EngineConfig(model_path=str(moe_dir)), options=opts) for _ in range(2)]
+    yield srvs
+    for s in srvs:
+        s.stop()
+
+
+def client_of(servers) -> RolloutClient:
+    return RolloutClient(RolloutClientConfig(urls=tuple(s.url for s in servers)))
+
+
+def perturbed(moe_dir, scale: float, seed: int) -> dict[str, torch.Tensor]:
+    state = load_file(str(moe_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+async def sync(servers, named, version: str, bucket_bytes: int, group: str = "g_test", close: bool = True):
+    async with client_of(servers) as c:
+        sender = DistributedSender(c, group, init_timeout_s=20)
+        await begin_update(c)
+        ok = False
+        try:
+            sent = await sender.send(named, bucket_bytes)
+            ok = True
+        finally:
+            await end_update(c, version, ok)
+            if close:
+                await sender.close()
+        return sent
+
+
+async def logprobs(url: str):
+    async with RolloutClient(url) as c:
+        out = (await c.generate(PROMPT, SamplingParams(max_new_tokens=12, sampling_seed=3, ignore_eos=True)))[0]
+    return out
+
+
+def test_buckets_keep_fp8_pairs_and_bound_size():
+    w = torch.ones(256, 256)
+    named = [*quantize_hf_tensor("model.layers.0.self_attn.q_proj.weight", w), ("model.norm.weight", torch.ones(8))]
+    out = list(buckets(named, bucket_bytes=256 * 256))  # the fp8 weight alone fills a bucket; its scale joins it
+    assert [[n for n, _ in b] for b in out] == [
+        ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight_scale_inv"],
+        ["model.norm.weight"],
+    ]
+    many = [(f"t{i}", torch.ones(10)) for i in range(7)]
+    assert [len(b) for b in buckets(many, bucket_bytes=120)] == [3, 3, 1]
+
+
+def test_distributed_sync_both_servers_follow(servers, moe_dir, teacher_forced):
+    state = perturbed(moe_dir, 0.05, seed=11)
+    sent = run(sync(servers, list(state.items()), "step-7", bucket_bytes=64 * 1024))
+    assert sent == sum(t.numel() * 4 for t in state.values())
+    base = servers[0].engine.model  # the served class, rebuilt from the sent state (as the tests of tensors do)
+    model = type(base).from_pretrained(None, config=base.config, state_dict=state, dtype=torch.float32).eval()
+    for s in servers:
+        assert all(torch.equal(s.engine.state[k], v) for k, v in state.items())
+        out = run(logprobs(s.url))
+        assert out.weight_version == "step-7"
+        ref, _ = teacher_forced(model, PROMPT + out.output_ids)
+        assert (ref[len(PROMPT) - 1:] - torch.tensor(out.output_logprobs)).abs().max().item() <= 1e-5
+        assert s.engine._groups == {}  # destroyed at the end
+
+
+def test_fp8_buckets_are_the_quantizers_output(servers, moe_dir):
+    state = perturbed(moe_dir, 0.05, seed=12)
+    named = [pair for n, t in state.items() for pair in quantize_hf_tensor(n, t)]
+    assert any(t.dtype == torch.float8_e4m3fn for _, t in named)
+    run(sync(servers, named, "fp8-1", bucket_bytes=32 * 1024))
+    name = "model.layers.0.mlp.experts.1.up_proj.weight"
+    expected = dequantize_block_fp8(*quantize_block_fp8(state[name]))
+    for s in servers:
+        assert torch.equal(s.engine.state[name], expected)
+        assert torch.equal(s.engine.state["model.norm.weight"], state["model.norm.weight"])
+        assert s.engine.weight_version == "fp8-1"
+
+
+async def post(url, path, body):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + path, json=body) as r:
+            return r.status, await r.json()
+
+
+def test_bad_requests_are_4xx_and_leave_weights(servers, moe_dir):
+    url = servers[0].url
+    before = {k: v.clone() for k, v in servers[0].engine.state.items()}
+    version = servers[0].engine.weight_version
+    bucket = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "nope"}
+    status, res = run(post(url, "/update_weights_from_distributed", bucket))
+    assert status == 400 and "'nope' is not initialized" in res["message"]
+    status, res = run(post(url, "/destroy_weights_update_group", {"group_name": "nope"}))
+    assert status == 400 and "not initialized" in res["message"]
+    for body, needle in [
+        ({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2}, "rank_offset"),
+        ({"master_address": "127.0.0.1", "master_port": 70000, "rank_offset": 1, "world_size": 2}, "master_port"),
+        ({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "mpi"},
+         "backend"),
+        ({"master_port": 1, "rank_offset": 1, "world_size": 2}, "master_address"),
+    ]:
+        status, res = run(post(url, "/init_weights_update_group", body))
+        assert status == 400 and needle in res["message"], res
+
+    # a live group: mismatched shape, unknown name, bad dtype, ragged lists -> 400 before any byte moves
+    async def bad_buckets():
+        async with client_of(servers[:1]) as c:
+            sender = DistributedSender(c, "g_bad", init_timeout_s=20)
+            await sender.connect()
+            answers = []
+            for names, dtypes, shapes in [
+                (["model.norm.weight"], ["float32"], [[65]]),
+                (["model.layers.7.nope.weight"], ["float32"], [[3]]),
+                (["model.norm.weight"], ["int64"], [[64]]),
+                (["model.norm.weight"], ["float32", "float32"], [[64]]),
+                (["model.layers.0.self_attn.q_proj.weight"], ["float8_e4m3fn"], [[64, 64]]),
+            ]:
+                answers.append(await post(url, "/update_weights_from_distributed",
+                                          {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": "g_bad"}))
+            # the sender's own path: a wrong shape is refused and reported by name, nothing is applied
+            with pytest.raises(RequestRejectedError, match=r"model.norm.weight: shape \(3,\)"):
+                await sender.send([("model.norm.weight", torch.ones(3))], 1 << 20)
+            assert sender.group is None  # dropped: the next sync forms a new group
+            status, res = await post(url, "/init_weights_update_group", {
+                "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+                "group_name": "g_bad"})
+            return answers, status, res
+
+    answers, status, res = run(bad_buckets())
+    needles = ["shape (65,)", "unknown weight name 'model.layers.7.nope.weight'", "dtypes[0]", "one entry per tensor",
+               "without model.layers.0.self_attn.q_proj.weight_scale_inv"]
+    for (st, body), needle in zip(answers, needles):
+        assert st == 400 and body["success"] is False and needle in body["message"], body
+    assert status == 400 and "already initialized" in res["message"]  # the server still holds it until destroy
+    run(post(url, "/destroy_weights_update_group", {"group_name": "g_bad"}))
+    assert all(torch.equal(servers[0].engine.state[k], v) for k, v in before.items())
+    assert servers[0].engine.weight_version == version
+    assert run(logprobs(url)).weight_version == version
+
+
+def test_group_init_is_bounded_by_its_timeout(moe_dir):
+    opts = ServerOptions(weight_group_timeout_s=1.5)
+    srv = start_rollout_server(EngineConfig(model_path=str(moe_dir)), options=opts)
+    try:
+        # a trainer that never comes: the server answers within its timeout, and keeps serving
+        body = {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1, "world_size": 2,
+                "group_name": "g_gone", "backend": "gloo"}
+        status, res = run(asyncio.wait_for(post(srv.url, "/init_weights_update_group", body), 30))
+        assert status == 400 and "could not be formed within 1.5 s" in res["message"]
+        assert srv.engine._groups == {}
+        assert run(logprobs(srv.url)).weight_version == "default"
+    finally:
+        srv.stop()
+    assert WeightGroupError  # the error type the sender raises for the same failure
