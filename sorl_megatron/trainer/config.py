@@ -107,6 +107,10 @@ class RolloutConfig:
     router: Literal["none", "sglang_router"] = "none"
     router_url: Optional[str] = None
     router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    # cache_aware balances (shortest queue) when in-flight calls differ by more than this between
+    # servers (and by 1.5x); sglang-router's own default, 64, is for GPU servers: at rollout
+    # concurrencies below it every call would go to one server
+    router_balance_abs_threshold: int = 4
     # ... the longest wait for an embedded server or router to start (and restart) ...
     start_timeout_s: float = 300.0
     # ... and what a server that dies or hangs mid-step costs: each /generate call it failed is sent
@@ -352,6 +356,7 @@ def _check_fleet(r: RolloutConfig) -> None:
     """The fleet keys (servers, router, restarts) fit together."""
     _positive_int("rollout.num_servers", r.num_servers)
     _positive_int("rollout.failover_retries", r.failover_retries, minimum=0)
+    _positive_int("rollout.router_balance_abs_threshold", r.router_balance_abs_threshold, minimum=0)
     if r.urls and r.num_servers != 1:
         raise ConfigError(f"rollout.num_servers={r.num_servers} starts embedded servers, but rollout.urls lists "
                           "external ones: give one or the other")

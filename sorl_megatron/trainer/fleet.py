@@ -263,7 +263,8 @@ def start_fleet(rollout, run_dir: Path, servers: Optional[EmbeddedServers],
     if r.router == "sglang_router" and router_url is None:
         assert servers is not None
         router_url = servers.start(router_spec([w.url for w in workers], r.router_policy, r.timeout_s,
-                                               health_timeout_s=r.start_timeout_s))
+                                               health_timeout_s=r.start_timeout_s,
+                                               balance_abs_threshold=r.router_balance_abs_threshold))
         api_key = servers.api_keys.get("rollout")
     fleet = RolloutFleet(
         timeout_s=r.start_timeout_s, health=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),

@@ -182,7 +182,7 @@ def rollout_server_spec(model_path: str, precision: str, routed_experts: bool, s
 
 
 def router_spec(worker_urls: list[str], policy: str, request_timeout_s: float, health_timeout_s: float = 120.0,
-                name: str = "router") -> ServerSpec:
+                balance_abs_threshold: int = 4, name: str = "router") -> ServerSpec:
     """The real ``sglang-router`` (through ``sorl_megatron.rollout.router``, which hands it the
     rollout key from the environment, not argv) in front of ``worker_urls``.
 
@@ -192,7 +192,7 @@ def router_spec(worker_urls: list[str], policy: str, request_timeout_s: float, h
     """
     args = ["--policy", policy, "--request-timeout-secs", str(max(1, math.ceil(request_timeout_s))),
             "--disable-retries", "--prometheus-host", "127.0.0.1", "--prometheus-port", "{prometheus_port}",
-            "--log-level", "warn"]
+            "--balance-abs-threshold", str(balance_abs_threshold), "--log-level", "warn"]
     if worker_urls:
         args += ["--worker-urls", *worker_urls]
     return ServerSpec(name, "sorl_megatron.rollout.router", args, health_timeout_s=health_timeout_s,
