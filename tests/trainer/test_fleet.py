@@ -34,7 +34,8 @@ from .e2e_helpers import BASE_RECIPE, ROOT, read_metrics, run_overrides, subproc
 pytest.importorskip("sglang_router")
 
 FLEET = ["rollout.num_servers=2", "rollout.router=sglang_router", "rollout.router_policy=cache_aware",
-         "schedule.total_steps=2", "rollout.start_timeout_s=240", "rollout.health_timeout_s=2"]
+         "schedule.total_steps=2", "rollout.start_timeout_s=240", "rollout.health_timeout_s=2",
+         "rollout.router_balance_abs_threshold=1"]  # 4 episodes a step: spread them over both servers
 
 
 @pytest.fixture(scope="module")
