@@ -207,3 +207,57 @@ def test_server_hung_mid_rollout(tiny_data, tmp_path):
     _assert_recovered(metrics, tmp_path / "hung", victim)
     assert metrics[1]["time/rollout"] >= 4  # the hung call waited out its timeout
     assert time.monotonic() - t0 < 600
+
+
+def test_external_server_failure_runs_the_operators_hook(tmp_path):
+    """External servers (no router): a dead one is taken out, rollout.restart_command runs
+    with its URL, the others serve on; once it answers again it gets the next weight sync
+    (prepare_sync lists it) and then serves (finish_sync). None left: a clear error."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer, free_port
+    from sorl_megatron.common.http import ServerUnavailableError
+    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    def app() -> web.Application:
+        a = web.Application()
+        a.router.add_get("/health", health)
+        return a
+
+    alive = BackgroundServer(app(), "127.0.0.1", 0).start()
+    dead_port = free_port()
+    dead = f"http://127.0.0.1:{dead_port}"
+    marker = tmp_path / "restarted"
+    fleet = RolloutFleet(timeout_s=10, health=RetryPolicy(timeout_s=2, retries=0), run_dir=tmp_path,
+                         workers=[Worker(alive.url), Worker(dead)],
+                         restart_command=f"{sys.executable} -c \"import os, pathlib; "
+                                         f"pathlib.Path({str(marker)!r}).write_text(os.environ['SORL_FAILED_SERVER_URL'])\"")
+    try:
+        asyncio.run(fleet.check("before the rollout phase of step 1"))
+        assert fleet.urls() == [alive.url]
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.read_text() == dead  # the hook was told which server
+        # a failed call on the alive server that still answers /health: nothing is taken out
+        assert asyncio.run(fleet.on_failure(alive.url, ServerUnavailableError("reset"))) == [alive.url]
+        assert fleet.prepare_sync() == [alive.url]  # still dead: not synced
+        back = BackgroundServer(app(), "127.0.0.1", dead_port).start()  # the operator brought it back
+        assert fleet.prepare_sync() == [alive.url, dead]  # it gets the sync ...
+        assert fleet.urls() == [alive.url]  # ... before it serves
+        fleet.finish_sync()
+        assert fleet.urls() == [alive.url, dead]
+        assert fleet.metrics() == {"rollout/retries": 0.0, "rollout/server_failures": 1.0,
+                                   "rollout/server_restarts": 1.0, "rollout/servers_rejoined": 1.0,
+                                   "rollout/servers_up": 2.0}
+        back.stop()
+        alive.stop()
+        with pytest.raises(ServerUnavailableError, match=r"rollout server .* is unreachable before the rollout phase"):
+            asyncio.run(fleet.check("before the rollout phase of step 2"))
+        assert f"({dead})" in (tmp_path / "servers" / "restart_hook.log").read_text()  # what ran, for whom
+    finally:
+        fleet.close()
+        alive.stop()
