@@ -283,7 +283,8 @@ CONFIG_GROUPS: dict[str, str] = {
         "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, "
         "routing_replay, value_clip, pvpo"
     ),
-    "rollout": "SGLang URLs (or embedded), precision, group size, sampling, turns and lengths",
+    "rollout": "SGLang URLs (or embedded servers), sglang-router, failover and restarts, precision, group size, "
+    "sampling, turns and lengths",
     "retrieval": "retrieval URL (or embedded BM25 corpus), top-k",
     "data": "train / val files (Search-R1 / verl parquet), prompt length",
     "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule, distributed optimizer",
