@@ -174,6 +174,8 @@ class RolloutFleet:
             self._count("server_restarts")
             log.warning("restarting embedded rollout server %s on %s (log %s)", w.name, w.url,
                         self.servers.log_path(w.name))
+        elif w.name is not None and self.servers is not None:
+            self.servers.kill(w.name)  # not restarted (rollout.restart_servers=false): a hung one is ended
         elif w.name is None and self.restart_command:
             self._run_restart_hook(w.url)
             self._count("server_restarts")
@@ -200,7 +202,10 @@ class RolloutFleet:
         self._hooks = [p for p in self._hooks if p.poll() is None]
         down = [w for w in self.workers if w.state == "down"]
         for w in down:
-            if w.name is not None and self.servers is not None and w.name in self.servers.procs:
+            if w.name is not None and not (self.restart_embedded and self.servers is not None
+                                           and w.name in self.servers.procs):
+                w.state = "lost"  # embedded, not restarted (rollout.restart_servers=false)
+            elif w.name is not None:
                 try:
                     self.servers.wait_ready(w.name, timeout_s=self.timeout_s, stop_all=False)
                     w.state = "joining"
