@@ -1,9 +1,13 @@
 """Async client for SGLang's native HTTP API (real SGLang servers or the embedded one).
 
 Generation requests are spread over several servers (round robin or least-loaded) under
-one concurrency bound; a server that refuses connections is skipped for a cool-down while
-the others carry on, and when every server is down the error lists them all. Control calls
-(weight updates, cache flush) go to every server.
+one concurrency bound, or all sent to one ``sglang-router`` (``router_url``) that routes them;
+a server that refuses connections is skipped for a cool-down while the others carry on, and
+when every server is down the error lists them all. With ``failover_retries``, a call that
+times out or fails with 5xx is sent again (at most that many times) after the ``on_failure``
+hook has had its say (the trainer's fleet health-checks the servers, takes a dead or hung one
+out and restarts it). Control calls (weight updates, cache flush) go to every server, never
+through the router.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,9 +23,11 @@ import aiohttp
 import torch
 
 from ..common.http import (
+    BadResponseError,
     RequestRejectedError,
     RetryPolicy,
     ServerError,
+    ServerTimeoutError,
     ServerUnavailableError,
     check_health,
     request,
@@ -56,6 +62,10 @@ class RolloutClientConfig:
         api_key: sent as ``Authorization: Bearer <key>`` to servers started with ``--api-key``
             (SGLang or the embedded server); None uses ``$SORL_ROLLOUT_API_KEY`` if set, else
             sends no header.
+        router_url: an ``sglang-router`` in front of ``urls``: every ``/generate`` goes there;
+            control calls and health checks still go to each of ``urls``.
+        failover_retries: how many times one ``/generate`` call is sent again after it timed
+            out or failed with 5xx (each counted in ``RolloutClient.retries``); 0: raise at once.
     """
 
     urls: tuple[str, ...]
@@ -67,6 +77,8 @@ class RolloutClientConfig:
     down_cooldown_s: float = 10.0
     routing_shape: tuple[int, int] | None = None
     api_key: str | None = field(default=None, repr=False)
+    router_url: str | None = None
+    failover_retries: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.urls, str):
@@ -78,18 +90,30 @@ class RolloutClientConfig:
             raise ValueError(f"rollout.max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.routing not in ("least_loaded", "round_robin"):
             raise ValueError(f"rollout.routing: {self.routing!r} is not one of least_loaded, round_robin")
+        if self.router_url is not None:
+            object.__setattr__(self, "router_url", self.router_url.rstrip("/"))
+        if self.failover_retries < 0:
+            raise ValueError(f"rollout.failover_retries must be >= 0, got {self.failover_retries}")
+
+
+# What the fleet is told when a /generate call failed on ``url`` (None: through the router,
+# server unknown); it answers the URLs of the servers still serving (empty: none is left).
+FailureHook = Callable[[str | None, ServerError], Awaitable[Sequence[str]]]
 
 
 class RolloutClient:
     """``async with RolloutClient(cfg) as c: out = await c.generate(ids, SamplingParams(...))``."""
 
-    def __init__(self, cfg: RolloutClientConfig | Sequence[str] | str):
+    def __init__(self, cfg: RolloutClientConfig | Sequence[str] | str, on_failure: FailureHook | None = None):
         if not isinstance(cfg, RolloutClientConfig):
             cfg = RolloutClientConfig(urls=(cfg,) if isinstance(cfg, str) else tuple(cfg))
         self.cfg = cfg
+        self.on_failure = on_failure
+        self.retries = 0  # /generate calls sent again after a server failed them (failover_retries)
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._inflight = {u: 0 for u in cfg.urls}
+        self._usable: set[str] | None = None  # the servers the fleet still lists (None: all)
         self._down_until = {u: 0.0 for u in cfg.urls}
         self._rr = itertools.cycle(range(len(cfg.urls)))
         self._routing_shape = cfg.routing_shape
@@ -119,9 +143,10 @@ class RolloutClient:
 
     def _pick(self, exclude: set[str]) -> str | None:
         now = time.monotonic()
-        up = [u for u in self.cfg.urls if u not in exclude and self._down_until[u] <= now]
+        urls = [u for u in self.cfg.urls if u not in exclude and (self._usable is None or u in self._usable)]
+        up = [u for u in urls if self._down_until[u] <= now]
         if not up:
-            up = [u for u in self.cfg.urls if u not in exclude]  # all cooling down: try anyway
+            up = urls  # all cooling down: try anyway
         if not up:
             return None
         start = next(self._rr)
@@ -211,20 +236,38 @@ class RolloutClient:
         assert self._sem is not None
         tried: set[str] = set()
         errors: list[str] = []
+        failovers = 0
         async with self._sem:
             while True:
-                url = self._pick(tried)
+                url = self.cfg.router_url or self._pick(tried)
                 if url is None:
                     raise ServerUnavailableError("no rollout server reachable: " + "; ".join(errors))
-                tried.add(url)
+                self._inflight.setdefault(url, 0)
                 self._inflight[url] += 1
                 try:
                     return await request(self._sess(), "POST", f"{url}/generate", body, self.cfg.generate_retry), url
-                except ServerUnavailableError as exc:
-                    self._down_until[url] = time.monotonic() + self.cfg.down_cooldown_s
+                except (ServerUnavailableError, ServerTimeoutError, BadResponseError) as exc:
                     errors.append(str(exc))
+                    failed = exc
                 finally:
                     self._inflight[url] -= 1
+                unavailable = isinstance(failed, ServerUnavailableError)
+                if not unavailable and failovers >= self.cfg.failover_retries:
+                    raise failed  # timeouts and 5xx: not sent again without failover_retries
+                if self.cfg.router_url is None:
+                    if unavailable or self.on_failure is None:
+                        tried.add(url)  # without a fleet to ask, a hung server is not asked again
+                    if unavailable:
+                        self._down_until[url] = time.monotonic() + self.cfg.down_cooldown_s
+                elif unavailable and failovers >= self.cfg.failover_retries:
+                    raise failed  # the router itself is unreachable
+                if self.on_failure is not None:
+                    left = await self.on_failure(None if self.cfg.router_url else url, failed)
+                    if not left:
+                        raise ServerUnavailableError("no rollout server reachable: " + "; ".join(errors))
+                    self._usable = set(left)
+                failovers += 1
+                self.retries += 1
 
     # ----- control: every server -----
 

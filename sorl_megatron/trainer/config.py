@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import math
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
@@ -107,6 +108,25 @@ class RolloutConfig:
     weight_sync_init_timeout_s: float = 120.0
     # the address the servers reach the sending ranks at (null: the route towards the first server)
     weight_sync_master_address: Optional[str] = None
+    # The fleet (docs/rollout.md, "A fleet of servers"): embedded servers to start (no urls) ...
+    num_servers: int = 1
+    # ... the real sglang-router in front of them (or of `urls`), started by the trainer unless
+    # router_url names one already running in front of `urls` ...
+    router: Literal["none", "sglang_router"] = "none"
+    router_url: Optional[str] = None
+    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    # cache_aware balances (shortest queue) when in-flight calls differ by more than this between
+    # servers (and by 1.5x); sglang-router's own default, 64, is for GPU servers: at rollout
+    # concurrencies below it every call would go to one server
+    router_balance_abs_threshold: int = 4
+    # ... the longest wait for an embedded server or router to start (and restart) ...
+    start_timeout_s: float = 300.0
+    # ... and what a server that dies or hangs mid-step costs: each /generate call it failed is sent
+    # again to the others at most this many times; embedded servers are restarted; external ones
+    # get this operator command (run with $SORL_FAILED_SERVER_URL; not waited for)
+    failover_retries: int = 2
+    restart_servers: bool = True
+    restart_command: Optional[str] = None
 
 
 @dataclass
@@ -271,7 +291,8 @@ CONFIG_GROUPS: dict[str, str] = {
         "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, "
         "routing_replay, value_clip, pvpo"
     ),
-    "rollout": "SGLang URLs (or embedded), precision, group size, sampling, turns and lengths",
+    "rollout": "SGLang URLs (or embedded servers), sglang-router, failover and restarts, precision, group size, "
+    "sampling, turns and lengths",
     "retrieval": "retrieval URL (or embedded BM25 corpus), top-k",
     "data": "train / val files (Search-R1 / verl parquet), prompt length",
     "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule, distributed optimizer",
@@ -340,6 +361,40 @@ def _check_url(key: str, url: str) -> None:
         raise ConfigError(f"{key}: {url!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:30000")
 
 
+def _check_fleet(r: RolloutConfig) -> None:
+    """The fleet keys (servers, router, restarts) fit together."""
+    _positive_int("rollout.num_servers", r.num_servers)
+    _positive_int("rollout.failover_retries", r.failover_retries, minimum=0)
+    _positive_int("rollout.router_balance_abs_threshold", r.router_balance_abs_threshold, minimum=0)
+    if r.urls and r.num_servers != 1:
+        raise ConfigError(f"rollout.num_servers={r.num_servers} starts embedded servers, but rollout.urls lists "
+                          "external ones: give one or the other")
+    if r.router_url is not None:
+        _check_url("rollout.router_url", r.router_url)
+        if r.router != "sglang_router":
+            raise ConfigError(
+                f"rollout.router_url is set but rollout.router={r.router}: set rollout.router=sglang_router")
+        if not r.urls:
+            raise ConfigError("rollout.router_url needs rollout.urls: the workers behind it, which get the weight "
+                              "updates, flush_cache and health checks (generation goes through the router)")
+    elif r.router == "sglang_router":
+        import importlib.util
+
+        if importlib.util.find_spec("sglang_router") is None:
+            raise ConfigError("rollout.router=sglang_router needs the sglang-router package to start the router: "
+                              "pip install sglang-router (or give rollout.router_url of a running one)")
+    if r.restart_command is not None:
+        if not r.urls:
+            raise ConfigError("rollout.restart_command is for external servers (rollout.urls); the trainer restarts "
+                              "its embedded servers itself (rollout.restart_servers)")
+        try:
+            words = shlex.split(r.restart_command)
+        except ValueError as err:
+            raise ConfigError(f"rollout.restart_command: {r.restart_command!r} is not a command line ({err})") from None
+        if not words:
+            raise ConfigError("rollout.restart_command is empty: give a command or leave it null")
+
+
 RESUME_MODES = ("auto", "none")
 
 
@@ -401,7 +456,7 @@ def _check_values(cfg: TrainConfig) -> None:
             f"got {r.weight_sync_master_address!r}"
         )
     for key in ("rollout.timeout_s", "rollout.weight_sync_timeout_s", "rollout.health_timeout_s",
-                "rollout.weight_sync_init_timeout_s",
+                "rollout.weight_sync_init_timeout_s", "rollout.start_timeout_s",
                 "retrieval.timeout_s", "retrieval.health_timeout_s"):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -433,6 +488,7 @@ def _check_values(cfg: TrainConfig) -> None:
         )
     for i, url in enumerate(r.urls):
         _check_url(f"rollout.urls[{i}]", url)
+    _check_fleet(r)
     if cfg.retrieval.url:
         _check_url("retrieval.url", cfg.retrieval.url)
     _check_resume(cfg.checkpoint.resume)

@@ -51,6 +51,7 @@ from ..rollout.agent import AgentConfig, SearchAgent
 from ..rollout.client import RolloutClient, RolloutClientConfig
 from ..rollout.trajectory import Trajectory, collate
 from .config import TrainConfig, dump_config
+from .fleet import RolloutFleet, Worker, start_fleet
 from .inputs import check_resume_dir, validate_inputs
 from .metrics_log import MetricsLogger, open_wandb
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
@@ -173,7 +174,8 @@ class RLTrainer:
         self.critic: Optional[ValueEngine] = None  # only for critic estimators (GAE)
         # servers (rank 0)
         self.retrieval_url: Optional[str] = None
-        self.rollout_urls: list[str] = []
+        self.rollout_urls: list[str] = []  # every worker: weight updates, flush_cache, health
+        self.fleet: Optional[RolloutFleet] = None  # the workers, the router, failures and restarts
         self.api_keys: dict[str, str] = {}  # of the embedded servers; others: $SORL_*_API_KEY
         # PVPO
         self.pvpo: Optional[PVPOState] = None
@@ -280,13 +282,27 @@ class RLTrainer:
     def _rollout_client(self) -> RolloutClient:
         """The one way the trainer talks to the rollout servers (generation, weight sync,
         health); every wait is bounded by the recipe's ``rollout.*`` timeouts and retries."""
-        r = self.cfg.rollout
+        r, fleet = self.cfg.rollout, self._fleet()
         return RolloutClient(RolloutClientConfig(
             urls=tuple(self.rollout_urls), max_concurrency=r.concurrency,
             generate_retry=RetryPolicy(timeout_s=r.timeout_s, retries=r.retries),
             control_retry=RetryPolicy(timeout_s=r.weight_sync_timeout_s, retries=r.retries),
             health_retry=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
-            api_key=self.api_keys.get("rollout")))
+            api_key=self.api_keys.get("rollout"), router_url=fleet.router_url,
+            failover_retries=r.failover_retries), on_failure=fleet.on_failure)
+
+    def _fleet(self) -> RolloutFleet:
+        """The run's fleet; one made of ``rollout_urls`` (external servers, no router) when
+        they were set without one."""
+        if self.fleet is None:
+            r = self.cfg.rollout
+            self.fleet = RolloutFleet(
+                timeout_s=r.start_timeout_s, health=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
+                run_dir=self.run_dir, workers=[], restart_command=r.restart_command,
+                api_key=self.api_keys.get("rollout"))
+        if not self.fleet.workers:
+            self.fleet.workers = [Worker(u) for u in self.rollout_urls]
+        return self.fleet
 
     def _retrieval_client(self) -> RetrievalClient:
         """The one way the trainer talks to the retrieval server, bounded by ``retrieval.*``."""
@@ -305,13 +321,17 @@ class RLTrainer:
         when = f"before {phase}"
 
         async def go():
-            clients = ([self._rollout_client()] if self.rollout_urls else []) + (
-                [self._retrieval_client()] if retrieval and self.retrieval_url else [])
+            clients = [self._retrieval_client()] if retrieval and self.retrieval_url else []
+            # the rollout workers that fail are taken out (and restarted); an error only when none is left
+            checks = [self._fleet().check(when)] if self.rollout_urls else []
             try:
-                results = await asyncio.gather(*(c.check_health(when) for c in clients), return_exceptions=True)
+                results = await asyncio.gather(*checks, *(c.check_health(when) for c in clients),
+                                               return_exceptions=True)
             finally:
                 for c in clients:
                     await c.close()
+            if self.fleet is not None:
+                self.rollout_urls = self.fleet.urls()
             errors = [r for r in results if isinstance(r, BaseException)]
             if len(errors) > 1 and all(isinstance(e, ServerError) for e in errors):
                 raise ServerError("; ".join(str(e) for e in errors))
@@ -342,6 +362,7 @@ class RLTrainer:
                     max_prompt_tokens=self.cfg.data.max_prompt_tokens,
                 )
             finally:
+                self._fleet().counts["retries"] = self._fleet().counts.get("retries", 0) + policy.retries
                 await policy.close()
                 await retriever.close()
 
@@ -352,7 +373,15 @@ class RLTrainer:
         bucketed), labelled weight version ``step_<step>``."""
         version = f"step_{step}"
         self.check_servers(f"the weight sync to version {version}", retrieval=False)
+        if _rank() == 0:
+            self.rollout_urls = self._fleet().prepare_sync()  # restarted servers get this sync too
+        self._push_weights(version)
+        if _rank() == 0:
+            self._fleet().finish_sync()  # ... and serve again: with the current weights
+            self.rollout_urls = self._fleet().urls()
 
+    def _push_weights(self, version: str) -> None:
+        """The sync itself, to ``rollout_urls`` (every rank joins the export)."""
         if self.cfg.rollout.weight_sync == "distributed":
             self.weight_sync_bytes = self._wsync.sync(
                 self.actor.model, self.rollout_urls, self.api_keys.get("rollout"), version)
@@ -452,6 +481,8 @@ class RLTrainer:
         with timer("weight_sync"):
             self.sync_weights(step + 1)
         metrics.update(timer.times)
+        if _rank() == 0:
+            metrics.update(self._fleet().metrics())  # failures, retries, restarts: this step's and validation's
         metrics.update(tokens_per_second(timer.times, {
             "old_logprobs": metrics.get("old/batching/tokens"),
             "ref_logprobs": self.ref.batching_metrics()["batching/tokens"] if self.ref is not None else None,
@@ -581,8 +612,12 @@ class RLTrainer:
             stack.callback(logger.close)
             stack.callback(self._wsync.close)
             if _rank() == 0:
-                self.rollout_urls = list(cfg.rollout.urls) or [servers.start(rollout_server_spec(
-                    policy_path, cfg.rollout.precision, cfg.algorithm.routing_replay == "r3", cfg.schedule.seed))]
+                r = cfg.rollout
+                self.fleet = start_fleet(r, self.run_dir, servers, lambda name: rollout_server_spec(
+                    policy_path, r.precision, cfg.algorithm.routing_replay == "r3", cfg.schedule.seed, name=name,
+                    health_timeout_s=r.start_timeout_s))
+                stack.callback(self.fleet.close)
+                self.rollout_urls = self.fleet.urls()
             if start > 0 or cfg.rollout.urls:
                 self.sync_weights(start)  # servers hold the initial checkpoint; bring them to the trainer's weights
             first: dict[str, float] = {}

@@ -6,11 +6,15 @@ free 127.0.0.1 port; with no ``retrieval.url`` it starts the BM25 retrieval serv
 Ctrl-C (``KeyboardInterrupt``) and SIGTERM all go through :meth:`EmbeddedServers.stop`, and an
 ``atexit`` hook catches anything else; on Linux the children also get SIGTERM when the trainer
 itself is killed (SIGKILL included). Server output goes to ``<run_dir>/servers/*.log``.
+A fleet of rollout servers (``rollout.num_servers``) and the ``sglang-router`` in front of
+them are started the same way; :meth:`EmbeddedServers.restart` replaces one that died or hung
+(trainer/fleet.py decides when).
 """
 
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import secrets
 import signal
@@ -35,6 +39,8 @@ class ServerSpec:
     args: list[str]
     health_timeout_s: float = 300.0
     api_key_env: Optional[str] = None  # the server's --api-key variable (see start)
+    # servers sharing a key group share one key (the rollout servers and their router); default: the name
+    key_group: Optional[str] = None
 
 
 @dataclass
@@ -47,23 +53,37 @@ class EmbeddedServers:
     api_keys: dict[str, str] = field(default_factory=dict)  # server name -> its --api-key
     _logs: list = field(default_factory=list)
 
+    specs: dict[str, ServerSpec] = field(default_factory=dict)
+    urls: dict[str, str] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # server name -> times restarted
+
     def start(self, spec: ServerSpec) -> str:
         """Launch ``spec`` on a free port, wait for ``/health``, return its URL.
 
         Loopback is reachable by every local user, so each server gets an API key: the one in
-        its key variable, else a fresh random one for this run, passed in the child's
-        environment (never in argv, which ``ps`` shows) and kept in ``api_keys`` for the
-        trainer's clients.
+        its key variable, else a fresh random one for this run (one per ``key_group``), passed
+        in the child's environment (never in argv, which ``ps`` shows) and kept in ``api_keys``
+        for the trainer's clients.
         """
+        url = self.launch(spec)
+        self.wait_ready(spec.name)
+        return url
+
+    def launch(self, spec: ServerSpec) -> str:
+        """Start ``spec``'s process on a free port without waiting for it; returns its URL."""
         env = dict(os.environ)
         if spec.api_key_env:
-            env[spec.api_key_env] = self.api_keys[spec.name] = env.get(spec.api_key_env) or secrets.token_urlsafe(32)
+            group = spec.key_group or spec.name
+            key = self.api_keys.get(group) or env.get(spec.api_key_env) or secrets.token_urlsafe(32)
+            env[spec.api_key_env] = self.api_keys[group] = key
         port = free_port(self.host)
         log_dir = self.run_dir / "servers"
         log_dir.mkdir(parents=True, exist_ok=True)
         log = open(log_dir / f"{spec.name}.log", "ab")
         self._logs.append(log)
-        cmd = [sys.executable, "-m", spec.module, *spec.args, "--host", self.host, "--port", str(port)]
+        # a spec may need a second port of its own (the router's metrics exporter)
+        args = [str(free_port(self.host)) if a == "{prometheus_port}" else a for a in spec.args]
+        cmd = [sys.executable, "-m", spec.module, *args, "--host", self.host, "--port", str(port)]
         proc = subprocess.Popen(
             cmd,
             stdout=log,
@@ -73,16 +93,46 @@ class EmbeddedServers:
             start_new_session=True,
             preexec_fn=die_with_parent_preexec(),
         )
-        self.procs[spec.name] = proc
-        if len(self.procs) == 1:
+        if not self.procs:
             atexit.register(self.stop)
-        url = f"http://{self.host}:{port}"
+        self.procs[spec.name], self.specs[spec.name] = proc, spec
+        self.urls[spec.name] = f"http://{self.host}:{port}"
+        return self.urls[spec.name]
+
+    def log_path(self, name: str) -> Path:
+        return self.run_dir / "servers" / f"{name}.log"
+
+    def wait_ready(self, name: str, timeout_s: Optional[float] = None, stop_all: bool = True) -> str:
+        """Wait (``timeout_s``, default the spec's ``health_timeout_s``) for a launched server's
+        ``/health``; on failure raise naming its log, after stopping every server (``stop_all``)
+        or only this one (a restart that failed: the fleet goes on without it)."""
+        spec, proc = self.specs[name], self.procs[name]
         try:
-            wait_healthy(url, timeout_s=spec.health_timeout_s, proc=proc)
+            wait_healthy(self.urls[name], timeout_s=timeout_s or spec.health_timeout_s, proc=proc)
         except Exception as err:
-            self.stop()
-            raise RuntimeError(f"embedded {spec.name} server failed to start ({err}); see {log.name}") from None
-        return url
+            if stop_all:
+                self.stop()
+            else:
+                self.kill(name)
+            raise RuntimeError(f"embedded {name} server failed to start ({err}); see {self.log_path(name)}") from None
+        return self.urls[name]
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one server's process group (a stopped, SIGSTOP'ed process dies too) and reap it."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+    def restart(self, name: str) -> str:
+        """Kill server ``name`` (dead, hung or alive) and launch it again on a new free port,
+        without waiting; returns its new URL (:meth:`wait_ready` / the fleet waits)."""
+        self.kill(name)
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        return self.launch(self.specs[name])
 
     def stop(self) -> None:
         """Terminate every server (SIGTERM, then SIGKILL after 10 s); idempotent."""
@@ -98,6 +148,8 @@ class EmbeddedServers:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=10)
             del self.procs[name]
+        self.specs.clear()
+        self.urls.clear()
         for log in self._logs:
             log.close()
         self._logs.clear()
@@ -116,7 +168,8 @@ class EmbeddedServers:
 
 
 def rollout_server_spec(model_path: str, precision: str, routed_experts: bool, seed: int,
-                        tokenizer_path: Optional[str] = None, max_running_requests: Optional[int] = None) -> ServerSpec:
+                        tokenizer_path: Optional[str] = None, max_running_requests: Optional[int] = None,
+                        name: str = "rollout", health_timeout_s: float = 300.0) -> ServerSpec:
     args = ["--model-path", model_path, "--precision", precision, "--random-seed", str(seed)]
     if tokenizer_path:
         args += ["--tokenizer-path", tokenizer_path]
@@ -124,7 +177,26 @@ def rollout_server_spec(model_path: str, precision: str, routed_experts: bool, s
         args.append("--enable-return-routed-experts")
     if max_running_requests:
         args += ["--max-running-requests", str(max_running_requests)]
-    return ServerSpec("rollout", "sorl_megatron.rollout.server", args, api_key_env=ROLLOUT_API_KEY_ENV)
+    return ServerSpec(name, "sorl_megatron.rollout.server", args, health_timeout_s=health_timeout_s,
+                      api_key_env=ROLLOUT_API_KEY_ENV, key_group="rollout")
+
+
+def router_spec(worker_urls: list[str], policy: str, request_timeout_s: float, health_timeout_s: float = 120.0,
+                balance_abs_threshold: int = 4, name: str = "router") -> ServerSpec:
+    """The real ``sglang-router`` (through ``sorl_megatron.rollout.router``, which hands it the
+    rollout key from the environment, not argv) in front of ``worker_urls``.
+
+    Its own retries are off: a request that fails on a dead or hung worker comes back to the
+    trainer's client, which counts it, has the fleet take the worker out and sends it again.
+    Its Prometheus exporter listens on loopback, on the port after the router's.
+    """
+    args = ["--policy", policy, "--request-timeout-secs", str(max(1, math.ceil(request_timeout_s))),
+            "--disable-retries", "--prometheus-host", "127.0.0.1", "--prometheus-port", "{prometheus_port}",
+            "--balance-abs-threshold", str(balance_abs_threshold), "--log-level", "warn"]
+    if worker_urls:
+        args += ["--worker-urls", *worker_urls]
+    return ServerSpec(name, "sorl_megatron.rollout.router", args, health_timeout_s=health_timeout_s,
+                      api_key_env=ROLLOUT_API_KEY_ENV, key_group="rollout")
 
 
 def retrieval_server_spec(corpus: str, topk: int) -> ServerSpec:

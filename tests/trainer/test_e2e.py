@@ -118,15 +118,15 @@ def server_spy(monkeypatch):
     from sorl_megatron.trainer.servers import EmbeddedServers
 
     started: list[subprocess.Popen] = []
-    original = EmbeddedServers.start
+    original = EmbeddedServers.launch  # every start (and restart) launches
 
-    def start(self, spec):
+    def launch(self, spec):
         try:
             return original(self, spec)
         finally:
             started.append(self.procs.get(spec.name))
 
-    monkeypatch.setattr(EmbeddedServers, "start", start)
+    monkeypatch.setattr(EmbeddedServers, "launch", launch)
     return started
 
 

@@ -1,0 +1,264 @@
+"""The rollout fleet: two embedded servers behind the real ``sglang-router`` (issue 18).
+
+Real processes on 127.0.0.1: the embedded rollout servers, the Rust router of the
+``sglang-router`` package, the BM25 retrieval server. The training runs are in this process
+(2 steps of the tiny recipe); a watcher thread kills (SIGKILL) or hangs (SIGSTOP) one
+rollout server while the router counts a request in flight on it, so the failure is always
+mid-rollout with a call to retry. The runs must complete, the server must be back (restarted,
+synced, registered with the router) for the next step, and the metrics must say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from sorl_megatron.common.http import RetryPolicy, request
+from sorl_megatron.common.protocol import bearer_headers
+from sorl_megatron.rollout.router import RouterAdmin
+from sorl_megatron.trainer.config import ConfigError, load_recipe
+from sorl_megatron.trainer.rl_loop import RLTrainer
+
+from .e2e_helpers import BASE_RECIPE, ROOT, read_metrics, run_overrides, subprocess_env
+
+pytest.importorskip("sglang_router")
+
+FLEET = ["rollout.num_servers=2", "rollout.router=sglang_router", "rollout.router_policy=cache_aware",
+         "schedule.total_steps=2", "rollout.start_timeout_s=240", "rollout.health_timeout_s=2",
+         "rollout.router_balance_abs_threshold=1"]  # 4 episodes a step: spread them over both servers
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fleet_data")
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_data.py"), "--out", str(out),
+                    "--num-people", "8", "--make-model"],
+                   check=True, capture_output=True, env=subprocess_env(), cwd=ROOT)
+    return out
+
+
+def _generate_calls(log: Path) -> int:
+    return log.read_text(errors="replace").count("POST /generate") if log.exists() else 0
+
+
+def test_router_config_errors_name_the_key(tiny_data):
+    base = run_overrides(tiny_data, Path("/tmp"), "x")
+    for extra, match in [
+        (["rollout.router_url=http://127.0.0.1:1"], r"rollout.router_url is set but rollout.router=none"),
+        (["rollout.router=sglang_router", "rollout.router_url=http://127.0.0.1:1"], r"rollout.router_url needs "
+         r"rollout.urls"),
+        (["rollout.router=sglang_router", "rollout.router_url=ftp://x"], r"rollout.router_url: 'ftp://x'"),
+        (["rollout.router=nginx"], r"rollout.router"),
+        (["rollout.router_policy=fastest"], r"rollout.router_policy"),
+        (["rollout.num_servers=0"], r"rollout.num_servers must be >= 1"),
+        (["rollout.num_servers=2", "rollout.urls=[http://127.0.0.1:1]"], r"rollout.num_servers=2 starts embedded"),
+        (["rollout.failover_retries=-1"], r"rollout.failover_retries must be >= 0"),
+        (["rollout.router_balance_abs_threshold=-1"], r"rollout.router_balance_abs_threshold must be >= 0"),
+        (["rollout.start_timeout_s=0"], r"rollout.start_timeout_s must be > 0"),
+        (["rollout.restart_command=./restart.sh"], r"rollout.restart_command is for external servers"),
+        (["rollout.urls=[http://127.0.0.1:1]", "rollout.restart_command='a \"b'"], r"rollout.restart_command: .* is "
+         r"not a command line"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            load_recipe(BASE_RECIPE, [*base, *extra])
+
+
+def test_router_keeps_an_episode_on_the_server_that_holds_its_prefix(tiny_data, tmp_path):
+    """cache_aware through the real router: each server is told apart by its weight version;
+    new prompts spread over both, and every later turn of an episode (its prompt plus what
+    came since) goes where the first went."""
+    from sorl_megatron.trainer.fleet import start_fleet
+    from sorl_megatron.trainer.servers import EmbeddedServers, rollout_server_spec
+
+    cfg = load_recipe(BASE_RECIPE, [*run_overrides(tiny_data, tmp_path, "router"), *FLEET])
+    with EmbeddedServers(tmp_path) as servers:
+        fleet = start_fleet(cfg.rollout, tmp_path, servers, lambda name: rollout_server_spec(
+            str(tiny_data / "model"), "fp32", False, 1, name=name, health_timeout_s=240))
+        assert len(fleet.urls()) == 2 and fleet.router_url not in fleet.urls()
+        key = servers.api_keys["rollout"]
+        assert key not in " ".join(servers.procs["router"].args)  # the key reaches the router by variable
+
+        async def go():
+            policy = RetryPolicy(timeout_s=60)
+            async with aiohttp.ClientSession(headers=bearer_headers(key)) as s:
+                for i, url in enumerate(fleet.urls()):
+                    await request(s, "POST", f"{url}/update_weight_version", {"new_version": f"server{i}"}, policy)
+                generate = f"{fleet.router_url}/generate"
+
+                async def turn(ids, seed):
+                    out = await request(s, "POST", generate, {
+                        "input_ids": ids, "sampling_params": {"max_new_tokens": 4, "sampling_seed": seed}}, policy)
+                    return out["meta_info"]["weight_version"], ids + out["output_ids"] + [7, 8, 9]  # + an observation
+
+                # first turns all at once, as a rollout sends them: the router balances them ...
+                firsts = await asyncio.gather(*(turn([5 + e] + list(range(20, 80)), 0) for e in range(8)))
+                # ... and sends every later turn where its episode's prefix is
+                for episode, (server, ids) in enumerate(firsts):
+                    for seed in (1, 2):
+                        version, ids = await turn(ids, seed)
+                        assert version == server, f"episode {episode} turn {seed + 1} moved from {server} to {version}"
+                return [server for server, _ in firsts]
+
+        seen = asyncio.run(go())
+        assert set(seen) == {"server0", "server1"}, seen  # both servers took new episodes
+        # the router without its key: refused (it guards its worker list too)
+        async def anonymous():
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{fleet.router_url}/workers") as r:
+                    return r.status
+
+        assert asyncio.run(anonymous()) == 401
+
+
+class Saboteur(threading.Thread):
+    """Waits until the trainer's router counts a request in flight on one rollout server, then
+    stops that server (SIGSTOP); if the router still counts it in flight (the request is
+    caught inside the stopped server), ``sig`` follows (SIGKILL: a crash; SIGSTOP: it stays
+    hung), else it continues it and tries again."""
+
+    def __init__(self, trainer: RLTrainer, sig: int, timeout_s: float = 300.0):
+        super().__init__(daemon=True)
+        self.trainer, self.sig, self.timeout_s = trainer, sig, timeout_s
+        self.victim: tuple[str, int] | None = None  # (server name, pid)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as err:  # surfaced by the test
+            self.error = err
+
+    async def _run(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while self.trainer.fleet is None or self.trainer.fleet.router_url is None:
+            assert time.monotonic() < deadline, "the trainer never started its fleet"
+            await asyncio.sleep(0.05)
+        fleet = self.trainer.fleet
+        admin = RouterAdmin(fleet.router_url, fleet.api_key)
+        while time.monotonic() < deadline:
+            busy = [u for u, w in (await admin.workers()).items() if w.get("load", 0) > 0]
+            for w in [w for w in fleet.workers if w.url in busy]:
+                pid = fleet.servers.procs[w.name].pid
+                os.kill(pid, signal.SIGSTOP)
+                if (await admin.workers()).get(w.url, {}).get("load", 0) > 0:
+                    if self.sig != signal.SIGSTOP:
+                        os.kill(pid, self.sig)
+                    self.victim = (w.name, pid)
+                    return
+                os.kill(pid, signal.SIGCONT)
+            await asyncio.sleep(0.01)
+        raise AssertionError("no request was ever in flight on a rollout server")
+
+
+def _run_with(tiny_data, tmp_path, name: str, sig: int, *extra: str):
+    trainer = RLTrainer(load_recipe(BASE_RECIPE, [*run_overrides(tiny_data, tmp_path, name), *FLEET, *extra]))
+    saboteur = Saboteur(trainer, sig)
+    saboteur.start()
+    try:
+        trainer.run()
+    finally:
+        saboteur.join(timeout=5)
+        if saboteur.victim and sig == signal.SIGSTOP:
+            try:
+                os.kill(saboteur.victim[1], signal.SIGCONT)  # (already killed by the restart)
+            except ProcessLookupError:
+                pass
+    assert saboteur.error is None, saboteur.error
+    assert saboteur.victim is not None
+    return read_metrics(tmp_path / name), saboteur.victim[0]
+
+
+def _assert_recovered(metrics: dict, run_dir: Path, victim: str) -> None:
+    first, second = metrics[1], metrics[2]
+    # step 1: one server failed mid-rollout, its call was sent again, it was restarted and is
+    # back (synced, in the router) before step 2
+    assert first["rollout/server_failures"] == 1 and first["rollout/server_restarts"] == 1, first
+    assert first["rollout/retries"] >= 1, first
+    assert first["rollout/servers_rejoined"] == 1 and first["rollout/servers_up"] == 2, first
+    assert second["rollout/server_failures"] == 0 and second["rollout/servers_up"] == 2, second
+    assert second["rollout/retries"] == 0, second
+    # the restarted server (its log continues after the restart) served step 2
+    log = (run_dir / "servers" / f"{victim}.log").read_text(errors="replace")
+    assert log.count("Running on http://127.0.0.1:") == 2, "the server was not started again"
+    assert "POST /generate" in log.rsplit("Running on http://127.0.0.1:", 1)[1], "the restarted server got no call"
+    assert json.dumps(first)  # finite and serializable
+
+
+def test_server_killed_mid_rollout(tiny_data, tmp_path):
+    metrics, victim = _run_with(tiny_data, tmp_path, "killed", signal.SIGKILL)
+    _assert_recovered(metrics, tmp_path / "killed", victim)
+
+
+def test_server_hung_mid_rollout(tiny_data, tmp_path):
+    """SIGSTOP: the call on the hung server fails after rollout.timeout_s (10 s: a loaded 2-core
+    machine must still answer healthy calls within it), the health check
+    after rollout.health_timeout_s; then as a crash."""
+    t0 = time.monotonic()
+    metrics, victim = _run_with(tiny_data, tmp_path, "hung", signal.SIGSTOP, "rollout.timeout_s=10")
+    _assert_recovered(metrics, tmp_path / "hung", victim)
+    assert metrics[1]["time/rollout"] >= 10  # the hung call waited out its timeout
+    assert time.monotonic() - t0 < 600
+
+
+def test_external_server_failure_runs_the_operators_hook(tmp_path):
+    """External servers (no router): a dead one is taken out, rollout.restart_command runs
+    with its URL, the others serve on; once it answers again it gets the next weight sync
+    (prepare_sync lists it) and then serves (finish_sync). None left: a clear error."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer, free_port
+    from sorl_megatron.common.http import ServerUnavailableError
+    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    def app() -> web.Application:
+        a = web.Application()
+        a.router.add_get("/health", health)
+        return a
+
+    alive = BackgroundServer(app(), "127.0.0.1", 0).start()
+    dead_port = free_port()
+    dead = f"http://127.0.0.1:{dead_port}"
+    marker = tmp_path / "restarted"
+    fleet = RolloutFleet(timeout_s=10, health=RetryPolicy(timeout_s=2, retries=0), run_dir=tmp_path,
+                         workers=[Worker(alive.url), Worker(dead)],
+                         restart_command=f"{sys.executable} -c \"import os, pathlib; "
+                                         f"pathlib.Path({str(marker)!r}).write_text(os.environ['SORL_FAILED_SERVER_URL'])\"")
+    try:
+        asyncio.run(fleet.check("before the rollout phase of step 1"))
+        assert fleet.urls() == [alive.url]
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.read_text() == dead  # the hook was told which server
+        # a failed call on the alive server that still answers /health: nothing is taken out
+        assert asyncio.run(fleet.on_failure(alive.url, ServerUnavailableError("reset"))) == [alive.url]
+        assert fleet.prepare_sync() == [alive.url]  # still dead: not synced
+        back = BackgroundServer(app(), "127.0.0.1", dead_port).start()  # the operator brought it back
+        assert fleet.prepare_sync() == [alive.url, dead]  # it gets the sync ...
+        assert fleet.urls() == [alive.url]  # ... before it serves
+        fleet.finish_sync()
+        assert fleet.urls() == [alive.url, dead]
+        assert fleet.metrics() == {"rollout/retries": 0.0, "rollout/server_failures": 1.0,
+                                   "rollout/server_restarts": 1.0, "rollout/servers_rejoined": 1.0,
+                                   "rollout/servers_up": 2.0}
+        back.stop()
+        alive.stop()
+        with pytest.raises(ServerUnavailableError, match=r"rollout server .* is unreachable before the rollout phase"):
+            asyncio.run(fleet.check("before the rollout phase of step 2"))
+        assert f"({dead})" in (tmp_path / "servers" / "restart_hook.log").read_text()  # what ran, for whom
+    finally:
+        fleet.close()
+        alive.stop()
