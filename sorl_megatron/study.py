@@ -264,9 +264,12 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
 
     fig_dir.mkdir(parents=True, exist_ok=True)
     written = []
+    # one colour per loss in every panel, whichever losses a panel has
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {loss: palette[i % len(palette)] for i, loss in enumerate(cfg.losses)}
     for key, title in FIGURE_METRICS.items():
         fig, axes = plt.subplots(1, len(cfg.stress), figsize=(5 * len(cfg.stress), 3.4), squeeze=False)
-        drawn = False
+        drawn, legend = False, {}
         for ax, stress in zip(axes[0], cfg.stress):
             band_values: list[float] = []
             for loss in cfg.losses:
@@ -279,15 +282,16 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
                     continue
                 values = [[s[t] for s in series] for t in steps]
                 mean = [sum(v) / len(v) for v in values]
-                line = ax.plot(steps, mean, label=f"{loss} (n={len(series)})")[0]
+                legend[loss] = ax.plot(steps, mean, color=colors[loss])[0]
                 low, high = [min(v) for v in values], [max(v) for v in values]
-                ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+                ax.fill_between(steps, low, high, color=colors[loss], alpha=0.2)
                 band_values += low + high
                 drawn = True
             ax.set_title(f"stress: {stress}")
             style_axis(ax, key, band_values, ylabel=None if key in METRIC_AXES else title)
         if drawn:
-            axes[0][-1].legend(fontsize=7)
+            # every loss drawn in any panel (seed counts per cell are in summary.md)
+            axes[0][-1].legend(list(legend.values()), list(legend), fontsize=7)
             fig.suptitle(f"{title}: mean over seeds, band min-max", fontsize=10)
             fig.tight_layout()
             path = fig_dir / f"{key.replace('/', '_')}.png"
