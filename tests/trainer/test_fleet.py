@@ -262,3 +262,54 @@ def test_external_server_failure_runs_the_operators_hook(tmp_path):
     finally:
         fleet.close()
         alive.stop()
+
+
+def test_client_moves_a_call_off_a_hung_server_without_a_router(tmp_path):
+    """No router (the client balances over the workers): a call on a server that hangs
+    (accepts, never answers) times out, the fleet finds it does not answer /health either and
+    takes it out, and the call is answered by the other server; counted once."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
+    from sorl_megatron.common.protocol import SamplingParams
+    from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
+    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+
+    async def hang(request):
+        await asyncio.sleep(3600)
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    async def generate(request):
+        return web.json_response({"output_ids": [4, 5], "meta_info": {
+            "id": "a", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3, "completion_tokens": 2,
+            "cached_tokens": 0, "weight_version": "good", "output_token_logprobs": [[-1.0, 4, None], [-2.0, 5, None]]}})
+
+    hung_app, good_app = web.Application(), web.Application()
+    hung_app.router.add_get("/health", hang)
+    hung_app.router.add_post("/generate", hang)
+    good_app.router.add_get("/health", health)
+    good_app.router.add_post("/generate", generate)
+    hung = BackgroundServer(hung_app, "127.0.0.1", 0).start()
+    good = BackgroundServer(good_app, "127.0.0.1", 0).start()
+    fleet = RolloutFleet(timeout_s=10, health=RetryPolicy(timeout_s=1, retries=0), run_dir=tmp_path,
+                         workers=[Worker(hung.url), Worker(good.url)])
+    cfg = RolloutClientConfig(urls=(hung.url, good.url), routing="round_robin", failover_retries=1,
+                              generate_retry=RetryPolicy(timeout_s=1.5, retries=0))
+
+    async def go():
+        async with RolloutClient(cfg, on_failure=fleet.on_failure) as client:
+            outs = [await client.generate([1, 2, 3], SamplingParams(max_new_tokens=2)) for _ in range(2)]
+            return outs, client.retries
+
+    try:
+        t0 = time.monotonic()
+        outs, retries = asyncio.run(go())
+        took = time.monotonic() - t0
+    finally:
+        hung.stop()
+        good.stop()
+    assert [o[0].weight_version for o in outs] == ["good", "good"] and retries == 1
+    assert fleet.urls() == [good.url] and fleet.counts["server_failures"] == 1
+    assert took < 1.5 + 1 + 6  # one generate timeout, one health timeout, slack: the second call never waits
