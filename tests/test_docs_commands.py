@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 VENV_BIN = Path(sys.executable).parent
 EXTERNAL = {"sglang.launch_server", "sglang_router.launch_router", "pytest"}  # other projects' modules
-SUBCOMMANDS = {"tools/convert.py", "sorl_megatron.bridge.convert_cli"}  # their first word is a subcommand
+# their first word is a subcommand
+SUBCOMMANDS = {"tools/convert.py", "sorl_megatron.bridge.convert_cli", "sorl_megatron.cluster"}
 OTHER_PROGRAMS = {"make", "source", "pip", "rm"}
 DEMO_RUN = Path("runs/tiny_search/so_grpo")  # the demo's run directory: examples must not write into it
 

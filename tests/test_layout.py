@@ -27,6 +27,7 @@ LAYERS = {
     "trainer": 5,
     "demo": 5,  # the toy demo: the algorithm core alone
     "train": 6,
+    "cluster": 6,  # the Slurm launcher (TorchX)
     "study": 6,
     "": 6,  # sorl_megatron/__init__.py
 }

@@ -114,6 +114,7 @@ class RolloutClient:
         self._sem: asyncio.Semaphore | None = None
         self._inflight = {u: 0 for u in cfg.urls}
         self._usable: set[str] | None = None  # the servers the fleet still lists (None: all)
+        self._control = list(cfg.urls)  # where control calls go: a server the fleet dropped mid-sync leaves
         self._down_until = {u: 0.0 for u in cfg.urls}
         self._rr = itertools.cycle(range(len(cfg.urls)))
         self._routing_shape = cfg.routing_shape
@@ -274,30 +275,50 @@ class RolloutClient:
     async def _all(
         self, method: str, path: str, body: Any = None, expect_json: bool = True, policy: RetryPolicy | None = None
     ) -> dict[str, Any]:
+        """``path`` on every server still in this client's control set; all must succeed.
+
+        With an ``on_failure`` hook (the trainer's fleet), servers that failed the call
+        (unreachable, timed out, 5xx) and that the hook then drops (they fail ``/health``) leave
+        the control set and the call stands on the others: a server that dies during a weight
+        sync does not end the run while one is left. A refusal (4xx) always raises.
+        """
         policy = policy or self.cfg.control_retry
+        urls = list(self._control)
 
         async def one(url: str):
             return await request(self._sess(), method, f"{url}{path}", body, policy, expect_json)
 
-        results = await asyncio.gather(*(one(u) for u in self.cfg.urls), return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        errors = [f"{u}: {r}" for u, r in zip(self.cfg.urls, results) if isinstance(r, BaseException)]
+        results = await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
+        failed = {u: r for u, r in zip(urls, results) if isinstance(r, BaseException)}
+        if failed and self.on_failure is not None and urls and not any(
+            isinstance(r, RequestRejectedError) or not isinstance(r, ServerError) for r in failed.values()
+        ):
+            left: Sequence[str] = urls
+            for u, err in failed.items():
+                left = await self.on_failure(u, err)
+            gone = [u for u in failed if u not in left]
+            if len(gone) == len(failed) and len(gone) < len(urls):
+                self._control = [u for u in self._control if u not in gone]
+                urls, results = zip(*[(u, r) for u, r in zip(urls, results) if u not in gone])
+                failed = {}
+        failures = list(failed.values())
+        errors = [f"{u}: {r}" for u, r in failed.items()]
         if errors:
-            rejected = [r for r in results if isinstance(r, RequestRejectedError)]
+            rejected = [r for r in failures if isinstance(r, RequestRejectedError)]
             if rejected:
                 raise RequestRejectedError(
-                    f"{path} rejected by {len(rejected)}/{len(self.cfg.urls)} rollout server(s): " + "; ".join(errors),
+                    f"{path} rejected by {len(rejected)}/{len(urls)} rollout server(s): " + "; ".join(errors),
                     rejected[0].status,
                 )
             # keep the kind (timeout, unreachable) when every server failed the same way
             kind = type(failures[0])
             if not (issubclass(kind, ServerError) and all(type(r) is kind for r in failures)):
                 kind = ServerError
-            raise kind(f"{path} failed on {len(errors)}/{len(self.cfg.urls)} rollout server(s): " + "; ".join(errors))
-        for u, r in zip(self.cfg.urls, results):
+            raise kind(f"{path} failed on {len(errors)}/{len(urls)} rollout server(s): " + "; ".join(errors))
+        for u, r in zip(urls, results):
             if isinstance(r, dict) and r.get("success") is False:
                 raise RequestRejectedError(f"{u}{path}: {r.get('message')}", 400)
-        return dict(zip(self.cfg.urls, results))
+        return dict(zip(urls, results))
 
     def _next_version(self, weight_version: str | None) -> str:
         if weight_version is not None:

@@ -140,23 +140,24 @@ class RolloutFleet:
             f"{w.url} {w.state}" for w in self.workers) + " (a restarted server serves after the next weight sync)")
 
     async def on_failure(self, url: Optional[str], err: ServerError) -> list[str]:
-        """The client's hook after a ``/generate`` call failed on ``url`` (None: through the
+        """The client's hook after a call failed on ``url`` (None: a ``/generate`` through the
         router, server unknown): health-check it (all of them for the router), handle the
-        failed ones; returns the URLs still serving. Concurrent failures share one check."""
+        failed ones; returns the URLs still serving or getting the weight sync (a joining
+        server that fails its sync fails like the others). Concurrent failures share one check."""
         loop = asyncio.get_running_loop()
         if self._lock is None or self._lock_loop is not loop:  # one lock per event loop (one per phase)
             self._lock, self._lock_loop = asyncio.Lock(), loop
         asked = time.monotonic()
         async with self._lock:
             if self._last_check > asked:
-                return self.urls()  # a check that started after this failure already ran
-            suspects = [u for u in self.urls() if url is None or u == url]
-            log.warning("rollout: a /generate call failed (%s); checking %s", err, suspects or "no server")
-            errors = await self._health(suspects, "after a failed /generate call")
-            for w in [w for w in self.workers if w.state == "up" and errors.get(w.url) is not None]:
+                return self.urls(joining=True)  # a check that started after this failure already ran
+            suspects = [u for u in self.urls(joining=True) if url is None or u == url]
+            log.warning("rollout: a call failed (%s); checking %s", err, suspects or "no server")
+            errors = await self._health(suspects, "after a failed call")
+            for w in [w for w in self.workers if w.state in ("up", "joining") and errors.get(w.url) is not None]:
                 await self._fail(w, errors[w.url])
             self._last_check = time.monotonic()
-            return self.urls()
+            return self.urls(joining=True)
 
     async def _fail(self, w: Worker, err: ServerError) -> None:
         log.warning("rollout server %s failed (%s): taken out of the fleet", w.url, err)

@@ -262,3 +262,107 @@ def test_external_server_failure_runs_the_operators_hook(tmp_path):
     finally:
         fleet.close()
         alive.stop()
+
+
+def test_client_moves_a_call_off_a_hung_server_without_a_router(tmp_path):
+    """No router (the client balances over the workers): a call on a server that hangs
+    (accepts, never answers) times out, the fleet finds it does not answer /health either and
+    takes it out, and the call is answered by the other server; counted once."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
+    from sorl_megatron.common.protocol import SamplingParams
+    from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
+    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+
+    async def hang(request):
+        await asyncio.sleep(3600)
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    async def generate(request):
+        return web.json_response({"output_ids": [4, 5], "meta_info": {
+            "id": "a", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3, "completion_tokens": 2,
+            "cached_tokens": 0, "weight_version": "good", "output_token_logprobs": [[-1.0, 4, None], [-2.0, 5, None]]}})
+
+    hung_app, good_app = web.Application(), web.Application()
+    hung_app.router.add_get("/health", hang)
+    hung_app.router.add_post("/generate", hang)
+    good_app.router.add_get("/health", health)
+    good_app.router.add_post("/generate", generate)
+    hung = BackgroundServer(hung_app, "127.0.0.1", 0).start()
+    good = BackgroundServer(good_app, "127.0.0.1", 0).start()
+    fleet = RolloutFleet(timeout_s=10, health=RetryPolicy(timeout_s=1, retries=0), run_dir=tmp_path,
+                         workers=[Worker(hung.url), Worker(good.url)])
+    cfg = RolloutClientConfig(urls=(hung.url, good.url), routing="round_robin", failover_retries=1,
+                              generate_retry=RetryPolicy(timeout_s=1.5, retries=0))
+
+    async def go():
+        async with RolloutClient(cfg, on_failure=fleet.on_failure) as client:
+            outs = [await client.generate([1, 2, 3], SamplingParams(max_new_tokens=2)) for _ in range(2)]
+            return outs, client.retries
+
+    try:
+        t0 = time.monotonic()
+        outs, retries = asyncio.run(go())
+        took = time.monotonic() - t0
+    finally:
+        hung.stop()
+        good.stop()
+    assert [o[0].weight_version for o in outs] == ["good", "good"] and retries == 1
+    assert fleet.urls() == [good.url] and fleet.counts["server_failures"] == 1
+    assert took < 1.5 + 1 + 6  # one generate timeout, one health timeout, slack: the second call never waits
+
+
+def test_server_killed_during_a_weight_sync(tiny_data, tmp_path):
+    """SIGKILL between two buckets of a tensor sync: the sync completes on the other server
+    (before, it ended the run); the dead one is restarted and gets the next sync before it
+    serves again."""
+    from safetensors.torch import load_file
+
+    from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
+    from sorl_megatron.trainer.fleet import start_fleet
+    from sorl_megatron.trainer.servers import EmbeddedServers, rollout_server_spec
+
+    cfg = load_recipe(BASE_RECIPE, [*run_overrides(tiny_data, tmp_path, "sync"), "rollout.num_servers=2",
+                                    "rollout.start_timeout_s=240", "rollout.health_timeout_s=2"])
+    tensors = load_file(str(tiny_data / "model" / "model.safetensors"))
+    with EmbeddedServers(tmp_path) as servers:
+        fleet = start_fleet(cfg.rollout, tmp_path, servers, lambda name: rollout_server_spec(
+            str(tiny_data / "model"), "fp32", False, 1, name=name, health_timeout_s=240))
+        survivor, victim = fleet.urls()
+        key = servers.api_keys["rollout"]
+
+        def client(urls):
+            return RolloutClient(RolloutClientConfig(urls=tuple(urls), api_key=key,
+                                                     control_retry=RetryPolicy(timeout_s=60, retries=1),
+                                                     health_retry=RetryPolicy(timeout_s=2, retries=0)),
+                                 on_failure=fleet.on_failure)
+
+        def killing_after_first():
+            for i, item in enumerate(tensors.items()):
+                if i == 1:
+                    servers.kill("rollout-1")  # the first bucket reached both
+                yield item
+
+        async def sync(urls, items, version):
+            async with client(urls) as c:
+                await c.update_weights_from_tensor(items, weight_version=version, bucket_bytes=1)
+
+        async def versions(urls):
+            async with client(urls) as c:
+                return [(await c.model_info(u))["weight_version"] for u in urls]
+
+        asyncio.run(sync([survivor, victim], killing_after_first(), "step_1"))
+        assert fleet.urls() == [survivor] and asyncio.run(versions([survivor])) == ["step_1"]
+        assert fleet.counts == {"server_failures": 1, "server_restarts": 1}
+        restarted = fleet.workers[1].url
+        assert restarted != victim  # a new process on a new port, not serving yet
+        targets = fleet.prepare_sync()  # waits for the restart
+        assert targets == [survivor, restarted] and fleet.urls() == [survivor]
+        asyncio.run(sync(targets, iter(tensors.items()), "step_2"))
+        fleet.finish_sync()
+        assert fleet.urls() == [survivor, restarted]
+        assert asyncio.run(versions(fleet.urls())) == ["step_2", "step_2"]
+        assert fleet.metrics()["rollout/servers_rejoined"] == 1

@@ -1,0 +1,108 @@
+"""The Slurm launcher (``python -m sorl_megatron.cluster``): the job TorchX renders (dry run,
+on CPU), the checks before it, and the ``exec`` step each node runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sorl_megatron.cluster import FleetJob, main, resolve_hosts
+from sorl_megatron.trainer.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "tiny_search_base.yaml")
+BASE = ["model.path=/models/policy", "data.train=/data/train.parquet"]
+
+
+def test_dry_run_renders_the_whole_fleet(capsys):
+    pytest.importorskip("torchx")
+    code = main(["slurm", "--config", RECIPE, "--inference-nodes", "2", "--training-nodes", "2",
+                 "--gpus-per-node", "4", "--corpus", "/data/corpus.jsonl", "--sglang-args", "--tp 4 --quantization fp8",
+                 "--partition", "gpu", "--time", "24:00:00", "--dry-run", *BASE, "schedule.total_steps=7"])
+    script = capsys.readouterr().out
+    assert code == 0, script
+    # one het group per node: retrieval, 2 SGLang servers, the router, 2 trainer nodes
+    assert script.count("#SBATCH hetjob") == 5
+    assert "--partition=gpu --time=24:00:00" in script
+    steps = [line for line in script.splitlines() if "sorl_megatron.cluster exec" in line]
+    assert len(steps) == 6
+    retrieval, *rest = steps
+    servers, router, trainers = rest[:2], rest[2], rest[3:]
+    assert "sorl_megatron.retrieval.server --corpus /data/corpus.jsonl" in retrieval
+    for server in servers:
+        assert ("sglang.launch_server --model-path /models/policy --host 0.0.0.0 --port 30000 --tp 4 "
+                "--quantization fp8") in server and "--gpus-per-task=4" not in server  # (resources: #SBATCH lines)
+    assert "--wait 'http://{het:1}:30000' --wait 'http://{het:2}:30000'" in router  # starts once both answer
+    assert "sorl_megatron.rollout.router --worker-urls 'http://{het:1}:30000' 'http://{het:2}:30000'" in router
+    for trainer in trainers:
+        assert "--wait 'http://{het:3}:30100' --wait 'http://{het:0}:8000'" in trainer
+        assert "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint '{het:4}:29500'" in trainer
+        for override in ["schedule.total_steps=7", "rollout.router=sglang_router",
+                         "'rollout.router_url=http://{het:3}:30100'",
+                         "'rollout.urls=[http://{het:1}:30000,http://{het:2}:30000]'",
+                         "'retrieval.url=http://{het:0}:8000'"]:
+            assert override in trainer, override
+    assert "SORL_ROLLOUT_API_KEY" not in script  # keys travel in the environment, not the script
+
+
+def test_job_is_checked_before_rendering():
+    ok = FleetJob(RECIPE, BASE, corpus="/c.jsonl")
+    cfg, overrides = ok.validate()
+    assert cfg.rollout.router == "sglang_router" and len(cfg.rollout.urls) == 1
+    for job, match in [
+        (FleetJob(RECIPE, BASE), r"give --corpus .* or the override retrieval.url"),
+        (FleetJob(RECIPE, BASE, corpus="/c", inference_nodes=0), r"--inference-nodes must be >= 1"),
+        (FleetJob(RECIPE, [*BASE, "rollout.urls=[http://a:1]"], corpus="/c"), r"\['rollout.urls'\] are set by the job"),
+        (FleetJob(RECIPE, [*BASE, "rollout.groupsize=4"], corpus="/c"), r"rollout.groupsize \(did you mean"),
+        (FleetJob(RECIPE, BASE, corpus="/c", wait_timeout_s=0), r"--wait-timeout-s must be > 0"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            job.validate()
+    # an external retrieval server instead of one in the job
+    cfg, _ = FleetJob(RECIPE, [*BASE, "retrieval.url=http://search:8000"]).validate()
+    assert cfg.retrieval.url == "http://search:8000"
+
+
+def test_hosts_come_from_the_het_groups():
+    env = {"SLURM_JOB_NODELIST_HET_GROUP_0": "cpu7", "SLURM_JOB_NODELIST_HET_GROUP_3": "gpu12"}
+    assert resolve_hosts(["http://{het:0}:8000", "x", "{het:3}:29500"], env) == ["http://cpu7:8000", "x",
+                                                                                 "gpu12:29500"]
+    with pytest.raises(SystemExit, match="SLURM_JOB_NODELIST_HET_GROUP_1 is not set"):
+        resolve_hosts(["{het:1}"], env)
+    with pytest.raises(SystemExit, match=r"lists several nodes"):
+        resolve_hosts(["{het:0}"], {"SLURM_JOB_NODELIST_HET_GROUP_0": "gpu[1-2]"})
+
+
+def test_exec_waits_for_the_servers_then_runs_the_command(tmp_path):
+    """The step a node runs: hosts filled in, a server waited for, then the command itself
+    (exec'ed: its output and exit code are the step's)."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    server = BackgroundServer(app, "127.0.0.1", 0).start()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SLURM_JOB_NODELIST_HET_GROUP_0": "127.0.0.1"}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "sorl_megatron.cluster", "exec", "--wait-timeout-s", "30",
+             "--wait", f"http://{{het:0}}:{server.port}", "--", sys.executable, "-c",
+             "import sys; print('serving at', sys.argv[1]); sys.exit(3)", "{het:0}:1"],
+            capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        server.stop()
+    assert out.returncode == 3, out.stderr
+    assert "serving at 127.0.0.1:1" in out.stdout
+    # nothing answers: the wait is bounded and says what it waited for
+    out = subprocess.run(
+        [sys.executable, "-m", "sorl_megatron.cluster", "exec", "--wait-timeout-s", "1", "--wait",
+         "http://{het:0}:9", "--", "true"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0 and "http://127.0.0.1:9/health did not answer 200 within 1 s" in out.stderr
