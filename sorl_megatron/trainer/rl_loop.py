@@ -1,9 +1,10 @@
 """The RL loop: rollouts -> rewards -> old/ref log-probs, values -> advantages -> actor and
 critic updates -> weight sync -> validation -> checkpoint.
 
-Every rank runs the Megatron engines; rank 0 alone talks HTTP (rollout and retrieval
-servers) and broadcasts each step's batch to the other ranks, which then cut their own
-data-parallel rows. The off-policyness is explicit in the recipe: ``schedule.batch_size x
+Every rank runs the Megatron engines; rank 0 alone talks HTTP for rollouts, retrieval and
+health (and broadcasts each step's batch to the other ranks, which then cut their own
+data-parallel rows), except in the distributed weight sync, where every sending rank announces
+its own buckets to the servers (docs/rollout.md). The off-policyness is explicit in the recipe: ``schedule.batch_size x
 rollout.group_size`` trajectories per step, split into mini-batches of
 ``schedule.mini_batch_size`` (one optimizer step each) over ``schedule.ppo_epochs`` epochs
 (SORL appendix A.5). Everything is seeded per step, so a run killed at any point and resumed
