@@ -282,7 +282,7 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
                     continue
                 values = [[s[t] for s in series] for t in steps]
                 mean = [sum(v) / len(v) for v in values]
-                legend[loss] = ax.plot(steps, mean, color=colors[loss])[0]
+                legend[loss] = ax.plot(steps, mean, color=colors[loss], label=f"{loss} (n={len(series)})")[0]
                 low, high = [min(v) for v in values], [max(v) for v in values]
                 ax.fill_between(steps, low, high, color=colors[loss], alpha=0.2)
                 band_values += low + high
@@ -290,8 +290,8 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
             ax.set_title(f"stress: {stress}")
             style_axis(ax, key, band_values, ylabel=None if key in METRIC_AXES else title)
         if drawn:
-            # every loss drawn in any panel (seed counts per cell are in summary.md)
-            axes[0][-1].legend(list(legend.values()), list(legend), fontsize=7)
+            # every loss drawn in any panel, with its seed count (per cell in summary.md)
+            axes[0][-1].legend(handles=list(legend.values()), fontsize=7)
             fig.suptitle(f"{title}: mean over seeds, band min-max", fontsize=10)
             fig.tight_layout()
             path = fig_dir / f"{key.replace('/', '_')}.png"
