@@ -11,6 +11,7 @@ import torch
 from transformers import PretrainedConfig
 
 from .cpu_compat import apply_cpu_compat
+from .families import family_config_overrides
 from .hf_config import check_hf_dir_has_weights, load_hf_config
 from .layout import LayoutError, ParallelLayout, num_experts_of, validate_layout
 from .model import MegatronModel, ModelOptions, attach_value_head
@@ -42,6 +43,7 @@ def _config_overrides(hf_config: PretrainedConfig, layout: ParallelLayout, optio
         over["moe_router_pre_softmax"] = not bool(getattr(hf_config, "norm_topk_prob", False))
     if num_experts_of(hf_config):
         over["moe_token_dispatcher_type"] = "alltoall"
+    over.update(family_config_overrides(hf_config, on_gpu_te=use_te and not on_cpu))
     over.update(options.config_overrides)
     return over
 
@@ -108,9 +110,44 @@ def _without_sp(layout: ParallelLayout) -> tuple:
     return (layout.tp, layout.pp, layout.vpp, layout.ep, layout.expert_tp, layout.cp)
 
 
-def _make_bridge(hf_config: PretrainedConfig, layout: ParallelLayout, options: ModelOptions):
-    from mbridge import AutoBridge
+def _mla_config_class(*args, **kwargs):
+    """mbridge 0.15.1 passes `max_position_embeddings` (the YaRN original length) to megatron's
+    MLATransformerConfig, which 0.16.1 calls `original_max_position_embeddings`: TypeError."""
+    from megatron.core.transformer import MLATransformerConfig
 
+    if "max_position_embeddings" in kwargs:
+        kwargs["original_max_position_embeddings"] = kwargs.pop("max_position_embeddings")
+    return MLATransformerConfig(*args, **kwargs)
+
+
+def _bridge_class(model_type: str):
+    """mbridge's registered bridge class for `model_type`, fixed where 0.15.1 does not run on
+    megatron-core 0.16.1."""
+    from mbridge.core.auto_bridge import _MODEL_REGISTRY
+
+    cls = _MODEL_REGISTRY[model_type]
+    if model_type == "deepseek_v3":
+        cls = type(
+            "DeepseekV3BridgeFixed",
+            (cls,),
+            {"TransformerConfigClass": staticmethod(_mla_config_class), "_get_safetensor_io": _plain_safetensor_io},
+        )
+    return cls
+
+
+def _plain_safetensor_io(self, weights_path: str):
+    """mbridge's DeepSeek-V3 bridge reads weights only through its FP8-dequantizing reader
+    (bf16 and CUDA only; any other dtype raises `NotImplemented(...)`: TypeError). A checkpoint
+    without block-FP8 weights is read as every other family's; an FP8 one keeps mbridge's reader."""
+    from mbridge.core.safetensor_io import SafeTensorIO
+
+    quant = getattr(self.hf_config, "quantization_config", None) or {}
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
+        return type(self).__mro__[1]._get_safetensor_io(self, weights_path)
+    return SafeTensorIO(self._get_actual_hf_path(weights_path))
+
+
+def _make_bridge(hf_config: PretrainedConfig, layout: ParallelLayout, options: ModelOptions):
     from .local_spec import decoder_block_spec
 
     bridge_config = hf_config
@@ -118,7 +155,7 @@ def _make_bridge(hf_config: PretrainedConfig, layout: ParallelLayout, options: M
         # A critic's head is not the embedding: build untied so nothing syncs the two.
         bridge_config = copy.deepcopy(hf_config)
         bridge_config.tie_word_embeddings = False
-    bridge = AutoBridge.from_config(bridge_config, dtype=options.resolved_dtype())
+    bridge = _bridge_class(bridge_config.model_type)(bridge_config, dtype=options.resolved_dtype())
     # mbridge's Qwen2 bridge writes the tied-embedding mapping into a class-level dict, so one
     # tied model would make every later untied model in the process export embed_tokens as
     # lm_head. Give each bridge its own mapping.

@@ -180,6 +180,14 @@ def _te_gemm_targets() -> list[tuple[Any, str, Any]]:
     return [(moe_utils, "te_general_gemm", None)]
 
 
+def _mla_te_targets() -> list[tuple[Any, str, Any]]:
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not mla.HAVE_TE or isinstance(mla.TELinear, type):
+        return []  # TE really imports (or the module already knows it does not)
+    return [(mla, "HAVE_TE", False)]
+
+
 def _all_to_all_targets() -> list[tuple[Any, str, Any]]:
     return [(torch.distributed, "all_to_all_single", _splits_as_lists(torch.distributed.all_to_all_single))]
 
@@ -253,6 +261,16 @@ PATCHES: dict[str, CpuPatch] = {
             "but only defines it when TransformerEngine imports: NameError. Define it as None "
             "(megatron then uses torch matmul).",
             _te_gemm_targets,
+        ),
+        CpuPatch(
+            "mla_knows_te_is_missing",
+            "megatron-core 0.16.1's multi_latent_attention sets HAVE_TE=True once "
+            "megatron.core.extensions.transformer_engine imports, and that module imports "
+            "without TE (it builds its classes on a MagicMock), so MLASelfAttention.__init__ "
+            "evaluates isinstance(self.linear_proj, TELinear) with TELinear a MagicMock: "
+            "'TypeError: isinstance() arg 2 must be a type' (multi_latent_attention.py:185). "
+            "Tell that module TE is absent when its TELinear is not a class.",
+            _mla_te_targets,
         ),
         CpuPatch(
             "all_to_all_splits_as_lists",

@@ -49,6 +49,7 @@ def normalize_hf_config(hf_config: PretrainedConfig) -> PretrainedConfig:
 
     - transformers 5 keeps rope_theta inside `rope_parameters`; mbridge reads `rope_theta`.
     - Mixtral configs carry `head_dim: null`; mbridge multiplies it.
+    - GLM-4.5's `partial_rotary_factor` lives in `rope_parameters` too.
     """
     cfg = copy.deepcopy(hf_config)
     if getattr(cfg, "rope_theta", None) is None:
@@ -61,6 +62,10 @@ def normalize_hf_config(hf_config: PretrainedConfig) -> PretrainedConfig:
     rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
     if rope_type not in (None, "default"):
         raise ValueError(f"rope_type={rope_type!r} (rope scaling) is not supported; only default RoPE")
+    # GLM-4.5's partial rotary: transformers 5 keeps it in rope_parameters, mbridge reads it
+    # from the top level.
+    if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:
+        cfg.partial_rotary_factor = rope["partial_rotary_factor"]
     if getattr(cfg, "head_dim", None) is None:
         cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
     return cfg

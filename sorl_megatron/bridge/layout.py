@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-# HF `model_type` values this package builds and has tested on CPU. mbridge registers more
-# families (deepseek_v3, glm4_moe, ...) but they need layer specs (MLA, shared experts with
-# gates) whose local CPU variants are not written yet, so they are refused up front.
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral")
+from .families import FamilyConfigError, check_family, first_k_dense, shared_expert_size
+
+# HF `model_type` values this package builds and has tested on CPU (family-specific checks and
+# config fixes: families.py). mbridge registers more (mimo, glm4v, gemma3, ...): refused up front.
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe", "glm4_moe")
 
 
 class LayoutError(ValueError):
@@ -116,6 +117,10 @@ def validate_layout(layout: ParallelLayout, hf_config: Any, world_size: Optional
             f"(architectures={getattr(hf_config, 'architectures', None)}); "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    try:
+        check_family(hf_config)
+    except FamilyConfigError as e:
+        raise UnsupportedModelError(str(e)) from None
     for key in ("tp", "pp", "vpp", "ep", "cp"):
         if getattr(layout, key) < 1:
             raise LayoutError(f"{key}={getattr(layout, key)} must be >= 1")
@@ -153,8 +158,11 @@ def validate_layout(layout: ParallelLayout, hf_config: Any, world_size: Optional
         ffn = int(_cfg(hf_config, "moe_intermediate_size", "intermediate_size"))
         if ffn % layout.expert_tp:
             raise LayoutError(f"ETP={layout.expert_tp} does not divide expert ffn size {ffn} of {name}")
+    shared = shared_expert_size(hf_config)
+    if shared and shared % layout.tp:
+        raise LayoutError(f"TP={layout.tp} does not divide the shared-expert ffn size {shared} of {name}")
     ffn_dense = _cfg(hf_config, "intermediate_size")
-    if experts == 0 and ffn_dense is not None and int(ffn_dense) % layout.tp:
+    if (experts == 0 or first_k_dense(hf_config)) and ffn_dense is not None and int(ffn_dense) % layout.tp:
         raise LayoutError(f"TP={layout.tp} does not divide intermediate_size={ffn_dense} of {name}")
     if world_size is not None:
         mp = layout.model_parallel_size

@@ -232,6 +232,13 @@ class LocalDotProductAttention(DotProductAttention):
     without building a ``[T, T]`` mask, at the attention cost of the unpacked rows.
     """
 
+    def __init__(self, *args: Any, k_channels: Optional[int] = None, v_channels: Optional[int] = None, **kwargs: Any):
+        # MLA passes its q/k and v head sizes (TE's attention takes them; megatron's local one
+        # does not). Only the value size shapes the output; MLA passes softmax_scale itself.
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if packed_seq_params is None:
@@ -280,9 +287,40 @@ def _attention_spec(qk_layernorm: bool) -> ModuleSpec:
     )
 
 
-def local_layer_spec(moe: bool, qk_layernorm: bool) -> ModuleSpec:
+def _mla_attention_spec() -> ModuleSpec:
+    """Multi-latent attention (DeepSeek-V3) with TE's parameter names.
+
+    TE's spec fuses the q / kv latent norms into the up projections
+    (`linear_q_up_proj.layer_norm_weight`, `linear_kv_up_proj.layer_norm_weight`) and keeps the
+    down projections unsplit (TELinear, 'duplicated'). Here the down projections are
+    ColumnParallelLinear (megatron's MLA gathers their output over TP and scatters it back to the
+    sequence shard), so their weights are split over TP on CPU while TE replicates them; the
+    dist-checkpoint keys carry global shapes either way.
+    """
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=ColumnParallelLinear,
+            linear_q_down_proj=ColumnParallelLinear,
+            linear_q_up_proj=LocalLayerNormColumnParallelLinear,
+            linear_kv_down_proj=ColumnParallelLinear,
+            linear_kv_up_proj=LocalLayerNormColumnParallelLinear,
+            core_attention=LocalDotProductAttention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=IdentityOp,
+            kv_layernorm=IdentityOp,
+        ),
+    )
+
+
+def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False) -> ModuleSpec:
     """One decoder layer, TE-named: dense layers fuse the MLP norm into fc1; MoE layers keep
-    `pre_mlp_layernorm` (as TE's spec does) and use grouped expert linears."""
+    `pre_mlp_layernorm` (as TE's spec does) and use grouped expert linears. MLA layers keep a
+    separate `input_layernorm` (TE's MLA spec does: its q / kv down projections are plain
+    linears)."""
     if moe:
         experts = ModuleSpec(
             module=TEGroupedMLP,  # pure-torch module; only its linears come from TE normally
@@ -309,8 +347,8 @@ def local_layer_spec(moe: bool, qk_layernorm: bool) -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=IdentityOp,
-            self_attention=_attention_spec(qk_layernorm),
+            input_layernorm=LocalRMSNorm if mla else IdentityOp,
+            self_attention=_mla_attention_spec() if mla else _attention_spec(qk_layernorm),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=pre_mlp_norm,
             mlp=mlp,
@@ -330,7 +368,8 @@ def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None
     stock = get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
     )
-    dense = local_layer_spec(moe=False, qk_layernorm=config.qk_layernorm)
-    moe = local_layer_spec(moe=True, qk_layernorm=config.qk_layernorm)
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    dense = local_layer_spec(moe=False, qk_layernorm=config.qk_layernorm, mla=mla)
+    moe = local_layer_spec(moe=True, qk_layernorm=config.qk_layernorm, mla=mla)
     layers = [moe if spec.submodules.mlp.module is MoELayer else dense for spec in stock.layer_specs]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LocalRMSNorm)

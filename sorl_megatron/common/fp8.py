@@ -20,10 +20,12 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 FP8_BLOCK = (128, 128)
 
-# Linear projections inside decoder layers; routers (`mlp.gate`, `block_sparse_moe.gate`,
-# `shared_expert_gate`) are matched out because their logits decide routing.
+# Linear projections inside decoder layers (with MLA's latent projections, quantized in
+# DeepSeek-V3's own FP8 checkpoint too); routers (`mlp.gate`, `block_sparse_moe.gate`,
+# `shared_expert_gate`) and the expert-score bias are matched out because they decide routing.
 _QUANTIZED = re.compile(
-    r"^model\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+    r"^model\.layers\.\d+\..*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3"
+    r"|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)\.weight$"
 )
 
 

@@ -43,9 +43,27 @@ MP_CASES = [
         "ckpt": "ck_qwen2_4l_vpp",
     },
     {"id": "load/mixtral/ep2->tp2", "op": "load_ckpt", "model": "mixtral", "layout": "tp=2", "ckpt": "ck_mixtral_ep2"},
+    # the shared-expert / MLA families (issue 20) at each 2-rank layout
+    *[
+        {"id": f"logits/{k}/{name}", "op": "logits", "model": k, "layout": layout}
+        for k in ("deepseek_v3", "qwen2_moe", "glm4_moe")
+        for name, layout in (("tp2sp", "tp=2"), ("ep2", "ep=2"), ("pp2", "pp=2"))
+    ],
+    {"id": "roundtrip/deepseek_v3/tp2", "op": "roundtrip", "model": "deepseek_v3", "layout": "tp=2"},
+    {"id": "roundtrip/glm4_moe/ep2", "op": "roundtrip", "model": "glm4_moe", "layout": "ep=2"},
+    {"id": "roundtrip/qwen2_moe/tp2", "op": "roundtrip", "model": "qwen2_moe", "layout": "tp=2"},
+    {
+        "id": "save/deepseek_v3/ep2",
+        "op": "save_ckpt",
+        "model": "deepseek_v3",
+        "layout": "ep=2",
+        "ckpt": "ck_deepseek_v3_ep2",
+    },
 ]
 
-KINDS = ["qwen2", "qwen2_tied", "qwen3_moe", "mixtral", "qwen2_4l"]
+NEW_FAMILIES = ["deepseek_v3", "qwen2_moe", "glm4_moe"]
+
+KINDS = ["qwen2", "qwen2_tied", "qwen3_moe", "mixtral", "qwen2_4l", *NEW_FAMILIES]
 
 SINGLE_CASES = (
     [{"id": f"logits/{k}/ws1", "op": "logits", "model": k, "layout": ""} for k in KINDS]
@@ -94,6 +112,15 @@ SINGLE_CASES = (
         },
         {"id": "load/mixtral/ep2->ws1", "op": "load_ckpt", "model": "mixtral", "layout": "", "ckpt": "ck_mixtral_ep2"},
         {"id": "compat_probes", "op": "compat_probes"},
+        *[{"id": f"family_fixes/{k}", "op": "family_fixes", "model": k} for k in NEW_FAMILIES],
+        {"id": "fp8/deepseek_v3/ws1", "op": "fp8", "model": "deepseek_v3", "layout": ""},
+        {
+            "id": "load/deepseek_v3/ep2->ws1",
+            "op": "load_ckpt",
+            "model": "deepseek_v3",
+            "layout": "",
+            "ckpt": "ck_deepseek_v3_ep2",
+        },
         {"id": "spec_selection", "op": "spec_selection", "model": "qwen3_moe"},
     ]
 )

@@ -43,8 +43,11 @@ def _check_roundtrip(r: dict, model: str) -> None:
     assert r["n_tensors"] > 10
     want_dtype = r["case"].get("dtype") or r["case"].get("expect_dtype", "float32")
     assert r["config_dtype"] == want_dtype
-    expected_type = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}.get(model, "qwen2")
+    same = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe", "glm4_moe")
+    expected_type = model if model in same else "qwen2"
     assert r["config_model_type"] == expected_type
+    # DeepSeek-V3's MTP module (stored as layer num_hidden_layers) is skipped on load, so not exported
+    assert bool(r["skipped_mtp"]) == (model == "deepseek_v3"), r["skipped_mtp"]
     # tokenizer + generation files copied from the source directory
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"} <= set(r["files"])
 
@@ -166,3 +169,25 @@ def test_local_spec_has_te_parameter_names_and_te_is_used_when_present(single_re
     }
     assert expected <= names, sorted(expected - names)
     assert not any("input_layernorm" in n or "local_experts" in n for n in names)
+
+
+@pytest.mark.slow
+def test_fp8_export_quantizes_mla_projections(single_results):
+    r = result(single_results, "fp8/deepseek_v3/ws1")
+    assert r["worst_error_over_bound"] <= 1.0 and r["kept_unequal"] == []
+    fp8 = r["fp8_names"]
+    for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts.down_proj"):
+        assert any(f"self_attn.{proj}" in n or f"mlp.{proj}" in n for n in fp8), proj
+    kept = r["kept_names"]
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in kept  # the routing bias stays exact
+    assert "model.layers.0.self_attn.q_a_layernorm.weight" in kept and "model.layers.1.mlp.gate.weight" in kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["deepseek_v3", "qwen2_moe", "glm4_moe"])
+def test_each_family_fix_is_needed(single_results, model):
+    """Undoing any TransformerConfig field families.py sets (or zeroing the loaded expert-score
+    bias) moves the logits far from transformers': the tiny configs exercise every fix."""
+    r = result(single_results, f"family_fixes/{model}")
+    assert r["diffs"] and all(d > 1e-3 for d in r["diffs"].values()), r["diffs"]
+    assert r["n_expert_bias"] == (0 if model == "qwen2_moe" else 1)

@@ -59,6 +59,85 @@ def mixtral_config():
     )
 
 
+def deepseek_v3_config():
+    """MLA with a q LoRA, interleaved rope dims, 1 leading dense layer, 8 routed experts in 2
+    groups (1 group per token, top-2: megatron's top-(topk/group_topk) = HF's top-2 per group),
+    one shared expert, sigmoid scores with a correction bias, routed scaling 2.5, and an MTP
+    module declared (its weights are written by `save_tiny_model` and must be skipped)."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        **_common(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            rope_interleave=True,
+            num_nextn_predict_layers=1,
+            tie_word_embeddings=False,
+        )
+    )
+
+
+def qwen2_moe_config():
+    """Softmax top-2 of 4 experts without renormalization, a sigmoid-gated shared expert, q/k/v
+    biases; every layer MoE (mbridge's bridge maps no dense Qwen2-MoE layers)."""
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(
+        **_common(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+        )
+    )
+
+
+def glm4_moe_config():
+    """GLM-4.5: half-rotary heads, q/k/v biases, q/k norms, 1 leading dense layer, sigmoid
+    routing with a correction bias over 4 experts (one group), one shared expert."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        **_common(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            head_dim=16,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+            num_nextn_predict_layers=0,
+            tie_word_embeddings=False,
+        )
+    )
+
+
 CONFIGS: dict[str, Callable] = {
     "qwen2": lambda: qwen2_config(tied=False),
     "qwen2_tied": lambda: qwen2_config(tied=True),
@@ -66,6 +145,9 @@ CONFIGS: dict[str, Callable] = {
     "qwen2_bf16": lambda: qwen2_config(tied=False),  # saved in bfloat16, like real checkpoints
     "qwen3_moe": qwen3_moe_config,
     "mixtral": mixtral_config,
+    "deepseek_v3": deepseek_v3_config,
+    "qwen2_moe": qwen2_moe_config,
+    "glm4_moe": glm4_moe_config,
 }
 
 
@@ -83,12 +165,39 @@ def save_tiny_model(kind: str, out_dir: str, seed: int = 0, with_tokenizer: bool
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):  # routers: clear top-k margins (no near-ties)
+                p.normal_(0.0, 0.3)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # sigmoid routers' load-balancing bias
+                buf.normal_(0.0, 0.1)
     if kind.endswith("_bf16"):
         model = model.to(torch.bfloat16)
     model.save_pretrained(out_dir)
+    if getattr(config, "num_nextn_predict_layers", 0):
+        _add_mtp_weights(config, out_dir)
     if with_tokenizer:
         _write_tokenizer(out_dir)
     return out_dir
+
+
+def mtp_weight_names(config) -> list[str]:
+    """The tensors a DeepSeek-V3 checkpoint stores for its MTP module (layer index
+    num_hidden_layers): transformers ignores them, and so must the Megatron loader."""
+    i = config.num_hidden_layers
+    return [f"model.layers.{i}.{n}" for n in (
+        "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "input_layernorm.weight",
+        "self_attn.o_proj.weight", "mlp.gate.weight", "mlp.experts.0.down_proj.weight",
+    )]
+
+
+def _add_mtp_weights(config, out_dir: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out_dir, "model.safetensors")
+    state = load_file(path)
+    for name in mtp_weight_names(config):
+        state[name] = torch.randn(8, 8)
+    save_file(state, path, metadata={"format": "pt"})
 
 
 def _write_tokenizer(out_dir: str) -> None:

@@ -1,0 +1,80 @@
+"""Family-specific checks for DeepSeek-V3, Qwen2-MoE and GLM-4.5 (pure Python, no megatron):
+configurations megatron would compute differently are refused naming the key; the layouts'
+divisibility checks cover the shared experts and the leading dense layers."""
+
+from __future__ import annotations
+
+import pytest
+
+from sorl_megatron.bridge import LayoutError, ParallelLayout, UnsupportedModelError, validate_layout
+from sorl_megatron.bridge.families import family_config_overrides, first_k_dense, mtp_layers, shared_expert_size
+from sorl_megatron.bridge.hf_config import load_hf_config
+
+from .tiny_models import deepseek_v3_config, glm4_moe_config, qwen2_moe_config
+
+
+def _with(config, **kw):
+    for k, v in kw.items():
+        setattr(config, k, v)
+    return config
+
+
+@pytest.mark.parametrize(
+    "config,needle",
+    [
+        (_with(qwen2_moe_config(), mlp_only_layers=[0]), "mlp_only_layers=[0]"),
+        (_with(qwen2_moe_config(), decoder_sparse_step=2), "decoder_sparse_step=2"),
+        (_with(deepseek_v3_config(), norm_topk_prob=False), "norm_topk_prob=False"),
+        (_with(glm4_moe_config(), norm_topk_prob=False), "norm_topk_prob=False"),
+        # HF scores a group by its top-2 experts, megatron by top-(topk // topk_group)
+        (_with(deepseek_v3_config(), num_experts_per_tok=4, topk_group=1), "topk_group=1"),
+        (_with(deepseek_v3_config(), n_group=3), "n_group=3 does not divide n_routed_experts=8"),
+        (_with(deepseek_v3_config(), attention_bias=True), "attention_bias=True"),
+    ],
+)
+def test_unreproducible_family_configs_are_refused(config, needle):
+    with pytest.raises(UnsupportedModelError) as info:
+        validate_layout(ParallelLayout(), config)
+    assert needle in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "config,layout,needle",
+    [
+        (deepseek_v3_config(), ParallelLayout(ep=3), "EP=3 does not divide num_experts=8"),
+        (_with(qwen2_moe_config(), shared_expert_intermediate_size=49), ParallelLayout(tp=2),
+         "TP=2 does not divide the shared-expert ffn size 49"),
+        # the leading dense layer's FFN must split too
+        (_with(glm4_moe_config(), intermediate_size=97), ParallelLayout(tp=2), "intermediate_size=97"),
+    ],
+)
+def test_family_layout_checks(config, layout, needle):
+    with pytest.raises(LayoutError) as info:
+        validate_layout(layout, config)
+    assert needle in str(info.value), str(info.value)
+
+
+def test_tiny_family_configs_pass_the_two_rank_layouts():
+    for make in (deepseek_v3_config, qwen2_moe_config, glm4_moe_config):
+        for layout in (ParallelLayout(tp=2), ParallelLayout(ep=2), ParallelLayout(pp=2)):
+            validate_layout(layout, make(), world_size=2)
+
+
+def test_family_facts_and_overrides():
+    ds, glm, qm = deepseek_v3_config(), glm4_moe_config(), qwen2_moe_config()
+    assert (first_k_dense(ds), mtp_layers(ds), shared_expert_size(ds)) == (1, 1, 32)
+    assert (first_k_dense(qm), mtp_layers(qm), shared_expert_size(qm)) == (0, 0, 48)
+    over = family_config_overrides(ds, on_gpu_te=False)
+    assert over["moe_router_num_groups"] == 2 and over["moe_router_group_topk"] == 1
+    assert over["mtp_num_layers"] is None and over["moe_router_bias_update_rate"] == 0.0
+    assert over["moe_shared_expert_overlap"] is False and over["attention_backend"] == "auto"
+    on_gpu = family_config_overrides(ds, on_gpu_te=True)
+    assert "moe_shared_expert_overlap" not in on_gpu and "attention_backend" not in on_gpu
+    assert "moe_router_num_groups" not in family_config_overrides(glm, on_gpu_te=False)  # n_group=1
+    assert family_config_overrides(qm, on_gpu_te=False)["moe_shared_expert_gate"] is True
+
+
+def test_glm_partial_rotary_is_lifted_from_rope_parameters():
+    # transformers 5 keeps it in rope_parameters; mbridge reads hf_config.partial_rotary_factor
+    cfg = load_hf_config(glm4_moe_config())
+    assert cfg.partial_rotary_factor == 0.5
