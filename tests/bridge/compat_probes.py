@@ -102,6 +102,24 @@ def _dist_ckpt_queue():
         filesystem_async._results_queue = saved_queue
 
 
+def _mla():
+    from megatron.core import parallel_state
+    from megatron.core.transformer import MLATransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+
+    from sorl_megatron.bridge import ParallelLayout, init_parallel
+    from sorl_megatron.bridge.local_spec import _mla_attention_spec
+
+    if not parallel_state.model_parallel_is_initialized():
+        init_parallel(ParallelLayout())
+    cfg = MLATransformerConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=4,
+        qk_pos_emb_head_dim=4, v_head_dim=4, rope_type="rope", normalization="RMSNorm", use_cpu_initialization=True,
+        add_bias_linear=False,
+    )
+    build_module(_mla_attention_spec(), config=cfg, layer_number=1)
+
+
 PROBES = {
     "rng_on_cpu_generator": _rng,
     "current_device_is_cpu": _current_device,
@@ -111,6 +129,7 @@ PROBES = {
     "all_to_all_splits_as_lists": _all_to_all,
     "schedules_allocate_on_cpu": _schedules,
     "dist_ckpt_queue_forked": _dist_ckpt_queue,
+    "mla_knows_te_is_missing": _mla,
 }
 
 
