@@ -11,8 +11,9 @@ What mbridge 0.15.1's bridges leave out, fixed here:
 - deepseek_v3: group-limited top-k (`n_group`, `topk_group`) is never set; MTP is built from
   `num_nextn_predict_layers` (TE spec and 61 layers only); the expert bias is updated during
   training; the shared expert overlaps on a CUDA side stream.
-- glm4_moe: q/k/v biases always on (`attention_bias` ignored); the shared experts sized `moe_intermediate_size` whatever `n_shared_experts`; sequence
-  aux loss on; group-limited top-k never set. (`partial_rotary_factor`: hf_config.py.)
+- glm4_moe: q/k/v biases always on (`attention_bias` ignored); the shared experts sized
+  `moe_intermediate_size` whatever `n_shared_experts`; sequence aux loss on; group-limited
+  top-k never set. (`partial_rotary_factor`: hf_config.py.)
 - qwen2_moe: the shared expert's sigmoid gate (`moe_shared_expert_gate`) is never set; top-k
   renormalization always on (`norm_topk_prob` ignored).
 """
