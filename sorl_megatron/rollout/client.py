@@ -57,7 +57,7 @@ class RolloutClientConfig:
         health_retry: policy of ``/health`` checks, and of the ``/end_weight_update`` that
             closes a sync that failed (short: a hung server must not double the wait).
         down_cooldown_s: how long a server that refused connections is skipped.
-        routing_shape: ``(num_moe_layers, top_k)`` to decode ``routed_experts``; None asks
+        routing_shape: ``(num_hidden_layers, top_k)`` to decode ``routed_experts``; None asks
             ``/model_info`` (the embedded server reports it) or the model's HF config.
         api_key: sent as ``Authorization: Bearer <key>`` to servers started with ``--api-key``
             (SGLang or the embedded server); None uses ``$SORL_ROLLOUT_API_KEY`` if set, else
@@ -163,10 +163,11 @@ class RolloutClient:
     # ----- generation -----
 
     async def routing_shape(self) -> tuple[int, int]:
-        """``(num_moe_layers, top_k)`` of the served model (asked once, then cached)."""
+        """``(layers, top_k)`` of the served model's routed experts (asked once, then cached): one row
+        per decoder layer, as SGLang's capture buffer (dense layers unrouted)."""
         if self._routing_shape is None:
             info = await self.model_info()
-            layers = info.get("num_moe_layers") or info.get("num_hidden_layers")
+            layers = info.get("routed_experts_layers") or info.get("num_hidden_layers")
             top_k = info.get("num_experts_per_tok")
             if not layers or not top_k:
                 raise ProtocolError(

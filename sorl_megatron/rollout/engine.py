@@ -76,10 +76,17 @@ class _Seq:
 
 
 class _RouterTap:
-    """Forward hooks on the model's own MoE routers, recording top-k expert ids per layer."""
+    """Forward hooks on the model's own MoE routers, recording top-k expert ids per layer.
 
-    def __init__(self, model: torch.nn.Module):
-        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    As SGLang's capture buffer, the routing has one row per decoder layer; dense layers
+    (DeepSeek-V3 / GLM-4.5's leading ones) are never routed and read -1."""
+
+    def __init__(self, model: torch.nn.Module, num_layers: int):
+        # Qwen/Mixtral name theirs *TopKRouter, DeepSeek-V3 / GLM-4.5 *TopkRouter.
+        found = [(n, m) for n, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
+        self.routers = [m for _, m in found]
+        self.layers = [_layer_index(n) for n, _ in found]
+        self.num_layers = num_layers
         self.active = False
         self._records: list[torch.Tensor | None] = [None] * len(self.routers)
         for i, m in enumerate(self.routers):
@@ -97,10 +104,19 @@ class _RouterTap:
         return int(getattr(self.routers[0], "top_k", 0)) if self.routers else 0
 
     def take(self, batch: int, seq: int) -> torch.Tensor:
-        """``[batch, seq, layers, top_k]`` routing of the last forward."""
-        recs = [r.reshape(batch, seq, -1) for r in self._records]  # type: ignore[union-attr]
+        """``[batch, seq, num_layers, top_k]`` routing of the last forward (-1 on dense layers)."""
+        out = torch.full((batch, seq, self.num_layers, self.top_k), -1, dtype=torch.int32)
+        for layer, r in zip(self.layers, self._records):
+            out[:, :, layer] = r.reshape(batch, seq, -1)  # type: ignore[union-attr]
         self._records = [None] * len(self.routers)
-        return torch.stack(recs, dim=2)
+        return out
+
+
+def _layer_index(module_name: str) -> int:
+    parts = module_name.split(".")
+    if "layers" not in parts:
+        raise ValueError(f"MoE router {module_name!r} is not inside a decoder layer (model.layers.N)")
+    return int(parts[parts.index("layers") + 1])
 
 
 def _wants_input_logprobs(req: GenRequest) -> bool:
@@ -163,7 +179,7 @@ class Engine:
         model = cls.from_pretrained(None, config=self.hf_config, state_dict=self.state, dtype=torch.float32)
         model = apply_precision(model.eval(), self.cfg.precision, self.cfg.fp8_block_size)
         self.model = model
-        self.tap = _RouterTap(model)
+        self.tap = _RouterTap(model, int(self.hf_config.num_hidden_layers))
         self._dirty = False
 
     @property
@@ -177,7 +193,7 @@ class Engine:
 
     @property
     def routing_shape(self) -> tuple[int, int] | None:
-        return (len(self.tap.routers), self.tap.top_k) if self.is_moe else None
+        return (self.tap.num_layers, self.tap.top_k) if self.is_moe else None
 
     # ----- public API (any thread) -----
 
@@ -628,6 +644,7 @@ class Engine:
             "architectures": list(getattr(self.hf_config, "architectures", None) or []),
             "num_hidden_layers": int(self.hf_config.num_hidden_layers),
             "num_moe_layers": len(self.tap.routers),
+            "routed_experts_layers": self.tap.num_layers if self.is_moe else None,
             "num_experts_per_tok": self.tap.top_k if self.is_moe else None,
             "context_length": self.context_length,
             "eos_token_ids": sorted(self.eos_ids),

@@ -21,7 +21,12 @@ def engine_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("engine_models")
     save_tiny_model("qwen3_moe", str(root / "qwen3_moe"))
+    for kind in FAMILIES:  # issue 20's MoE families (MLA, shared experts, sigmoid routing)
+        save_tiny_model(kind, str(root / kind))
     return str(root)
+
+
+FAMILIES = ("deepseek_v3", "glm4_moe", "qwen2_moe")
 
 
 def launch(models: str, work: str, cases: list[dict], nproc: int, name: str, timeout: int = 400) -> dict:
@@ -71,6 +76,11 @@ def ws1(engine_models, engine_work):
         {"op": "placement", "model": MODEL, "layout": "tp=1", "tag": "placement_ws1"},
         {"op": "ckpt_safety", "model": MODEL, "layout": "tp=1", "tag": "ckpt_safety_ws1"},
         {"op": "diagnostics", "model": MODEL, "layout": "tp=1", "tag": "diagnostics_ws1"},
+        # DeepSeek-V3 (MLA, a dense first layer, grouped sigmoid routing with a bias): the update
+        # (light: no per-mode autograd references), random-route R2/R3; every family's rollout R3
+        {"op": "actor", "model": "deepseek_v3", "layout": "tp=1", "tag": "actor_ds_ws1", "light": True},
+        {"op": "replay", "model": "deepseek_v3", "layout": "tp=1", "tag": "replay_ds_ws1"},
+        *[{"op": "rollout_r3", "model": k, "layout": "tp=1", "tag": f"rollout_r3_{k}_ws1"} for k in FAMILIES],
     ]
     return launch(engine_models, engine_work, cases, 1, "ws1")
 
@@ -92,5 +102,7 @@ def ws2(engine_models, engine_work):
         {"op": "resume", "model": MODEL, "layout": "tp=2", "resume_layout": "pp=2", "tag": "resume_tp2_to_pp2"},
         {"op": "bad_input", "model": MODEL, "layout": "ep=2", "tag": "bad_ep2"},
         {"op": "sft", "model": MODEL, "layout": "tp=2", "tag": "sft_tp2"},
+        {"op": "actor", "model": "deepseek_v3", "layout": "ep=2", "tag": "actor_ds_ep2", "light": True},
+        {"op": "rollout_r3", "model": "deepseek_v3", "layout": "ep=2", "tag": "rollout_r3_deepseek_v3_ep2"},
     ]
     return launch(engine_models, engine_work, cases, 2, "ws2")

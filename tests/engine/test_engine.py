@@ -233,3 +233,46 @@ def test_optimizer_cpu_patch_is_needed(ws1):
     assert r["clip_unpatched"] is not None and r["clip_unpatched"].startswith("AssertionError")
     assert r["fp32_optimizer_patched"] is None
     assert r["clip_patched"] is None
+
+
+# ---------------------------------------------------------------- issue 20's MoE families
+
+
+def test_deepseek_v3_update_at_ep2_equals_world_size_1(ws1, ws2, engine_work):
+    """MLA, a leading dense layer, one shared expert, sigmoid routing with a correction bias and
+    group-limited top-k: three optimizer steps at EP=2 land where world size 1 does."""
+    _ok(ws1, "actor_ds_ws1")
+    _ok(ws2, "actor_ds_ep2")
+    ref, got = _load(engine_work, "actor_ds_ws1"), _load(engine_work, "actor_ds_ep2")
+    assert (ref["logprobs"] - got["logprobs"]).abs().max() <= 1e-6
+    assert _max_diff(ref["params_1"], got["params_1"]) <= 1e-6
+    assert _max_diff(ref["params_3"], got["params_3"]) <= 1e-6
+    assert _max_diff(ref["params_1"], ref["params_3"]) > 1e-4  # the later steps moved them
+    for m in ("m1", "m2", "m3"):
+        assert got[m]["loss"] == pytest.approx(ref[m]["loss"], rel=1e-6, abs=1e-7)
+
+
+def test_deepseek_v3_routing_replay(ws1):
+    """R2 records and replays the grouped sigmoid+bias router's choice; R3 uses given random
+    routes exactly (the dense first layer has no router: its entries stay -1)."""
+    r = _ok(ws1, "replay_ds_ws1")
+    assert r["live_differs_frac"] > 0.05 and r["replay_used_equals_recorded"]
+    assert r["m_first"]["routing/replay_mismatch_frac"] == 0.0
+    assert r["r3_given_used_exactly"] and r["r3_missing_fall_back_to_live"] and r["r3_mismatch"] > 0.5
+    assert r["recorded_pad_is_minus_one"]
+
+
+@pytest.mark.parametrize("tag", [
+    "rollout_r3_deepseek_v3_ws1", "rollout_r3_glm4_moe_ws1", "rollout_r3_qwen2_moe_ws1", "rollout_r3_deepseek_v3_ep2",
+])
+def test_rollout_routes_replay_exactly(ws1, ws2, tag):
+    """The embedded server's routed experts (one row per layer, -1 on the leading dense layers as
+    SGLang leaves them unrouted) are what Megatron's router picks at the same weights, and R3
+    replays them exactly; the server's log-probs are the engine's."""
+    r = _ok(ws2 if tag.endswith("ep2") else ws1, tag)
+    dense_first = not tag.startswith("rollout_r3_qwen2_moe")
+    assert r["routed_layers"] == ([False, True] if dense_first else [True, True])
+    assert r["num_moe_layers"] == (1 if dense_first else 2) and r["dense_rows_unrouted"]
+    assert r["given_pairs"] > 20
+    assert r["r3_used_exactly"] and r["live_equals_rollout"] and r["replay_mismatch"] == 0.0
+    assert r["logprob_max_diff"] <= 1e-5

@@ -109,7 +109,7 @@ def op_actor(case: dict, models: str, work: str) -> dict:
     res["m1"] = actor.update(batch)
     res["params_1"] = params_of(actor)
     cfg.loss.clip_bias.mode = "param_grad"
-    if torch.distributed.get_world_size() == 1:
+    if torch.distributed.get_world_size() == 1 and not case.get("light"):
         res["direct_pg_2"] = direct_param_grad_norm(actor, batch, cfg.loss)
     res["m2"] = actor.update(batch)
     cfg.loss.clip_bias.mode = "scalar"
@@ -182,8 +182,10 @@ def op_replay(case: dict, models: str, work: str) -> dict:
     given = torch.argsort(torch.rand(recorded.shape[:3] + (e,), generator=g), dim=-1)[..., : recorded.shape[-1]].int()
     given[:, :3] = -1
     given = torch.where(att, given, torch.full_like(given, -1))
+    moe = (recorded >= 0).flatten(0, 1).any(0).any(-1)  # layers with a router (not leading dense ones)
+    given[:, :, ~moe] = -1
     r3 = actor.compute_logprobs(batch.replace(routed_experts=given), record_routing=True, replay=True)
-    missing = (given < 0).all(-1, keepdim=True).expand_as(given) & att
+    missing = (given < 0).all(-1, keepdim=True).expand_as(given) & att & moe[None, None, :, None]
     res = {
         "recorded": recorded,
         "r3_logprobs": r3.logprobs,
@@ -205,6 +207,61 @@ def op_replay(case: dict, models: str, work: str) -> dict:
     }
     save(work, case["tag"], res)
     return {k: v for k, v in res.items() if not isinstance(v, torch.Tensor)}
+
+
+def op_rollout_r3(case: dict, models: str, work: str) -> dict:
+    """The embedded rollout server (HF transformers) serves the family; its routed experts, decoded
+    as the trainer decodes SGLang's, are replayed exactly by the engine's R3 and equal the engine's
+    own live routing at the same weights; the log-probs agree."""
+    from sorl_megatron.common.protocol import GenRequest, SamplingParams
+    from sorl_megatron.engine.rl_batch import RLBatch, routed_experts_from_sglang
+    from sorl_megatron.rollout.engine import Engine, EngineConfig
+
+    src = os.path.join(models, case["model"])
+    server = Engine(EngineConfig(model_path=src, enable_return_routed_experts=True)).start()
+    prompts = [[5, 9, 17, 3], [40, 2, 77], [100, 101, 102, 103, 104]]
+    try:
+        futures = [
+            server.submit(GenRequest(input_ids=p, return_logprob=True, return_routed_experts=True,
+                                     params=SamplingParams(max_new_tokens=7, sampling_seed=i, ignore_eos=True)))
+            for i, p in enumerate(prompts)
+        ]
+        results = [f.result(timeout=300)[0] for f in futures]
+        info = server.info()
+    finally:
+        server.stop()
+    layers, topk = info["routed_experts_layers"], info["num_experts_per_tok"]
+    seqs = [p + r["output_ids"] for p, r in zip(prompts, results)]
+    s_len = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), s_len, dtype=torch.long)
+    att, loss = torch.zeros_like(ids), torch.zeros_like(ids)
+    rollout_lp = torch.zeros(len(seqs), s_len)
+    routed = torch.full((len(seqs), s_len, layers, topk), -1, dtype=torch.int32)
+    for i, (p, r, x) in enumerate(zip(prompts, results, seqs)):
+        ids[i, : len(x)] = torch.tensor(x)
+        att[i, : len(x)] = 1
+        loss[i, len(p): len(x)] = 1
+        rollout_lp[i, len(p): len(x)] = torch.tensor([t[0] for t in r["meta_info"]["output_token_logprobs"]])
+        routed[i] = routed_experts_from_sglang(r["meta_info"]["routed_experts"], num_layers=layers, topk=topk,
+                                               seq_len=s_len)
+    batch = RLBatch(input_ids=ids, attention_mask=att, loss_mask=loss, routed_experts=routed,
+                    advantages=torch.ones(len(seqs)), old_logprobs=rollout_lp, rollout_logprobs=rollout_lp)
+    actor = PolicyEngine(src, ParallelLayout.from_string(case["layout"]), actor_config(name="grpo", replay="r3"))
+    r3 = actor.compute_logprobs(batch, record_routing=True, replay=True)
+    live = actor.compute_logprobs(batch, record_routing=True, replay=False)
+    given = routed >= 0
+    moe_layers = given.flatten(0, 1).any(0).any(-1)
+    return {
+        "num_moe_layers": info["num_moe_layers"],
+        "routed_layers": moe_layers.tolist(),
+        "dense_rows_unrouted": bool((routed[:, :, ~moe_layers] == -1).all()),
+        "given_pairs": int(given.all(-1).sum()),
+        "r3_used_exactly": bool(torch.equal(r3.routed_experts[given], routed[given])),
+        "live_equals_rollout": bool(torch.equal(torch.sort(live.routed_experts, -1).values[given],
+                                                torch.sort(routed, -1).values[given])),
+        "replay_mismatch": r3.metrics.get("routing/replay_mismatch_frac"),
+        "logprob_max_diff": float(((r3.logprobs - rollout_lp) * loss).abs().max()),
+    }
 
 
 def op_critic(case: dict, models: str, work: str) -> dict:
@@ -737,6 +794,7 @@ OPS = {
     "losses": op_losses,
     "replay": op_replay,
     "critic": op_critic,
+    "rollout_r3": op_rollout_r3,
     "resume": op_resume,
     "ckpt_safety": op_ckpt_safety,
     "bad_input": op_bad_input,
