@@ -115,8 +115,9 @@ def _mla_config_class(*args, **kwargs):
     MLATransformerConfig, which 0.16.1 calls `original_max_position_embeddings`: TypeError."""
     from megatron.core.transformer import MLATransformerConfig
 
-    if "max_position_embeddings" in kwargs:
-        kwargs["original_max_position_embeddings"] = kwargs.pop("max_position_embeddings")
+    if "max_position_embeddings" in kwargs:  # an explicit override (YaRN, families.py) wins
+        value = kwargs.pop("max_position_embeddings")
+        kwargs.setdefault("original_max_position_embeddings", value)
     return MLATransformerConfig(*args, **kwargs)
 
 

@@ -87,8 +87,26 @@ def check_family(hf_config: Any) -> None:
                     "HF sums each group's top-2 scores, megatron its top-(num_experts_per_tok // topk_group) "
                     "(moe_utils.group_limited_topk); they agree only when that is 2"
                 )
+        if mt == "deepseek_v3":
+            _mla_yarn(hf_config)  # raises for YaRN variants megatron lacks
         if mt == "deepseek_v3" and bool(_get(hf_config, "attention_bias", False)):
             raise FamilyConfigError("deepseek_v3 with attention_bias=True: megatron's MLA has no projection biases")
+
+
+def _mla_yarn(hf_config: Any) -> dict[str, Any]:
+    """MLA's YaRN fields from transformers 5's `rope_parameters` (mbridge reads the transformers 4
+    `rope_scaling` attribute, which no longer holds them, and builds plain RoPE)."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "yarn":
+        return {}
+    out = {"rope_type": "yarn", "rotary_scaling_factor": float(rope["factor"]),
+           "original_max_position_embeddings": int(rope["original_max_position_embeddings"])}
+    for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if rope.get(key) is not None:
+            out[key] = float(rope[key])
+    if rope.get("attention_factor") is not None or rope.get("truncate") is False:
+        raise FamilyConfigError("deepseek_v3 YaRN with attention_factor or truncate=False: megatron's YaRN has neither")
+    return out
 
 
 def family_config_overrides(hf_config: Any, on_gpu_te: bool) -> dict[str, Any]:
@@ -110,6 +128,8 @@ def family_config_overrides(hf_config: Any, on_gpu_te: bool) -> dict[str, Any]:
         over["moe_router_load_balancing_type"] = "none"
         over["moe_shared_expert_intermediate_size"] = shared_expert_size(hf_config)
         over["mtp_num_layers"] = None  # MTP weights are skipped on load (see docs/conversion.md)
+    if mt == "deepseek_v3":
+        over.update(_mla_yarn(hf_config))
     if mt == "glm4_moe":
         over["add_qkv_bias"] = bool(_get(hf_config, "attention_bias", False))
     if mt == "deepseek_v3" and not on_gpu_te:

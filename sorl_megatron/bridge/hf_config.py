@@ -60,8 +60,11 @@ def normalize_hf_config(hf_config: PretrainedConfig) -> PretrainedConfig:
         cfg.rope_theta = theta
     rope = getattr(cfg, "rope_parameters", None)
     rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if rope_type not in (None, "default"):
-        raise ValueError(f"rope_type={rope_type!r} (rope scaling) is not supported; only default RoPE")
+    if rope_type == "yarn" and cfg.model_type == "deepseek_v3":
+        pass  # megatron's MLA has YaRN: families.family_config_overrides passes its parameters
+    elif rope_type not in (None, "default"):
+        raise ValueError(f"rope_type={rope_type!r} (rope scaling) is not supported; only default RoPE"
+                         + (" (and YaRN for deepseek_v3)" if rope_type == "yarn" else ""))
     # GLM-4.5's partial rotary: transformers 5 keeps it in rope_parameters, mbridge reads it
     # from the top level.
     if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:

@@ -49,6 +49,7 @@ MP_CASES = [
         for k in ("deepseek_v3", "qwen2_moe", "glm4_moe")
         for name, layout in (("tp2sp", "tp=2"), ("ep2", "ep=2"), ("pp2", "pp=2"))
     ],
+    {"id": "logits/deepseek_v3_yarn/tp2sp", "op": "logits", "model": "deepseek_v3_yarn", "layout": "tp=2"},
     {"id": "roundtrip/deepseek_v3/tp2", "op": "roundtrip", "model": "deepseek_v3", "layout": "tp=2"},
     {"id": "roundtrip/glm4_moe/ep2", "op": "roundtrip", "model": "glm4_moe", "layout": "ep=2"},
     {"id": "roundtrip/qwen2_moe/tp2", "op": "roundtrip", "model": "qwen2_moe", "layout": "tp=2"},
@@ -112,7 +113,8 @@ SINGLE_CASES = (
         },
         {"id": "load/mixtral/ep2->ws1", "op": "load_ckpt", "model": "mixtral", "layout": "", "ckpt": "ck_mixtral_ep2"},
         {"id": "compat_probes", "op": "compat_probes"},
-        *[{"id": f"family_fixes/{k}", "op": "family_fixes", "model": k} for k in NEW_FAMILIES],
+        *[{"id": f"family_fixes/{k}", "op": "family_fixes", "model": k} for k in (*NEW_FAMILIES, "deepseek_v3_yarn")],
+        {"id": "logits/deepseek_v3_yarn/ws1", "op": "logits", "model": "deepseek_v3_yarn", "layout": ""},
         {"id": "fp8/deepseek_v3/ws1", "op": "fp8", "model": "deepseek_v3", "layout": ""},
         {
             "id": "load/deepseek_v3/ep2->ws1",

@@ -64,6 +64,7 @@ def test_family_facts_and_overrides():
     ds, glm, qm = deepseek_v3_config(), glm4_moe_config(), qwen2_moe_config()
     assert (first_k_dense(ds), mtp_layers(ds), shared_expert_size(ds)) == (1, 1, 32)
     assert (first_k_dense(qm), mtp_layers(qm), shared_expert_size(qm)) == (0, 0, 48)
+    assert (first_k_dense(glm), mtp_layers(glm), shared_expert_size(glm)) == (1, 1, 32)
     over = family_config_overrides(ds, on_gpu_te=False)
     assert over["moe_router_num_groups"] == 2 and over["moe_router_group_topk"] == 1
     assert over["mtp_num_layers"] is None and over["moe_router_bias_update_rate"] == 0.0
@@ -72,6 +73,22 @@ def test_family_facts_and_overrides():
     assert "moe_shared_expert_overlap" not in on_gpu and "attention_backend" not in on_gpu
     assert "moe_router_num_groups" not in family_config_overrides(glm, on_gpu_te=False)  # n_group=1
     assert family_config_overrides(qm, on_gpu_te=False)["moe_shared_expert_gate"] is True
+
+
+def test_deepseek_yarn_is_passed_to_megatron_and_other_rope_scaling_refused():
+    from .tiny_models import deepseek_v3_yarn_config
+
+    over = family_config_overrides(load_hf_config(deepseek_v3_yarn_config()), on_gpu_te=True)
+    assert over["rope_type"] == "yarn" and over["rotary_scaling_factor"] == 4.0
+    assert over["original_max_position_embeddings"] == 32 and over["mscale_all_dim"] == 1.0
+    glm = glm4_moe_config()
+    glm.rope_parameters = {**glm.rope_parameters, "rope_type": "yarn", "factor": 2.0}
+    with pytest.raises(ValueError, match="rope_type='yarn' .rope scaling. is not supported"):
+        load_hf_config(glm)
+    odd = deepseek_v3_yarn_config()
+    odd.rope_parameters = {**odd.rope_parameters, "attention_factor": 0.7}
+    with pytest.raises(UnsupportedModelError, match="attention_factor"):
+        validate_layout(ParallelLayout(), load_hf_config(odd))
 
 
 def test_glm_partial_rotary_is_lifted_from_rope_parameters():

@@ -46,8 +46,8 @@ def _check_roundtrip(r: dict, model: str) -> None:
     same = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe", "glm4_moe")
     expected_type = model if model in same else "qwen2"
     assert r["config_model_type"] == expected_type
-    # DeepSeek-V3's MTP module (stored as layer num_hidden_layers) is skipped on load, so not exported
-    assert bool(r["skipped_mtp"]) == (model == "deepseek_v3"), r["skipped_mtp"]
+    # DeepSeek-V3 / GLM-4.5's MTP module (stored as layer num_hidden_layers) is skipped on load, not exported
+    assert bool(r["skipped_mtp"]) == (model in ("deepseek_v3", "glm4_moe")), r["skipped_mtp"]
     # tokenizer + generation files copied from the source directory
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"} <= set(r["files"])
 
@@ -184,10 +184,12 @@ def test_fp8_export_quantizes_mla_projections(single_results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["deepseek_v3", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("model", ["deepseek_v3", "deepseek_v3_yarn", "qwen2_moe", "glm4_moe"])
 def test_each_family_fix_is_needed(single_results, model):
     """Undoing any TransformerConfig field families.py sets (or zeroing the loaded expert-score
     bias) moves the logits far from transformers': the tiny configs exercise every fix."""
     r = result(single_results, f"family_fixes/{model}")
     assert r["diffs"] and all(d > 1e-3 for d in r["diffs"].values()), r["diffs"]
     assert r["n_expert_bias"] == (0 if model == "qwen2_moe" else 1)
+    if model == "deepseek_v3_yarn":  # mbridge alone would build plain RoPE: logits far off
+        assert r["diffs"]['{"rope_type": "rope", "rotary_scaling_factor": 1.0}'] > 1e-4

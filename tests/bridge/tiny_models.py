@@ -113,7 +113,8 @@ def qwen2_moe_config():
 
 def glm4_moe_config():
     """GLM-4.5: half-rotary heads, q/k/v biases, q/k norms, 1 leading dense layer, sigmoid
-    routing with a correction bias over 4 experts (one group), one shared expert."""
+    routing with a correction bias over 4 experts (one group), one shared expert, an MTP module
+    declared (its weights skipped as DeepSeek-V3's)."""
     from transformers import Glm4MoeConfig
 
     return Glm4MoeConfig(
@@ -132,10 +133,20 @@ def glm4_moe_config():
             attention_bias=True,
             use_qk_norm=True,
             partial_rotary_factor=0.5,
-            num_nextn_predict_layers=0,
+            num_nextn_predict_layers=1,
             tie_word_embeddings=False,
         )
     )
+
+
+def deepseek_v3_yarn_config():
+    """DeepSeek-V3 with the released checkpoints' YaRN rope scaling (factor 4 over 32 positions)."""
+    cfg = deepseek_v3_config()
+    cfg.rope_parameters = {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+    }
+    return cfg
 
 
 CONFIGS: dict[str, Callable] = {
@@ -146,6 +157,7 @@ CONFIGS: dict[str, Callable] = {
     "qwen3_moe": qwen3_moe_config,
     "mixtral": mixtral_config,
     "deepseek_v3": deepseek_v3_config,
+    "deepseek_v3_yarn": deepseek_v3_yarn_config,
     "qwen2_moe": qwen2_moe_config,
     "glm4_moe": glm4_moe_config,
 }
@@ -181,7 +193,7 @@ def save_tiny_model(kind: str, out_dir: str, seed: int = 0, with_tokenizer: bool
 
 
 def mtp_weight_names(config) -> list[str]:
-    """The tensors a DeepSeek-V3 checkpoint stores for its MTP module (layer index
+    """The tensors a DeepSeek-V3 / GLM-4.5 checkpoint stores for its MTP module (layer index
     num_hidden_layers): transformers ignores them, and so must the Megatron loader."""
     i = config.num_hidden_layers
     return [f"model.layers.{i}.{n}" for n in (

@@ -129,6 +129,7 @@ def op_roundtrip(case: dict, models: str, work: str) -> dict:
 # TransformerConfig fields families.py sets, and what megatron would compute without them:
 # each must move the logits away from transformers' (a fix that changes nothing is not needed).
 FAMILY_FIXES = {
+    "deepseek_v3_yarn": [{"rope_type": "rope", "rotary_scaling_factor": 1.0}],  # YaRN (mbridge: plain RoPE)
     "deepseek_v3": [
         {"moe_router_num_groups": None, "moe_router_group_topk": None},  # group-limited top-k
         {"moe_router_topk_scaling_factor": None},  # routed_scaling_factor
