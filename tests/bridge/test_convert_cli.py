@@ -83,11 +83,11 @@ def test_bad_layout_exits_with_clear_error(models_dir):
 
 
 @pytest.mark.slow
-def test_verify_deepseek_v3_under_torchrun(models_dir):
-    """The MLA family through the CLI at TP=2 (its down projections split over TP on CPU), MTP
-    weights in the checkpoint skipped. (Qwen2-MoE and GLM-4.5 verify through the same
-    build_model / forward_logits path that tests/bridge/worker.py checks at every layout.)"""
-    proc = _ok(run_command([*torchrun_args(2), CLI, "verify", "--hf", str(models_dir / "deepseek_v3"),
-                            "--layout", "tp=2", "--seq-len", "16", "--json"]))
+def test_verify_deepseek_v3(models_dir):
+    """The MLA family through the CLI, MTP weights in the checkpoint skipped. One process: TP=2,
+    EP=2 and PP=2 of the same build_model / forward_logits path run in tests/bridge/worker.py's
+    2-process launch, and Qwen2-MoE / GLM-4.5 go through that same path at every layout."""
+    proc = _ok(run_command([PYTHON, CLI, "verify", "--hf", str(models_dir / "deepseek_v3"), "--seq-len", "16",
+                            "--json"]))
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] is True and result["max_abs_diff"] <= 1e-5, result
