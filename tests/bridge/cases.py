@@ -47,7 +47,7 @@ MP_CASES = [
     *[
         {"id": f"logits/{k}/{name}", "op": "logits", "model": k, "layout": layout}
         for k in ("deepseek_v3", "qwen2_moe", "glm4_moe")
-        for name, layout in (("tp2sp", "tp=2"), ("ep2", "ep=2"), ("pp2", "pp=2"))
+        for name, layout in (("tp2sp", "tp=2"), ("ep2", "ep=2"), ("pp2", "pp=2"), ("tp2ep2", "tp=2,ep=2,etp=1"))
     ],
     {"id": "logits/deepseek_v3_yarn/tp2sp", "op": "logits", "model": "deepseek_v3_yarn", "layout": "tp=2"},
     {"id": "roundtrip/deepseek_v3/tp2", "op": "roundtrip", "model": "deepseek_v3", "layout": "tp=2"},
@@ -115,6 +115,7 @@ SINGLE_CASES = (
         {"id": "compat_probes", "op": "compat_probes"},
         *[{"id": f"family_fixes/{k}", "op": "family_fixes", "model": k} for k in (*NEW_FAMILIES, "deepseek_v3_yarn")],
         {"id": "logits/deepseek_v3_yarn/ws1", "op": "logits", "model": "deepseek_v3_yarn", "layout": ""},
+        {"id": "value/deepseek_v3/ws1", "op": "value", "model": "deepseek_v3", "layout": ""},  # a critic on MLA
         {"id": "fp8/deepseek_v3/ws1", "op": "fp8", "model": "deepseek_v3", "layout": ""},
         {
             "id": "load/deepseek_v3/ep2->ws1",
