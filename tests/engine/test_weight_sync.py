@@ -13,10 +13,16 @@ def wsync(engine_models, engine_work):
     cases = [{"op": "wsync", "model": MODEL, "layout": layout, "tag": f"wsync_{layout.replace('=', '')}"}
              for layout in ("tp=2", "ep=2", "pp=2")]
     cases.append({"op": "wsync", "model": MODEL, "layout": "ep=2", "precision": "fp8", "tag": "wsync_fp8"})
+    # issue 20's families: MLA split over TP, block-FP8 of the MLA projections, GLM-4.5 experts
+    cases += [
+        {"op": "wsync", "model": "deepseek_v3", "layout": "tp=2", "tag": "wsync_deepseek_v3_tp2"},
+        {"op": "wsync", "model": "deepseek_v3", "layout": "ep=2", "precision": "fp8", "tag": "wsync_deepseek_v3_fp8"},
+        {"op": "wsync", "model": "glm4_moe", "layout": "ep=2", "tag": "wsync_glm4_moe_ep2"},
+    ]
     return launch(engine_models, engine_work, cases, 2, "wsync")
 
 
-@pytest.mark.parametrize("tag", ["wsync_tp2", "wsync_ep2", "wsync_pp2"])
+@pytest.mark.parametrize("tag", ["wsync_tp2", "wsync_ep2", "wsync_pp2", "wsync_deepseek_v3_tp2", "wsync_glm4_moe_ep2"])
 def test_servers_match_trainer_logprobs(wsync, tag):
     r = wsync[tag]
     assert r["ok"], r.get("traceback")
@@ -43,3 +49,9 @@ def test_fp8_sync_is_the_quantizers_output(wsync):
     assert r["ok"], r.get("traceback")
     assert r["quantized"] > 0 and r["max_weight_diff"] == 0.0
     assert r["versions"] == ["step_1", "step_1"]
+
+
+def test_fp8_sync_of_mla_is_the_quantizers_output(wsync):
+    r = wsync["wsync_deepseek_v3_fp8"]
+    assert r["ok"], r.get("traceback")
+    assert r["quantized"] > 0 and r["max_weight_diff"] == 0.0 and r["versions"] == ["step_1", "step_1"]
