@@ -50,6 +50,7 @@ MP_CASES = [
         for name, layout in (("tp2sp", "tp=2"), ("ep2", "ep=2"), ("pp2", "pp=2"), ("tp2ep2", "tp=2,ep=2,etp=1"))
     ],
     {"id": "logits/deepseek_v3_yarn/tp2sp", "op": "logits", "model": "deepseek_v3_yarn", "layout": "tp=2"},
+    {"id": "logits/deepseek_v3_no_q_lora/tp2sp", "op": "logits", "model": "deepseek_v3_no_q_lora", "layout": "tp=2"},
     {"id": "roundtrip/deepseek_v3/tp2", "op": "roundtrip", "model": "deepseek_v3", "layout": "tp=2"},
     {"id": "roundtrip/glm4_moe/ep2", "op": "roundtrip", "model": "glm4_moe", "layout": "ep=2"},
     {"id": "roundtrip/qwen2_moe/tp2", "op": "roundtrip", "model": "qwen2_moe", "layout": "tp=2"},
@@ -115,6 +116,7 @@ SINGLE_CASES = (
         {"id": "compat_probes", "op": "compat_probes"},
         *[{"id": f"family_fixes/{k}", "op": "family_fixes", "model": k} for k in (*NEW_FAMILIES, "deepseek_v3_yarn")],
         {"id": "logits/deepseek_v3_yarn/ws1", "op": "logits", "model": "deepseek_v3_yarn", "layout": ""},
+        {"id": "logits/deepseek_v3_no_q_lora/ws1", "op": "logits", "model": "deepseek_v3_no_q_lora", "layout": ""},
         {"id": "value/deepseek_v3/ws1", "op": "value", "model": "deepseek_v3", "layout": ""},  # a critic on MLA
         {"id": "fp8/deepseek_v3/ws1", "op": "fp8", "model": "deepseek_v3", "layout": ""},
         {

@@ -149,6 +149,13 @@ def deepseek_v3_yarn_config():
     return cfg
 
 
+def deepseek_v3_no_q_lora_config():
+    """MLA without the q LoRA (q_lora_rank=None: one q projection, as DeepSeek-V2-Lite)."""
+    cfg = deepseek_v3_config()
+    cfg.q_lora_rank = None
+    return cfg
+
+
 CONFIGS: dict[str, Callable] = {
     "qwen2": lambda: qwen2_config(tied=False),
     "qwen2_tied": lambda: qwen2_config(tied=True),
@@ -158,6 +165,7 @@ CONFIGS: dict[str, Callable] = {
     "mixtral": mixtral_config,
     "deepseek_v3": deepseek_v3_config,
     "deepseek_v3_yarn": deepseek_v3_yarn_config,
+    "deepseek_v3_no_q_lora": deepseek_v3_no_q_lora_config,
     "qwen2_moe": qwen2_moe_config,
     "glm4_moe": glm4_moe_config,
 }
