@@ -122,8 +122,8 @@ def test_router_keeps_an_episode_on_the_server_that_holds_its_prefix(tiny_data, 
 
 class Saboteur(threading.Thread):
     """Waits until the trainer's router counts a request in flight on one rollout server, then
-    stops that server (SIGSTOP); if the router still counts it in flight (the request is
-    caught inside the stopped server), ``sig`` follows (SIGKILL: a crash; SIGSTOP: it stays
+    stops that server (SIGSTOP); if the router still counts it in flight a second later (the
+    request is caught inside the stopped server), ``sig`` follows (SIGKILL: a crash; SIGSTOP: it stays
     hung), else it continues it and tries again."""
 
     def __init__(self, trainer: RLTrainer, sig: int, timeout_s: float = 300.0):
@@ -150,7 +150,7 @@ class Saboteur(threading.Thread):
             for w in [w for w in fleet.workers if w.url in busy]:
                 pid = fleet.servers.procs[w.name].pid
                 os.kill(pid, signal.SIGSTOP)
-                if (await admin.workers()).get(w.url, {}).get("load", 0) > 0:
+                if await self._still_in_flight(admin, w.url):
                     if self.sig != signal.SIGSTOP:
                         os.kill(pid, self.sig)
                     self.victim = (w.name, pid)
@@ -158,6 +158,18 @@ class Saboteur(threading.Thread):
                 os.kill(pid, signal.SIGCONT)
             await asyncio.sleep(0.01)
         raise AssertionError("no request was ever in flight on a rollout server")
+
+    @staticmethod
+    async def _still_in_flight(admin: RouterAdmin, url: str, settle_s: float = 1.0) -> bool:
+        """Whether the stopped server holds a request: the router's count stays above 0 for
+        ``settle_s``. A response that left the server just before the stop still reaches the
+        router and brings the count to 0 (on a loaded machine that can take a while)."""
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            if (await admin.workers()).get(url, {}).get("load", 0) == 0:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
 
 def _run_with(tiny_data, tmp_path, name: str, sig: int, *extra: str):
