@@ -11,7 +11,7 @@ import torch
 from transformers import PretrainedConfig
 
 from .cpu_compat import apply_cpu_compat
-from .families import family_config_overrides
+from .families import check_local_spec_layout, family_config_overrides
 from .hf_config import check_hf_dir_has_weights, load_hf_config
 from .layout import LayoutError, ParallelLayout, num_experts_of, validate_layout
 from .model import MegatronModel, ModelOptions, attach_value_head
@@ -78,6 +78,8 @@ def build_model(
     validate_layout(layout, hf_config, world)
     if num_experts_of(hf_config) and layout.tp > 1 and not layout.use_sequence_parallel:
         raise LayoutError(f"MoE with TP={layout.tp} needs sequence parallelism (megatron requires it)")
+    if not _use_te(options):
+        check_local_spec_layout(hf_config, layout.tp)
     if load_weights and source_dir is not None:
         check_hf_dir_has_weights(source_dir)
 

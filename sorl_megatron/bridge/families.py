@@ -93,6 +93,26 @@ def check_family(hf_config: Any) -> None:
             raise FamilyConfigError("deepseek_v3 with attention_bias=True: megatron's MLA has no projection biases")
 
 
+def check_local_spec_layout(hf_config: Any, tp: int) -> None:
+    """Layout limits of the CPU (local) layer spec only: its MLA splits the q / kv down
+    projections over TP (TE's spec replicates them), so TP must divide their output sizes."""
+    if getattr(hf_config, "model_type", None) != "deepseek_v3" or tp == 1:
+        return
+    from .layout import LayoutError
+
+    q_rank = _get(hf_config, "q_lora_rank")
+    kv = int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)
+    if q_rank is not None and int(q_rank) % tp:
+        raise LayoutError(
+            f"TP={tp} does not divide q_lora_rank={q_rank} (the local spec splits MLA's q down projection)"
+        )
+    if kv % tp:
+        raise LayoutError(
+            f"TP={tp} does not divide kv_lora_rank + qk_rope_head_dim = {kv} "
+            "(the local spec splits MLA's kv down projection)"
+        )
+
+
 def _mla_yarn(hf_config: Any) -> dict[str, Any]:
     """MLA's YaRN fields from transformers 5's `rope_parameters` (mbridge reads the transformers 4
     `rope_scaling` attribute, which no longer holds them, and builds plain RoPE)."""

@@ -54,6 +54,17 @@ def test_family_layout_checks(config, layout, needle):
     assert needle in str(info.value), str(info.value)
 
 
+def test_local_spec_mla_needs_tp_to_divide_the_latent_sizes():
+    from sorl_megatron.bridge.families import check_local_spec_layout
+
+    check_local_spec_layout(deepseek_v3_config(), 2)  # 32 and 32 + 8
+    with pytest.raises(LayoutError, match="q_lora_rank=32"):
+        check_local_spec_layout(deepseek_v3_config(), 3)
+    with pytest.raises(LayoutError, match="kv_lora_rank \\+ qk_rope_head_dim = 40"):
+        check_local_spec_layout(_with(deepseek_v3_config(), q_lora_rank=None), 3)
+    check_local_spec_layout(glm4_moe_config(), 3)  # not MLA
+
+
 def test_tiny_family_configs_pass_the_two_rank_layouts():
     for make in (deepseek_v3_config, qwen2_moe_config, glm4_moe_config):
         for layout in (ParallelLayout(tp=2), ParallelLayout(ep=2), ParallelLayout(pp=2)):
