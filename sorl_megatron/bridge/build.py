@@ -78,12 +78,12 @@ def build_model(
     validate_layout(layout, hf_config, world)
     if num_experts_of(hf_config) and layout.tp > 1 and not layout.use_sequence_parallel:
         raise LayoutError(f"MoE with TP={layout.tp} needs sequence parallelism (megatron requires it)")
-    if not _use_te(options):
-        check_local_spec_layout(hf_config, layout.tp)
     if load_weights and source_dir is not None:
         check_hf_dir_has_weights(source_dir)
 
-    apply_cpu_compat()
+    apply_cpu_compat()  # before megatron's first import (it quiets the CPU-only import warnings)
+    if not _use_te(options):
+        check_local_spec_layout(hf_config, layout.tp)
     from megatron.core import parallel_state as mpu
 
 
