@@ -88,7 +88,7 @@ def ws1(engine_models, engine_work):
         {"op": "placement", "model": MODEL, "layout": "tp=1", "tag": "placement_ws1"},
         {"op": "ckpt_safety", "model": MODEL, "layout": "tp=1", "tag": "ckpt_safety_ws1"},
         {"op": "diagnostics", "model": MODEL, "layout": "tp=1", "tag": "diagnostics_ws1"},
-        {"op": "bf16", "model": MODEL, "layout": "tp=1", "tag": "bf16_ws1", "replay": "r2"},
+        {"op": "bf16", "model": MODEL, "layout": "tp=1", "tag": "bf16_ws1", "replay": "r2", "resume": True},
         {"op": "actor", "model": MODEL_4L, "layout": "tp=1", "tag": "actor_4l_ws1", "steps": 1},
     ]
     return launch(engine_models, engine_work, cases, 1, "ws1")
@@ -112,7 +112,8 @@ def ws2(engine_models, engine_work):
         {"op": "bad_input", "model": MODEL, "layout": "ep=2", "tag": "bad_ep2"},
         {"op": "sft", "model": MODEL, "layout": "tp=2", "tag": "sft_tp2"},
         {"op": "bf16", "model": MODEL, "layout": "tp=2", "tag": "bf16_tp2", "replay": "r2"},
-        {"op": "bf16", "model": MODEL, "layout": "tp=1", "tag": "bf16_dp2_distopt", "replay": "r2", "dist_opt": True},
+        {"op": "bf16", "model": MODEL, "layout": "tp=1", "tag": "bf16_dp2_distopt", "replay": "r2", "dist_opt": True,
+         "resume": True},
         # expert TP 1 under TP 2 (MiniRL's ETP != TP), and the interleaved schedule (VPP)
         {"op": "actor", "model": MODEL, "layout": "tp=2,ep=2,etp=1", "tag": "actor_tp2_etp1_ep2", "steps": 1},
         {"op": "actor", "model": MODEL_4L, "layout": "pp=2,vpp=2", "tag": "actor_4l_pp2_vpp2", "steps": 1},

@@ -224,7 +224,8 @@ def test_bf16_mixed_precision_update_stays_within_bf16_tolerance_of_fp32(ws1, en
     # parameters and fp32 gradient buffers; the bf16 parameters are the rounded main parameters
     assert r["bf16"] == {"param_dtypes": ["torch.bfloat16"], "main_dtypes": ["torch.float32"],
                          "grad_dtypes": ["torch.float32"], "optimizers": ["Float16OptimizerWithFloat16Params"],
-                         "model_is_rounded_main": True}
+                         "model_is_rounded_main": True,
+                         "resume_max_diff": 0.0}  # saved after 3 steps, loaded: step 4 equals (fp32 main weights too)
     assert r["fp32"]["optimizers"] == ["FP32Optimizer"]
     runs = _load(engine_work, "bf16_ws1")
     fp32, bf16 = runs["fp32"], runs["bf16"]
@@ -249,6 +250,10 @@ def test_bf16_layouts_stay_within_bf16_tolerance(ws1, ws2, engine_work, tag):
     assert r["bf16"]["param_dtypes"] == ["torch.bfloat16"]
     assert r["bf16"]["optimizers"] == (["DistributedOptimizer"] if "distopt" in tag
                                        else ["Float16OptimizerWithFloat16Params"])
+    if "distopt" in tag:  # its fp32 main-parameter shards and Adam state resume exactly ...
+        assert r["bf16"]["resume_max_diff"] == 0.0
+        # ... with the CPU patch for torch Adam's per-parameter step (apex / TE's Adam keeps it per group)
+        assert r["bf16"]["unpatched_load"] == "KeyError: 'step'"
     ref, got = _load(engine_work, "bf16_ws1"), _load(engine_work, tag)
     _bf16_close(ref["fp32"], got["bf16"])
     assert (ref["fp32"]["lp"] - got["fp32"]["lp"]).abs().max() < TOL  # the layout's fp32 run equals world size 1

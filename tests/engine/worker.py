@@ -195,10 +195,39 @@ def op_bf16(case: dict, models: str, work: str) -> dict:
             r["model_is_rounded_main"] = all(torch.equal(model[k], v.to(model[k].dtype)) for k, v in r["main"].items())
         r["param_dtypes"] = sorted({str(p.dtype) for c in actor.model.chunks for p in c.parameters()})
         r["optimizers"] = [type(o).__name__ for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
+        if name == "bf16" and case.get("resume"):  # the mixed-precision optimizer state resumes exactly
+            from sorl_megatron.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+
+            ckpt = os.path.join(work, case["tag"] + "_ckpt")
+            save_engine_checkpoint(ckpt, actor)
+            single = torch.distributed.get_world_size() == 1
+
+            def state(engine):  # the bf16 weights, and at world size 1 the fp32 main weights too
+                return {**params_of(engine), **(main_params_of(engine) if single else {})}
+
+            actor.update(batch)
+            uninterrupted = state(actor)
+            del actor
+            if cfg.optim.use_distributed_optimizer:  # the CPU patch for torch Adam's step is needed
+                from sorl_megatron.bridge.cpu_compat import without_patch
+
+                actor = PolicyEngine(path, layout, cfg, model_options=ModelOptions(dtype=dtype))
+                try:
+                    with without_patch("torch_adam_step_on_load"):
+                        load_engine_checkpoint(ckpt, actor)
+                    r["unpatched_load"] = None
+                except Exception as e:  # noqa: BLE001 - the test asserts on the message
+                    r["unpatched_load"] = f"{type(e).__name__}: {e}"
+                del actor
+            actor = PolicyEngine(path, layout, cfg, model_options=ModelOptions(dtype=dtype))
+            load_engine_checkpoint(ckpt, actor)
+            actor.update(batch)
+            r["resume_max_diff"] = _max_param_diff(uninterrupted, state(actor))
         runs[name] = r
         del actor
     save(work, case["tag"], runs)
-    keep = ("param_dtypes", "main_dtypes", "grad_dtypes", "optimizers", "model_is_rounded_main")
+    keep = ("param_dtypes", "main_dtypes", "grad_dtypes", "optimizers", "model_is_rounded_main", "resume_max_diff",
+            "unpatched_load")
     return {k: {f: v for f, v in r.items() if f in keep} for k, r in runs.items()}
 
 
