@@ -398,6 +398,9 @@ QWEN25_3B = dict(model_type="qwen2", num_attention_heads=16, num_key_value_heads
 QWEN3_30B_A3B = dict(model_type="qwen3_moe", num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=48,
                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
                      vocab_size=151936)
+QWEN3_235B_A22B = dict(model_type="qwen3_moe", num_attention_heads=64, num_key_value_heads=4, num_hidden_layers=94,
+                       num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, intermediate_size=12288,
+                       vocab_size=151936, head_dim=128)
 
 # recipe -> (model shape, the world sizes its comment states)
 GPU_LAUNCHES = {
@@ -409,6 +412,7 @@ GPU_LAUNCHES = {
     "sapo_qwen2.5_3b.yaml": (QWEN25_3B, [8]),
     "pvpo_qwen2.5_7b.yaml": (QWEN25_7B, [8, 16, 32]),
     "minirl_qwen3_30b_a3b_r3.yaml": (QWEN3_30B_A3B, [32]),
+    "minirl_qwen3_235b_a22b_r3.yaml": (QWEN3_235B_A22B, [64, 128]),
 }
 
 
@@ -491,6 +495,22 @@ def test_minirl_layout_needs_16_gpus(tmp_path):
         ConfigError, match=r"parallelism \(tp=2, pp=2, vpp=1, ep=8, etp=1\) at world size 8 .*ETP x EP x PP = 16"
     ):
         validate_layout_for_launch(cfg, 8)
+
+
+def test_qwen3_235b_layout_is_the_only_kind_its_shape_allows(tmp_path):
+    model = _hf_config(tmp_path / "model", **QWEN3_235B_A22B)
+    cfg = load_recipe(GPU / "minirl_qwen3_235b_a22b_r3.yaml", [f"model.path={model}"])
+    assert (cfg.model.dtype, cfg.rollout.precision, cfg.algorithm.routing_replay) == ("bfloat16", "fp8", "r3")
+    assert cfg.optimizer.use_distributed_optimizer
+    for overrides, world, message in [
+        (["parallelism.tp=8"], 128, r"parallelism.tp=8 does not divide the model's 64 attention / 4 KV heads"),
+        (["parallelism.pp=4"], 128, r"parallelism.pp x vpp = 4 does not divide the model's 94 layers"),
+        (["parallelism.pp=2", "parallelism.vpp=2"], 128, r"parallelism.pp x vpp = 4 does not divide"),
+        ([], 32, r"parallelism.ep=32, parallelism.etp=1: .*ETP x EP x PP = 64"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate_layout_for_launch(load_recipe(GPU / "minirl_qwen3_235b_a22b_r3.yaml",
+                                                   [f"model.path={model}", *overrides]), world)
 
 
 def test_gpu_recipe_paper_settings():
