@@ -88,7 +88,8 @@ def ws1(engine_models, engine_work):
         {"op": "placement", "model": MODEL, "layout": "tp=1", "tag": "placement_ws1"},
         {"op": "ckpt_safety", "model": MODEL, "layout": "tp=1", "tag": "ckpt_safety_ws1"},
         {"op": "diagnostics", "model": MODEL, "layout": "tp=1", "tag": "diagnostics_ws1"},
-        {"op": "bf16", "model": MODEL, "layout": "tp=1", "tag": "bf16_ws1", "replay": "r2", "resume": True},
+        {"op": "bf16", "model": MODEL, "layout": "tp=1", "tag": "bf16_ws1", "replay": "r2", "resume": True,
+         "critic": True},
         {"op": "actor", "model": MODEL_4L, "layout": "tp=1", "tag": "actor_4l_ws1", "steps": 1},
     ]
     return launch(engine_models, engine_work, cases, 1, "ws1")

@@ -245,6 +245,21 @@ def test_bf16_mixed_precision_update_stays_within_bf16_tolerance_of_fp32(ws1, en
     assert 0 < start <= 2**-8 * max(float(v.abs().max()) for v in fp32["main0"].values())  # one rounding
 
 
+def test_bf16_critic_stays_within_bf16_tolerance_of_fp32(ws1, engine_work):
+    """The value engine in bf16 (its scalar head too; values come out fp32): values before and
+    after one step (two mini-batches) from the same weights on the same batch."""
+    _ok(ws1, "bf16_ws1")
+    runs = _load(engine_work, "bf16_ws1")
+    fp32, bf16 = runs["critic_fp32"], runs["critic_bf16"]
+    assert bf16["optimizers"] == ["Float16OptimizerWithFloat16Params"] and bf16["v0"].dtype == torch.float32
+    scale = float(fp32["v0"].abs().max())
+    assert 1e-4 < float((fp32["v0"] - bf16["v0"]).abs().max()) < BF16_REL * scale  # measured 0.023 of 2.8
+    d32, d16 = fp32["v1"] - fp32["v0"], bf16["v1"] - bf16["v0"]
+    assert float((d32 - d16).norm() / d32.norm()) < BF16_UPDATE_REL  # measured 0.021
+    for key in ("value_loss", "grad_norm"):
+        assert bf16["m"][key] == pytest.approx(fp32["m"][key], rel=BF16_REL), key
+
+
 @pytest.mark.parametrize("tag", ["bf16_tp2", "bf16_dp2_distopt"])
 def test_bf16_layouts_stay_within_bf16_tolerance(ws1, ws2, engine_work, tag):
     """TP=2 with sequence parallelism (bf16 activations across the TP collectives), and DP=2 with

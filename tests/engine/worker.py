@@ -225,10 +225,23 @@ def op_bf16(case: dict, models: str, work: str) -> dict:
             r["resume_max_diff"] = _max_param_diff(uninterrupted, state(actor))
         runs[name] = r
         del actor
+    if case.get("critic"):  # the value engine (scalar head in bf16, fp32 values out)
+        vbatch = make_batch(rows=8, seq=12, seed=7)
+        for name, dtype in (("critic_fp32", torch.float32), ("critic_bf16", torch.bfloat16)):
+            critic_cfg = CriticConfig(optim=OptimConfig(lr=1e-3, adam_eps=1e-6), value_clip=0.2,
+                                      batching=BatchingConfig(micro_batch_size=2, mini_batch_size=4))
+            critic = ValueEngine(path, layout, critic_cfg, model_options=ModelOptions(dtype=dtype))
+            v0 = critic.compute_values(vbatch)
+            if name == "critic_fp32":
+                vbatch = vbatch.replace(values=v0 + 0.1 * vbatch.loss_mask)
+            m = critic.update(vbatch)
+            optimizers = [type(o).__name__ for o in getattr(critic.optimizer, "chained_optimizers", [critic.optimizer])]
+            runs[name] = {"v0": v0, "v1": critic.compute_values(vbatch), "m": m, "optimizers": optimizers}
+            del critic
     save(work, case["tag"], runs)
     keep = ("param_dtypes", "main_dtypes", "grad_dtypes", "optimizers", "model_is_rounded_main", "resume_max_diff",
             "unpatched_load")
-    return {k: {f: v for f, v in r.items() if f in keep} for k, r in runs.items()}
+    return {k: {f: v for f, v in r.items() if f in keep} for k, r in runs.items() if not k.startswith("critic")}
 
 
 def op_losses(case: dict, models: str, work: str) -> dict:
