@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .cpu_compat_optimizer import optimizer_targets
+from .cpu_compat_collectives import uneven_gather_targets
+from .cpu_compat_optimizer import optimizer_targets, torch_adam_step_targets
 from .cpu_modes import CudaDeviceToCpu
 
 _APPLIED: dict[str, "CpuPatch"] = {}
@@ -295,6 +296,22 @@ PATCHES: dict[str, CpuPatch] = {
             "function mode that maps device='cuda' to the CPU and reports CUDA type names "
             "(cpu_compat_optimizer.py); nothing outside optimizer code sees it.",
             optimizer_targets,
+        ),
+        CpuPatch(
+            "uneven_gather_on_gloo",
+            "With ETP > 1 and EP > 1 (TP2 x EP2) the alltoall dispatcher all-gathers a different "
+            "number of tokens from each expert-TP rank; gloo's all_gather takes equal sizes only: "
+            "'ProcessGroupGloo::allgather: invalid tensor size'. Pad to the largest split, gather "
+            "evenly, drop the padding (cpu_compat_collectives.py); even gathers stay megatron's.",
+            uneven_gather_targets,
+        ),
+        CpuPatch(
+            "torch_adam_step_on_load",
+            "Without apex / TE's fused Adam, the distributed optimizer runs torch's Adam, whose state "
+            "holds a per-parameter 'step' that megatron 0.16's fully reshardable checkpoint does not "
+            "save (it keeps one step per param group): loading one fails with KeyError: 'step'. Copy "
+            "the saved tensors and set each parameter's step from its group's (cpu_compat_optimizer.py).",
+            torch_adam_step_targets,
         ),
         CpuPatch(
             "dist_ckpt_queue_forked",

@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import torch
+
 from .cpu_modes import CudaTypeNamesOnCpu
 
 
@@ -76,3 +78,38 @@ def optimizer_targets() -> list[tuple[Any, str, Any]]:
             if name in vars(cls):  # wrap each class's own definition only
                 targets.append((cls, name, on_cpu_optimizer(vars(cls)[name])))
     return targets
+
+
+def _set_states_with_torch_adam_step(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        group = self.optimizer.param_groups[group_index]
+        state = self.optimizer.state.get(group["params"][group_order], {})
+        if "step" not in tensors and "step" in state:
+            # torch Adam's per-parameter step is not in the saved tensors; the common state saved
+            # it once per param group (DistributedOptimizer.state_dict without apex / TE), and
+            # load_state_dict has put it back into the group by now.
+            step = state.pop("step")
+            try:
+                original(self, model_param, tensors)
+            finally:
+                # a tensor of its own: the load may have left one step tensor shared by every
+                # parameter, which Adam would then advance once per parameter
+                value = step if group.get("step") is None else float(group["step"])
+                state["step"] = torch.as_tensor(value, dtype=step.dtype, device=step.device).clone()
+            return None
+        return original(self, model_param, tensors)
+
+    set_states.__wrapped_for_cpu__ = original  # type: ignore[attr-defined]
+    return set_states
+
+
+def torch_adam_step_targets() -> list[tuple[Any, str, Any]]:
+    """``DistributedOptimizer._set_main_param_and_optimizer_states``, which a fully reshardable
+    load calls per parameter with the saved ``param`` / ``exp_avg`` / ``exp_avg_sq``."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    name = "_set_main_param_and_optimizer_states"
+    return [(cls, name, _set_states_with_torch_adam_step(vars(cls)[name]))]

@@ -17,7 +17,15 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral", "dee
 
 
 class LayoutError(ValueError):
-    """A parallel layout that cannot work for this model or this world size."""
+    """A parallel layout that cannot work for this model or this world size.
+
+    ``keys``: the layout fields (``tp``, ``pp``, ``vpp``, ``ep``, ``etp``, ``cp``) to change,
+    so that a caller can name its own keys for them (the recipe's ``parallelism.*``).
+    """
+
+    def __init__(self, message: str, keys: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.keys = tuple(keys)
 
 
 class UnsupportedModelError(ValueError):
@@ -123,52 +131,55 @@ def validate_layout(layout: ParallelLayout, hf_config: Any, world_size: Optional
         raise UnsupportedModelError(str(e)) from None
     for key in ("tp", "pp", "vpp", "ep", "cp"):
         if getattr(layout, key) < 1:
-            raise LayoutError(f"{key}={getattr(layout, key)} must be >= 1")
+            raise LayoutError(f"{key}={getattr(layout, key)} must be >= 1", (key,))
     if layout.etp is not None and layout.etp < 1:
-        raise LayoutError(f"etp={layout.etp} must be >= 1")
+        raise LayoutError(f"etp={layout.etp} must be >= 1", ("etp",))
     if layout.cp != 1:
-        raise LayoutError("context parallelism (cp > 1) is not supported by this package yet")
+        raise LayoutError("context parallelism (cp > 1) is not supported by this package yet", ("cp",))
 
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(_cfg(hf_config, "num_key_value_heads", default=heads))
     layers = int(hf_config.num_hidden_layers)
     name = f"{model_type} ({layers} layers, {heads} heads, {kv_heads} kv heads)"
     if heads % layout.tp:
-        raise LayoutError(f"TP={layout.tp} does not divide num_attention_heads={heads} of {name}")
+        raise LayoutError(f"TP={layout.tp} does not divide num_attention_heads={heads} of {name}", ("tp",))
     if kv_heads % layout.tp:
         raise LayoutError(
             f"TP={layout.tp} does not divide num_key_value_heads={kv_heads} of {name} "
-            "(KV-head replication is not supported)"
+            "(KV-head replication is not supported)", ("tp",)
         )
     stages = layout.pp * layout.vpp
     if layout.vpp > 1 and layout.pp == 1:
-        raise LayoutError(f"VPP={layout.vpp} needs PP > 1 (interleaving splits pipeline stages)")
+        raise LayoutError(f"VPP={layout.vpp} needs PP > 1 (interleaving splits pipeline stages)", ("vpp", "pp"))
     if layers % stages:
         raise LayoutError(
             f"PP={layout.pp} x VPP={layout.vpp} = {stages} stages do not divide "
-            f"num_hidden_layers={layers} of {name}"
+            f"num_hidden_layers={layers} of {name}", ("pp", "vpp") if layout.vpp > 1 else ("pp",)
         )
     experts = num_experts_of(hf_config)
     if experts == 0:
         if layout.ep > 1 or (layout.etp not in (None, layout.tp)):
-            raise LayoutError(f"EP={layout.ep}/ETP={layout.etp} given for dense model {name}")
+            raise LayoutError(f"EP={layout.ep}/ETP={layout.etp} given for dense model {name}",
+                              ("ep",) if layout.ep > 1 else ("etp",))
     else:
         if experts % layout.ep:
-            raise LayoutError(f"EP={layout.ep} does not divide num_experts={experts} of {name}")
+            raise LayoutError(f"EP={layout.ep} does not divide num_experts={experts} of {name}", ("ep",))
         ffn = int(_cfg(hf_config, "moe_intermediate_size", "intermediate_size"))
         if ffn % layout.expert_tp:
-            raise LayoutError(f"ETP={layout.expert_tp} does not divide expert ffn size {ffn} of {name}")
+            raise LayoutError(f"ETP={layout.expert_tp} does not divide expert ffn size {ffn} of {name}"
+                              + ("" if layout.etp is not None else " (ETP defaults to TP)"), ("etp",))
     shared = shared_expert_size(hf_config)
     if shared and shared % layout.tp:
-        raise LayoutError(f"TP={layout.tp} does not divide the shared-expert ffn size {shared} of {name}")
+        raise LayoutError(f"TP={layout.tp} does not divide the shared-expert ffn size {shared} of {name}", ("tp",))
     ffn_dense = _cfg(hf_config, "intermediate_size")
     if (experts == 0 or first_k_dense(hf_config)) and ffn_dense is not None and int(ffn_dense) % layout.tp:
-        raise LayoutError(f"TP={layout.tp} does not divide intermediate_size={ffn_dense} of {name}")
+        raise LayoutError(f"TP={layout.tp} does not divide intermediate_size={ffn_dense} of {name}", ("tp",))
     if world_size is not None:
         mp = layout.model_parallel_size
         if world_size % mp:
             raise LayoutError(
-                f"world size {world_size} is not a multiple of TP x PP x CP = {mp} ({layout.describe()})"
+                f"world size {world_size} is not a multiple of TP x PP x CP = {mp} ({layout.describe()})",
+                ("tp", "pp"),
             )
         dp = world_size // mp
         # Experts re-split the same ranks: ETP x EP x expert-DP x PP must equal the world size.
@@ -176,10 +187,10 @@ def validate_layout(layout: ParallelLayout, hf_config: Any, world_size: Optional
         if world_size % expert_mp:
             raise LayoutError(
                 f"world size {world_size} is not a multiple of ETP x EP x PP = {expert_mp} "
-                f"({layout.describe()})"
+                f"({layout.describe()})", ("ep", "etp")
             )
         if layout.tp * layout.cp * dp % (layout.expert_tp * layout.ep):
             raise LayoutError(
                 f"ETP x EP = {layout.expert_tp * layout.ep} must divide TP x CP x DP = "
-                f"{layout.tp * layout.cp * dp} ({layout.describe()}, world size {world_size})"
+                f"{layout.tp * layout.cp * dp} ({layout.describe()}, world size {world_size})", ("ep", "etp")
             )

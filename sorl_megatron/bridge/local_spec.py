@@ -155,10 +155,12 @@ class _LocalGroupedLinear(torch.nn.Module):
                 param = torch.nn.Parameter(w)
                 # Expert grads are reduced over the expert-DP group, not all of DP.
                 param.allreduce = not self.expert_parallel
-                if etp > 1:
-                    param.tensor_model_parallel = True
-                    param.partition_dim = self.partition_dim
-                    param.partition_stride = 1
+                # As TE's GroupedLinear: always a TP shard, at ETP = 1 too. Otherwise megatron's
+                # grad norm takes an ETP = 1 expert for a duplicate on every TP rank but the first
+                # and drops it (ETP != TP: wrong norm, wrong clipping).
+                param.tensor_model_parallel = True
+                param.partition_dim = self.partition_dim
+                param.partition_stride = 1
                 self.register_parameter(f"weight{i}", param)
 
     def forward(self, x: torch.Tensor, m_splits: list[int]):

@@ -613,7 +613,9 @@ def _check_model_layout(cfg: TrainConfig, hf_config, key: str) -> None:
         )
     if layers % (p.pp * p.vpp):
         raise ConfigError(f"parallelism.pp x vpp = {p.pp * p.vpp} does not divide the model's {layers} layers ({key})")
-    if p.ep > 1 and (experts == 0 or experts % p.ep):
+    if p.ep > 1 and experts == 0:
+        raise ConfigError(f"parallelism.ep={p.ep} needs an MoE model; {key} is dense")
+    if p.ep > 1 and experts % p.ep:
         raise ConfigError(f"parallelism.ep={p.ep} does not divide the model's {experts} experts ({key})")
     if key == "model.path" and cfg.algorithm.routing_replay != "off" and experts == 0:
         raise ConfigError(
@@ -633,7 +635,8 @@ def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) 
     except UnsupportedModelError as err:
         raise ConfigError(f"{key}: {err}") from None
     except LayoutError as err:
-        raise ConfigError(f"{where}: {err}") from None
+        named = ", ".join(f"parallelism.{k}={getattr(p, k)}" for k in err.keys)  # the keys to change
+        raise ConfigError(f"{named + ': ' if named else ''}{where}: {err}") from None
     if num_experts_of(hf_config) and layout.tp > 1 and not layout.use_sequence_parallel:
         # bridge/build.py refuses this when it builds the model
         raise ConfigError(

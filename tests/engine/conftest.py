@@ -21,12 +21,29 @@ def engine_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("engine_models")
     save_tiny_model("qwen3_moe", str(root / "qwen3_moe"))
+    register_moe_4l()
+    save_tiny_model(MODEL_4L, str(root / MODEL_4L))
     for kind in FAMILIES:  # issue 20's MoE families (MLA, shared experts, sigmoid routing)
         save_tiny_model(kind, str(root / kind))
     return str(root)
 
 
 FAMILIES = ("deepseek_v3", "glm4_moe", "qwen2_moe")
+
+
+MODEL_4L = "qwen3_moe_4l"  # four layers: PP=2 x VPP=2 gives every virtual stage one
+
+
+def register_moe_4l() -> None:
+    """Add the four-layer tiny Qwen3-MoE to tests/bridge/tiny_models' registry (in this process)."""
+    import tiny_models
+
+    def config():
+        cfg = tiny_models.qwen3_moe_config()
+        cfg.num_hidden_layers = 4
+        return cfg
+
+    tiny_models.CONFIGS.setdefault(MODEL_4L, config)
 
 
 def launch(models: str, work: str, cases: list[dict], nproc: int, name: str, timeout: int = 400) -> dict:
@@ -76,6 +93,9 @@ def ws1(engine_models, engine_work):
         {"op": "placement", "model": MODEL, "layout": "tp=1", "tag": "placement_ws1"},
         {"op": "ckpt_safety", "model": MODEL, "layout": "tp=1", "tag": "ckpt_safety_ws1"},
         {"op": "diagnostics", "model": MODEL, "layout": "tp=1", "tag": "diagnostics_ws1"},
+        {"op": "bf16", "model": MODEL, "layout": "tp=1", "tag": "bf16_ws1", "replay": "r2", "resume": True,
+         "critic": True},
+        {"op": "actor", "model": MODEL_4L, "layout": "tp=1", "tag": "actor_4l_ws1", "steps": 1},
         # DeepSeek-V3 (MLA, a dense first layer, grouped sigmoid routing with a bias): the update
         # (light: no per-mode autograd references), random-route R2/R3; every family's rollout R3
         {"op": "actor", "model": "deepseek_v3", "layout": "tp=1", "tag": "actor_ds_ws1", "light": True},
@@ -102,7 +122,24 @@ def ws2(engine_models, engine_work):
         {"op": "resume", "model": MODEL, "layout": "tp=2", "resume_layout": "pp=2", "tag": "resume_tp2_to_pp2"},
         {"op": "bad_input", "model": MODEL, "layout": "ep=2", "tag": "bad_ep2"},
         {"op": "sft", "model": MODEL, "layout": "tp=2", "tag": "sft_tp2"},
+        {"op": "bf16", "model": MODEL, "layout": "tp=2", "tag": "bf16_tp2", "replay": "r2"},
+        {"op": "bf16", "model": MODEL, "layout": "tp=1", "tag": "bf16_dp2_distopt", "replay": "r2", "dist_opt": True,
+         "resume": True},
+        # expert TP 1 under TP 2 (MiniRL's ETP != TP), and the interleaved schedule (VPP)
+        {"op": "actor", "model": MODEL, "layout": "tp=2,ep=2,etp=1", "tag": "actor_tp2_etp1_ep2", "steps": 1},
+        {"op": "actor", "model": MODEL_4L, "layout": "pp=2,vpp=2", "tag": "actor_4l_pp2_vpp2", "steps": 1},
+        {"op": "compat_uneven", "model": MODEL, "layout": "tp=1", "tag": "compat_uneven_2"},
         {"op": "actor", "model": "deepseek_v3", "layout": "ep=2", "tag": "actor_ds_ep2", "light": True},
         {"op": "rollout_r3", "model": "deepseek_v3", "layout": "ep=2", "tag": "rollout_r3_deepseek_v3_ep2"},
     ]
     return launch(engine_models, engine_work, cases, 2, "ws2")
+
+
+@pytest.fixture(scope="session")
+def ws4(engine_models, engine_work):
+    """Four processes: TP2 x EP2 (expert TP 2, expert-DP 1) and TP2 x EP4 with expert TP 1."""
+    cases = [
+        {"op": "actor", "model": MODEL, "layout": "tp=2,ep=2", "tag": "actor_tp2_ep2_4r", "steps": 1},
+        {"op": "actor", "model": MODEL, "layout": "tp=2,ep=4,etp=1", "tag": "actor_tp2_etp1_ep4_4r", "steps": 1},
+    ]
+    return launch(engine_models, engine_work, cases, 4, "ws4")

@@ -1,7 +1,8 @@
 """The Megatron RL engine on CPU/gloo: every layout equals world size 1.
 
-Two launches: one single-process (the references) and one `torchrun --nproc_per_node=2`
-that re-initializes megatron at TP=2(+SP), EP=2, PP=2 and DP=2 in turn. Nothing is mocked:
+Three launches: one single-process (the references), one `torchrun --nproc_per_node=2` that
+re-initializes megatron at TP=2(+SP), EP=2, PP=2, PP=2 x VPP=2, TP=2 x ETP=1 x EP=2 and DP=2
+in turn, and one of four processes (TP2 x EP2, TP2 x ETP1 x EP4). Nothing is mocked:
 the only thing missing here is a GPU, which cpu_compat stands in for.
 """
 
@@ -130,6 +131,34 @@ def test_actor_layout_equals_world_size_1(ws1, ws2, engine_work, tag):
     assert r["m1"]["clip_bias/norm"] == pytest.approx(r["direct_1"]["logprob"], rel=1e-5)
 
 
+# (launch, tag, world-size-1 reference): log-probs, entropy and one update to 1e-6
+MORE_LAYOUTS = [
+    ("ws2", "actor_tp2_etp1_ep2", "actor_ws1"),  # TP 2 x ETP 1 x EP 2: expert TP != TP
+    ("ws2", "actor_4l_pp2_vpp2", "actor_4l_ws1"),  # PP 2 x VPP 2: the interleaved 1F1B schedule
+    ("ws4", "actor_tp2_ep2_4r", "actor_ws1"),  # TP 2 x EP 2 x DP 2 (ETP 2, expert-DP 1)
+    ("ws4", "actor_tp2_etp1_ep4_4r", "actor_ws1"),  # TP 2 x DP 2, experts ETP 1 x EP 4
+]
+
+
+@pytest.mark.parametrize("launch,tag,ref_tag", MORE_LAYOUTS, ids=[t for _, t, _ in MORE_LAYOUTS])
+def test_expert_and_virtual_pipeline_layouts_equal_world_size_1(request, ws1, engine_work, launch, tag, ref_tag):
+    _ok(ws1, ref_tag)
+    _ok(request.getfixturevalue(launch), tag)
+    ref, got = _load(engine_work, ref_tag), _load(engine_work, tag)
+    assert (ref["logprobs"] - got["logprobs"]).abs().max() <= 1e-6
+    assert (ref["entropy"] - got["entropy"]).abs().max() <= 1e-6
+    assert _max_diff(ref["params_1"], got["params_1"]) <= 1e-6
+    for key in ("loss", "clip_bias/norm", "clip_bias/factor", "grad_norm", "clip_frac", "kl_ref", "entropy"):
+        # grad_norm: with ETP != TP every expert counts once (not dropped as a TP duplicate)
+        assert got["m1"][key] == pytest.approx(ref["m1"][key], rel=1e-6, abs=1e-7), key
+
+
+def test_uneven_gather_cpu_patch_is_needed(ws2):
+    for r in _ok(ws2, "compat_uneven_2")["results"]:
+        assert "ProcessGroupGloo::allgather: invalid tensor size" in r["unpatched"]
+        assert r["patched"] is True and r["even"] is True
+
+
 def test_critic_layouts_equal_world_size_1(ws1, ws2, engine_work):
     _ok(ws1, "critic_ws1")
     ref = _load(engine_work, "critic_ws1")
@@ -156,6 +185,97 @@ def test_sft_update_is_cross_entropy_and_matches_across_layouts(ws1, ws2, engine
     got = _load(engine_work, "sft_tp2")
     assert _max_diff(ref["params"], got["params"]) < TOL
     assert (ref["lp1"] - got["lp1"]).abs().max() < TOL
+
+
+# ---------------------------------------------------------------- BF16 mixed precision
+#
+# bf16 keeps 8 significant bits: unit roundoff u = 2**-8 ~ 3.9e-3. The bf16 engine rounds the
+# HF weights and every activation to it (megatron's Float16Module), while the optimizer keeps
+# float32 main parameters, gradients and Adam moments. So "within bf16 tolerance" here means:
+#   * log-probs (|log p| <= ~5 on this model, a difference of O(1) logits each off by a few u):
+#     |bf16 - fp32| <= 0.02 nats ~ u * max|log p|, before and after three steps (which move the
+#     log-probs by ~0.8, 40x the tolerance);
+#   * scalars of each step (loss, grad norm, KL, ||C||, entropy): relative 8u = 0.03;
+#   * the parameter update of three Adam steps (fp32 main parameters): relative 0.1. Adam divides
+#     each coordinate by its own RMS, so where a gradient coordinate is near zero bf16 noise can
+#     flip its sign; 0.1 leaves room for that, a wrong master-weight or gradient path gives ~1.
+# Both engines replay the fp32 engine's routes (R2): without replay a few routing decisions
+# flip in bf16 and the experts behind them get other tokens' gradients (measured: the update
+# differs by 18% instead of 3.6%), which is MoE routing sensitivity, not the precision path.
+BF16_LOGPROB_TOL = 0.02
+BF16_REL = 8 * 2**-8
+BF16_UPDATE_REL = 0.1
+BF16_METRICS = ("loss", "grad_norm", "kl_ref", "clip_bias/norm", "entropy")
+
+
+def _bf16_close(fp32: dict, bf16: dict) -> dict:
+    lp0 = float((fp32["lp0"] - bf16["lp0"]).abs().max())
+    lp = float((fp32["lp"] - bf16["lp"]).abs().max())
+    assert 1e-4 < lp0 < BF16_LOGPROB_TOL, lp0  # bf16 really ran (not fp32 under another name)
+    assert lp < BF16_LOGPROB_TOL < float((fp32["lp"] - fp32["lp0"]).abs().max()) / 10, lp
+    assert (fp32["ent0"] - bf16["ent0"]).abs().max() < BF16_LOGPROB_TOL
+    assert len(fp32["m"]) == len(bf16["m"]) == 3
+    for a, b in zip(fp32["m"], bf16["m"]):
+        for key in BF16_METRICS:
+            assert b[key] == pytest.approx(a[key], rel=BF16_REL, abs=1e-6), key
+        assert b["clip_frac"] == pytest.approx(a["clip_frac"], abs=0.05)
+    return {"logprobs_before": lp0, "logprobs_after": lp}
+
+
+def test_bf16_mixed_precision_update_stays_within_bf16_tolerance_of_fp32(ws1, engine_work):
+    r = _ok(ws1, "bf16_ws1")
+    # megatron's mixed precision: bf16 model, Float16OptimizerWithFloat16Params with fp32 main
+    # parameters and fp32 gradient buffers; the bf16 parameters are the rounded main parameters
+    assert r["bf16"] == {"param_dtypes": ["torch.bfloat16"], "main_dtypes": ["torch.float32"],
+                         "grad_dtypes": ["torch.float32"], "optimizers": ["Float16OptimizerWithFloat16Params"],
+                         "model_is_rounded_main": True,
+                         "resume_max_diff": 0.0}  # saved after 3 steps, loaded: step 4 equals (fp32 main weights too)
+    assert r["fp32"]["optimizers"] == ["FP32Optimizer"]
+    runs = _load(engine_work, "bf16_ws1")
+    fp32, bf16 = runs["fp32"], runs["bf16"]
+    got = _bf16_close(fp32, bf16)
+    # the update of the fp32 main parameters (bf16's start from the rounded HF weights)
+    d32 = {k: fp32["main"][k] - fp32["main0"][k] for k in fp32["main"]}
+    d16 = {k: bf16["main"][k] - bf16["main0"][k] for k in fp32["main"]}
+    norm = sum(float((d ** 2).sum()) for d in d32.values()) ** 0.5
+    err = sum(float(((d32[k] - d16[k]) ** 2).sum()) for k in d32) ** 0.5
+    print({**got, "update_rel": err / norm})
+    assert norm > 0.1 and err / norm < BF16_UPDATE_REL
+    start = max(float((fp32["main0"][k] - bf16["main0"][k]).abs().max()) for k in d32)
+    assert 0 < start <= 2**-8 * max(float(v.abs().max()) for v in fp32["main0"].values())  # one rounding
+
+
+def test_bf16_critic_stays_within_bf16_tolerance_of_fp32(ws1, engine_work):
+    """The value engine in bf16 (its scalar head too; values come out fp32): values before and
+    after one step (two mini-batches) from the same weights on the same batch."""
+    _ok(ws1, "bf16_ws1")
+    runs = _load(engine_work, "bf16_ws1")
+    fp32, bf16 = runs["critic_fp32"], runs["critic_bf16"]
+    assert bf16["optimizers"] == ["Float16OptimizerWithFloat16Params"] and bf16["v0"].dtype == torch.float32
+    scale = float(fp32["v0"].abs().max())
+    assert 1e-4 < float((fp32["v0"] - bf16["v0"]).abs().max()) < BF16_REL * scale  # measured 0.023 of 2.8
+    d32, d16 = fp32["v1"] - fp32["v0"], bf16["v1"] - bf16["v0"]
+    assert float((d32 - d16).norm() / d32.norm()) < BF16_UPDATE_REL  # measured 0.021
+    for key in ("value_loss", "grad_norm"):
+        assert bf16["m"][key] == pytest.approx(fp32["m"][key], rel=BF16_REL), key
+
+
+@pytest.mark.parametrize("tag", ["bf16_tp2", "bf16_dp2_distopt"])
+def test_bf16_layouts_stay_within_bf16_tolerance(ws1, ws2, engine_work, tag):
+    """TP=2 with sequence parallelism (bf16 activations across the TP collectives), and DP=2 with
+    megatron's DistributedOptimizer (fp32 main-parameter shards, bf16 parameter all-gather)."""
+    _ok(ws1, "bf16_ws1")
+    r = _ok(ws2, tag)
+    assert r["bf16"]["param_dtypes"] == ["torch.bfloat16"]
+    assert r["bf16"]["optimizers"] == (["DistributedOptimizer"] if "distopt" in tag
+                                       else ["Float16OptimizerWithFloat16Params"])
+    if "distopt" in tag:  # its fp32 main-parameter shards and Adam state resume exactly ...
+        assert r["bf16"]["resume_max_diff"] == 0.0
+        # ... with the CPU patch for torch Adam's per-parameter step (apex / TE's Adam keeps it per group)
+        assert r["bf16"]["unpatched_load"] == "KeyError: 'step'"
+    ref, got = _load(engine_work, "bf16_ws1"), _load(engine_work, tag)
+    _bf16_close(ref["fp32"], got["bf16"])
+    assert (ref["fp32"]["lp"] - got["fp32"]["lp"]).abs().max() < TOL  # the layout's fp32 run equals world size 1
 
 
 # ---------------------------------------------------------------- routing replay

@@ -23,6 +23,7 @@ from ckpt_attacks import evil_pickle, evil_torch_save, flip_bit, plant_in_byte_i
 
 from sorl_megatron.algorithms import PolicyLossConfig, clip_bias_surrogate, compute_policy_loss  # noqa: E402
 from sorl_megatron.bridge import ParallelLayout, iter_hf_weights  # noqa: E402
+from sorl_megatron.bridge.model import ModelOptions  # noqa: E402
 from sorl_megatron.engine.actor import ActorConfig, PolicyEngine  # noqa: E402
 from sorl_megatron.engine.config import BatchingConfig, OptimConfig  # noqa: E402
 from sorl_megatron.engine.critic import CriticConfig, ValueEngine  # noqa: E402
@@ -97,7 +98,8 @@ def direct_param_grad_norm(engine, batch, cfg: PolicyLossConfig) -> float:
 
 
 def op_actor(case: dict, models: str, work: str) -> dict:
-    """Log-probs, then three optimizer steps (logprob / param_grad / scalar+lr clip-bias modes)."""
+    """Log-probs, then three optimizer steps (logprob / param_grad / scalar+lr clip-bias modes);
+    ``steps: 1`` stops after the first."""
     layout = ParallelLayout.from_string(case["layout"])
     cfg = actor_config(kl_coef=0.05, entropy_coef=0.01, is_correction={"mode": "tis"})
     cfg.optim.use_distributed_optimizer = bool(case.get("dist_opt", False))
@@ -108,6 +110,9 @@ def op_actor(case: dict, models: str, work: str) -> dict:
     res["direct_1"] = direct_clip_bias(actor, batch, cfg.loss)
     res["m1"] = actor.update(batch)
     res["params_1"] = params_of(actor)
+    if case.get("steps", 3) == 1:  # log-probs and one update (the extra layouts)
+        save(work, case["tag"], res)
+        return {k: v for k, v in res.items() if k.startswith("m") or k.startswith("direct")}
     cfg.loss.clip_bias.mode = "param_grad"
     if torch.distributed.get_world_size() == 1 and not case.get("light"):
         res["direct_pg_2"] = direct_param_grad_norm(actor, batch, cfg.loss)
@@ -119,6 +124,124 @@ def op_actor(case: dict, models: str, work: str) -> dict:
     res["params_3"] = params_of(actor)
     save(work, case["tag"], res)
     return {k: v for k, v in res.items() if k.startswith("m") or k.startswith("direct")}
+
+
+def _named_bare_params(engine) -> dict[str, torch.Tensor]:
+    """``chunk:name`` -> parameter, without the "module." prefixes DDP and Float16Module add."""
+    def bare(name: str) -> str:
+        while name.startswith("module."):
+            name = name[len("module."):]
+        return name
+
+    return {f"{i}:{bare(n)}": p for i, c in enumerate(engine.model.chunks) for n, p in c.named_parameters()}
+
+
+def main_params_of(engine) -> dict[str, torch.Tensor]:
+    """The optimizer's float32 main parameters under the model's parameter names (replicated
+    optimizer state only: megatron's Float16OptimizerWithFloat16Params keeps one fp32 copy per
+    bf16 parameter; an fp32 model's parameters are their own main parameters)."""
+    names = {id(p): n for n, p in _named_bare_params(engine).items()}
+    out = {}
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        if hasattr(opt, "fp32_from_float16_groups"):
+            for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                for p, main in zip(model_group, main_group):
+                    out[names[id(p)]] = main.detach().clone()
+        else:
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    out[names[id(p)]] = p.detach().float().clone()
+    return out
+
+
+def op_bf16(case: dict, models: str, work: str) -> dict:
+    """The same actor in float32 and in megatron's BF16 mixed precision (bf16 parameters and
+    activations, fp32 main parameters, gradients and Adam state), from the same HF weights,
+    on the same batch: log-probs, three optimizer steps (so_ppo with KL, entropy bonus, TIS,
+    logprob clip-bias), and the log-probs after them. Rank 0 saves both runs' tensors."""
+    layout = ParallelLayout.from_string(case["layout"])
+    path = os.path.join(models, case["model"])
+    steps = int(case.get("steps", 3))
+    runs = {}
+    batch = None
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if name == "fp32" and not case.get("with_fp32", True):
+            continue
+        replay = case.get("replay", "off")
+        cfg = actor_config(kl_coef=0.05, entropy_coef=0.01, is_correction={"mode": "tis"}, replay=replay)
+        cfg.optim.use_distributed_optimizer = bool(case.get("dist_opt", False))
+        actor = PolicyEngine(path, layout, cfg, model_options=ModelOptions(dtype=dtype))
+        if batch is None:  # one batch for both (its old log-probs, and R3 routes, from the first engine)
+            batch = make_batch(rows=8, seq=12, seed=0)
+            first = actor.compute_logprobs(batch, record_routing=replay == "r2")  # R2: fp32's routes
+            noise = 0.25 * torch.randn(first.logprobs.shape, generator=torch.Generator().manual_seed(1))
+            old = first.logprobs + noise * batch.loss_mask
+            batch = batch.replace(old_logprobs=old, ref_logprobs=old - 0.05 * batch.loss_mask,
+                                  routed_experts=first.routed_experts)
+        replaying = replay != "off"
+        out = actor.compute_logprobs(batch, entropy=True, replay=replaying)
+        r: dict = {"lp0": out.logprobs, "ent0": out.entropy, "m": []}
+        if torch.distributed.get_world_size() == 1:
+            r["main0"] = main_params_of(actor)
+        for _ in range(steps):
+            r["m"].append(actor.update(batch))
+        r["lp"] = actor.compute_logprobs(batch, replay=replaying).logprobs
+        r["params"] = params_of(actor)
+        if torch.distributed.get_world_size() == 1:
+            r["main"] = main_params_of(actor)
+            r["main_dtypes"] = sorted({str(p.dtype) for p in r["main"].values()})
+            r["grad_dtypes"] = sorted({str(p.main_grad.dtype) for c in actor.model.chunks for p in c.parameters()})
+            model = {k: p.detach() for k, p in _named_bare_params(actor).items()}
+            r["model_is_rounded_main"] = all(torch.equal(model[k], v.to(model[k].dtype)) for k, v in r["main"].items())
+        r["param_dtypes"] = sorted({str(p.dtype) for c in actor.model.chunks for p in c.parameters()})
+        r["optimizers"] = [type(o).__name__ for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
+        if name == "bf16" and case.get("resume"):  # the mixed-precision optimizer state resumes exactly
+            from sorl_megatron.engine.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+
+            ckpt = os.path.join(work, case["tag"] + "_ckpt")
+            save_engine_checkpoint(ckpt, actor)
+            single = torch.distributed.get_world_size() == 1
+
+            def state(engine):  # the bf16 weights, and at world size 1 the fp32 main weights too
+                return {**params_of(engine), **(main_params_of(engine) if single else {})}
+
+            actor.update(batch)
+            uninterrupted = state(actor)
+            del actor
+            if cfg.optim.use_distributed_optimizer:  # the CPU patch for torch Adam's step is needed
+                from sorl_megatron.bridge.cpu_compat import without_patch
+
+                actor = PolicyEngine(path, layout, cfg, model_options=ModelOptions(dtype=dtype))
+                try:
+                    with without_patch("torch_adam_step_on_load"):
+                        load_engine_checkpoint(ckpt, actor)
+                    r["unpatched_load"] = None
+                except Exception as e:  # noqa: BLE001 - the test asserts on the message
+                    r["unpatched_load"] = f"{type(e).__name__}: {e}"
+                del actor
+            actor = PolicyEngine(path, layout, cfg, model_options=ModelOptions(dtype=dtype))
+            load_engine_checkpoint(ckpt, actor)
+            actor.update(batch)
+            r["resume_max_diff"] = _max_param_diff(uninterrupted, state(actor))
+        runs[name] = r
+        del actor
+    if case.get("critic"):  # the value engine (scalar head in bf16, fp32 values out)
+        vbatch = make_batch(rows=8, seq=12, seed=7)
+        for name, dtype in (("critic_fp32", torch.float32), ("critic_bf16", torch.bfloat16)):
+            critic_cfg = CriticConfig(optim=OptimConfig(lr=1e-3, adam_eps=1e-6), value_clip=0.2,
+                                      batching=BatchingConfig(micro_batch_size=2, mini_batch_size=4))
+            critic = ValueEngine(path, layout, critic_cfg, model_options=ModelOptions(dtype=dtype))
+            v0 = critic.compute_values(vbatch)
+            if name == "critic_fp32":
+                vbatch = vbatch.replace(values=v0 + 0.1 * vbatch.loss_mask)
+            m = critic.update(vbatch)
+            optimizers = [type(o).__name__ for o in getattr(critic.optimizer, "chained_optimizers", [critic.optimizer])]
+            runs[name] = {"v0": v0, "v1": critic.compute_values(vbatch), "m": m, "optimizers": optimizers}
+            del critic
+    save(work, case["tag"], runs)
+    keep = ("param_dtypes", "main_dtypes", "grad_dtypes", "optimizers", "model_is_rounded_main", "resume_max_diff",
+            "unpatched_load")
+    return {k: {f: v for f, v in r.items() if f in keep} for k, r in runs.items() if not k.startswith("critic")}
 
 
 def op_losses(case: dict, models: str, work: str) -> dict:
@@ -509,6 +632,37 @@ def op_compat(case: dict, models: str, work: str) -> dict:
     return out
 
 
+def op_compat_uneven(case: dict, models: str, work: str) -> dict:
+    """The uneven_gather_on_gloo patch is needed and exact: megatron's first-dimension all-gather
+    with per-rank split sizes (what the alltoall dispatcher does at ETP > 1 and EP > 1), over
+    the whole world, without and with it; the even gather is left to megatron."""
+    from megatron.core.tensor_parallel import mappings
+
+    from sorl_megatron.bridge.cpu_compat import apply_cpu_compat, without_patch
+
+    apply_cpu_compat()
+    world, me = torch.distributed.get_world_size(), rank()
+    group = torch.distributed.new_group(list(range(world)))
+    sizes = [3 + 2 * i for i in range(world)]
+    full = torch.arange(sum(sizes) * 4, dtype=torch.float32).reshape(-1, 4)
+    mine = full[sum(sizes[:me]):sum(sizes[:me + 1])]
+    out: dict = {}
+
+    def attempt(name, fn, expected):
+        try:
+            out[name] = bool(torch.equal(fn(), expected))
+        except Exception as e:  # noqa: BLE001 - the test asserts on the message
+            out[name] = f"{type(e).__name__}: {e}"
+
+    gather = lambda: mappings._gather_along_first_dim(mine, group, output_split_sizes=sizes)  # noqa: E731
+    with without_patch("uneven_gather_on_gloo"):
+        attempt("unpatched", gather, full)
+    attempt("patched", gather, full)
+    even = full[: 4 * world].reshape(world, 4, 4)[me]
+    attempt("even", lambda: mappings._gather_along_first_dim(even, group), full[: 4 * world])
+    return {"results": all_ranks(out)}
+
+
 def op_recompute(case: dict, models: str, work: str) -> dict:
     """R2 under full activation recompute: the re-forward in backward replays the same routes."""
     import sorl_megatron.engine.routing_replay as rr
@@ -790,8 +944,10 @@ OPS = {
     "sft": op_sft,
     "recompute": op_recompute,
     "compat": op_compat,
+    "compat_uneven": op_compat_uneven,
     "actor": op_actor,
     "losses": op_losses,
+    "bf16": op_bf16,
     "replay": op_replay,
     "critic": op_critic,
     "rollout_r3": op_rollout_r3,

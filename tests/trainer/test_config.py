@@ -398,6 +398,9 @@ QWEN25_3B = dict(model_type="qwen2", num_attention_heads=16, num_key_value_heads
 QWEN3_30B_A3B = dict(model_type="qwen3_moe", num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=48,
                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
                      vocab_size=151936)
+QWEN3_235B_A22B = dict(model_type="qwen3_moe", num_attention_heads=64, num_key_value_heads=4, num_hidden_layers=94,
+                       num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, intermediate_size=12288,
+                       vocab_size=151936, head_dim=128)
 
 # recipe -> (model shape, the world sizes its comment states)
 GPU_LAUNCHES = {
@@ -409,7 +412,65 @@ GPU_LAUNCHES = {
     "sapo_qwen2.5_3b.yaml": (QWEN25_3B, [8]),
     "pvpo_qwen2.5_7b.yaml": (QWEN25_7B, [8, 16, 32]),
     "minirl_qwen3_30b_a3b_r3.yaml": (QWEN3_30B_A3B, [32]),
+    "minirl_qwen3_235b_a22b_r3.yaml": (QWEN3_235B_A22B, [64, 128]),
 }
+
+
+# Real config shapes of each architecture the bridge builds, with a valid layout and the
+# impossible ones: (parallelism, world size, the error naming the recipe key to change).
+LLAMA31_8B = dict(model_type="llama", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,
+                  intermediate_size=14336, vocab_size=128256)
+QWEN3_8B = dict(model_type="qwen3", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=36,
+                intermediate_size=12288, vocab_size=151936, head_dim=128)
+MIXTRAL_8X7B = dict(model_type="mixtral", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,
+                    num_local_experts=8, num_experts_per_tok=2, intermediate_size=14336, vocab_size=32000)
+DENSE_BAD = [
+    (dict(tp=8), 8, r"parallelism.tp=8 does not divide the model's \d+ attention / \d+ KV heads"),
+    (dict(pp=5), 5, r"parallelism.pp x vpp = 5 does not divide the model's \d+ layers"),
+    (dict(pp=2, vpp=5), 2, r"parallelism.pp x vpp = 10 does not divide"),
+    (dict(tp=2), 3, r"parallelism: tp x pp = 2 x 1 = 2 does not divide the world size 3"),
+    (dict(ep=2), 2, r"parallelism.ep=2 needs an MoE model; model.path is dense"),
+    (dict(etp=2), 2, r"parallelism.etp=2: .*given for dense model"),
+]
+MOE_BAD = [
+    (dict(tp=8), 8, r"parallelism.tp=8 does not divide the model's \d+ attention / \d+ KV heads"),
+    (dict(pp=5), 5, r"parallelism.pp x vpp = 5 does not divide the model's \d+ layers"),
+    (dict(ep=3), 3, r"parallelism.ep=3 does not divide the model's \d+ experts"),
+    (dict(tp=2, ep=8, etp=1, pp=2), 8, r"parallelism.ep=8, parallelism.etp=1: .*ETP x EP x PP = 16"),
+    (dict(tp=2, ep=2), 2, r"parallelism.ep=2, parallelism.etp=None: .*ETP x EP x PP = 4"),
+    (dict(etp=5, ep=1), 5, r"parallelism.etp=5: .*ETP=5 does not divide expert ffn size"),
+    (dict(tp=2, sequence_parallel=False), 2, r"parallelism.sequence_parallel=false with tp=2"),
+]
+ARCHITECTURES = {  # model_type -> (shape, a valid layout at a world size, impossible layouts)
+    "qwen2": (QWEN25_7B, (dict(tp=4, pp=2), 16), DENSE_BAD),
+    "llama": (LLAMA31_8B, (dict(tp=8, pp=4, vpp=2), 64), DENSE_BAD[1:]),  # tp=8 divides its 8 KV heads
+    "qwen3": (QWEN3_8B, (dict(tp=8, pp=2, vpp=3), 32), DENSE_BAD[1:]),
+    "qwen3_moe": (QWEN3_30B_A3B, (dict(tp=4, pp=2, ep=8, etp=1), 32), MOE_BAD[1:] + [
+        (dict(tp=8), 8, r"parallelism.tp=8 does not divide the model's 32 attention / 4 KV heads")]),
+    "mixtral": (MIXTRAL_8X7B, (dict(tp=4, pp=4, vpp=2, ep=8, etp=1), 32), MOE_BAD[1:] + [
+        (dict(ep=16), 16, r"parallelism.ep=16 does not divide the model's 8 experts"),
+        (dict(etp=3), 3, r"parallelism.etp=3: .*ETP=3 does not divide expert ffn size 14336")]),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_launch_checks_reject_impossible_layouts_of_each_architecture_naming_the_key(arch, tmp_path):
+    from sorl_megatron.bridge.layout import SUPPORTED_MODEL_TYPES
+
+    assert set(SUPPORTED_MODEL_TYPES) <= set(ARCHITECTURES) | {"deepseek_v3", "qwen2_moe", "glm4_moe"}
+    shape, (good, good_world), bad = ARCHITECTURES[arch]
+    model = _hf_config(tmp_path / "model", **shape)
+
+    def cfg(**par):
+        return build_dataclass(TrainConfig, {"model": {"path": str(model)}, "parallelism": par, "data": {"train": "t"},
+                                             "retrieval": {"corpus": "c"},
+                                             "schedule": {"batch_size": 128, "mini_batch_size": 512,
+                                                          "micro_batch_size": 1}})
+
+    validate_layout_for_launch(cfg(**good), good_world)
+    for par, world, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            validate_layout_for_launch(cfg(**par), world)
 
 
 def test_every_gpu_recipe_is_covered():
@@ -434,6 +495,22 @@ def test_minirl_layout_needs_16_gpus(tmp_path):
         ConfigError, match=r"parallelism \(tp=2, pp=2, vpp=1, ep=8, etp=1\) at world size 8 .*ETP x EP x PP = 16"
     ):
         validate_layout_for_launch(cfg, 8)
+
+
+def test_qwen3_235b_layout_is_the_only_kind_its_shape_allows(tmp_path):
+    model = _hf_config(tmp_path / "model", **QWEN3_235B_A22B)
+    cfg = load_recipe(GPU / "minirl_qwen3_235b_a22b_r3.yaml", [f"model.path={model}"])
+    assert (cfg.model.dtype, cfg.rollout.precision, cfg.algorithm.routing_replay) == ("bfloat16", "fp8", "r3")
+    assert cfg.optimizer.use_distributed_optimizer
+    for overrides, world, message in [
+        (["parallelism.tp=8"], 128, r"parallelism.tp=8 does not divide the model's 64 attention / 4 KV heads"),
+        (["parallelism.pp=4"], 128, r"parallelism.pp x vpp = 4 does not divide the model's 94 layers"),
+        (["parallelism.pp=2", "parallelism.vpp=2"], 128, r"parallelism.pp x vpp = 4 does not divide"),
+        ([], 32, r"parallelism.ep=32, parallelism.etp=1: .*ETP x EP x PP = 64"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate_layout_for_launch(load_recipe(GPU / "minirl_qwen3_235b_a22b_r3.yaml",
+                                                   [f"model.path={model}", *overrides]), world)
 
 
 def test_gpu_recipe_paper_settings():

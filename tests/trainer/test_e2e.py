@@ -646,3 +646,33 @@ def test_sft_cold_start_writes_the_policy_rl_starts_from(tiny_data, shared_serve
     assert read_metrics(tmp_path / "sft")[1]["actor/policy_tokens"] > 0
     _trainer(overrides, Spy).run()  # the finished run: SFT is not redone
     assert len(calls) == 1
+
+
+# ------------------------------------------------- 7. BF16 training with FP8 rollouts (MiniRL)
+
+
+def test_bf16_training_with_fp8_rollouts_recipe_trains(tiny_data, shared_servers, length_reward, tmp_path):
+    """recipes/tiny_search_bf16_fp8.yaml: the actor trains in megatron's BF16 mixed precision
+    while its own embedded server generates with FP8 weights (R3 routes, token-level TIS).
+    The crafted length reward gives the GRPO groups a signal (a random model answers nothing)."""
+    from sorl_megatron.trainer.config import load_recipe
+    from sorl_megatron.trainer.rl_loop import RLTrainer
+
+    recipe = ROOT / "recipes" / "tiny_search_bf16_fp8.yaml"
+    retrieval = [o for o in shared_servers if o.startswith("retrieval.url=")]
+    cfg = load_recipe(recipe, run_overrides(tiny_data, tmp_path, "bf16_fp8", "schedule.total_steps=2", *retrieval))
+    assert (cfg.model.dtype, cfg.rollout.precision, cfg.algorithm.routing_replay) == ("bfloat16", "fp8", "r3")
+    assert not cfg.rollout.urls  # the embedded server, in FP8
+    trainer = RLTrainer(cfg)
+    trainer.run()
+    rows = {k: m for k, m in read_metrics(tmp_path / "bf16_fp8").items() if k > 0}  # step 0: start-up time
+    assert sorted(rows) == [1, 2]
+    for step, m in rows.items():
+        assert_finite(m, f"step {step}")
+        assert m["rollout/policy_tokens"] > 0 and m["actor/grad_norm"] > 0 and m["actor/update_ok"] == 1
+        assert m["old/routing/replayed_pairs"] > 0  # the FP8 server's routes, replayed
+        assert m["actor/is/mismatch_abs_mean"] > 0  # FP8 rollouts vs BF16 training differ: TIS has work
+    params = {p.dtype for c in trainer.actor.model.chunks for p in c.parameters()}
+    optimizers = [type(o).__name__ for o in trainer.actor.optimizer.chained_optimizers]
+    assert params == {torch.bfloat16} and optimizers == ["Float16OptimizerWithFloat16Params"]
+    assert "(fp8, moe=True)" in (tmp_path / "bf16_fp8" / "servers" / "rollout.log").read_text()
