@@ -11,7 +11,7 @@ import torch
 from transformers import PretrainedConfig
 
 from .cpu_compat import apply_cpu_compat
-from .families import check_local_spec_layout, family_config_overrides
+from .families import family_config_overrides, local_spec_layout_problem
 from .hf_config import check_hf_dir_has_weights, load_hf_config
 from .layout import LayoutError, ParallelLayout, num_experts_of, validate_layout
 from .model import MegatronModel, ModelOptions, attach_value_head
@@ -82,8 +82,9 @@ def build_model(
         check_hf_dir_has_weights(source_dir)
 
     apply_cpu_compat()  # before megatron's first import (it quiets the CPU-only import warnings)
-    if not _use_te(options):
-        check_local_spec_layout(hf_config, layout.tp)
+    problem = None if _use_te(options) else local_spec_layout_problem(hf_config, layout.tp)
+    if problem:
+        raise LayoutError(problem, ("tp",))
     from megatron.core import parallel_state as mpu
 
 

@@ -20,7 +20,7 @@ What mbridge 0.15.1's bridges leave out, fixed here:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe")
 SHARED_EXPERT_FAMILIES = ("deepseek_v3", "glm4_moe", "qwen2_moe")
@@ -93,24 +93,20 @@ def check_family(hf_config: Any) -> None:
             raise FamilyConfigError("deepseek_v3 with attention_bias=True: megatron's MLA has no projection biases")
 
 
-def check_local_spec_layout(hf_config: Any, tp: int) -> None:
+def local_spec_layout_problem(hf_config: Any, tp: int) -> Optional[str]:
     """Layout limits of the CPU (local) layer spec only: its MLA splits the q / kv down
-    projections over TP (TE's spec replicates them), so TP must divide their output sizes."""
+    projections over TP (TE's spec replicates them), so TP must divide their output sizes.
+    Returns what is wrong (build_model raises it as a LayoutError on `tp`), or None."""
     if getattr(hf_config, "model_type", None) != "deepseek_v3" or tp == 1:
-        return
-    from .layout import LayoutError
-
+        return None
     q_rank = _get(hf_config, "q_lora_rank")
     kv = int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)
     if q_rank is not None and int(q_rank) % tp:
-        raise LayoutError(
-            f"TP={tp} does not divide q_lora_rank={q_rank} (the local spec splits MLA's q down projection)"
-        )
+        return f"TP={tp} does not divide q_lora_rank={q_rank} (the local spec splits MLA's q down projection)"
     if kv % tp:
-        raise LayoutError(
-            f"TP={tp} does not divide kv_lora_rank + qk_rope_head_dim = {kv} "
-            "(the local spec splits MLA's kv down projection)"
-        )
+        return (f"TP={tp} does not divide kv_lora_rank + qk_rope_head_dim = {kv} "
+                "(the local spec splits MLA's kv down projection)")
+    return None
 
 
 def _mla_yarn(hf_config: Any) -> dict[str, Any]:
