@@ -188,6 +188,8 @@ class PrefixCache:
             return
         for key, e in list(self._entries.items()):
             m = len(e.ids)
+            if e.ids[0] != ids[0]:
+                continue
             if m <= n and np.array_equal(e.ids, ids[:m]):
                 if m == n and e.routing is not None and routing is None:
                     self._entries.move_to_end(key)
