@@ -365,6 +365,7 @@ class Engine:
         self._groups_lock = threading.Lock()
         # scheduler state (scheduler thread only)
         self._batch = _Batch.empty()
+        self._pending: deque = deque()  # requests and control calls not started yet
         self._retracted: list[_Seq] = []
         self._left: dict[int, int] = {}  # id(req) -> its sequences not finished yet
         self._seqs_of: dict[int, list[_Seq]] = {}
@@ -464,14 +465,18 @@ class Engine:
             raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         self.paused = mode
         if mode == "abort":
-            n = len(self._batch) + len(self._retracted)
             reason = {"type": "abort", "message": "aborted by /pause_generation", "status_code": 499,
                       "err_type": "Abort"}
-            for s in self._batch.rows + self._retracted:
+            queued = [r for r in self._pending if isinstance(r, GenRequest)]
+            ops = [r for r in self._pending if not isinstance(r, GenRequest)]
+            self._pending.clear()
+            self._pending.extend(ops)
+            seqs = self._batch.rows + self._retracted + [s for r in queued for s in self._new_seqs(r)]
+            for s in seqs:
                 s.finish = dict(reason)
                 self._seq_done(s)
             self._batch, self._retracted = _Batch.empty(), []
-            return f"paused; aborted {n} running sequences"
+            return f"paused; aborted {len(seqs)} queued or running sequences"
         if mode == "retract":
             self._retracted += self._batch.rows
             n = len(self._batch)
@@ -601,7 +606,7 @@ class Engine:
     # ----- scheduler -----
 
     def _loop(self) -> None:
-        pending: deque = deque()
+        pending = self._pending
         try:
             while not self._stop.is_set():
                 self._take(pending, block=not self._has_work(pending))
