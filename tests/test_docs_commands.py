@@ -265,7 +265,7 @@ def _script_main(path: str):
 
 
 def _cli_entry_points():
-    from sorl_megatron import demo, study, train
+    from sorl_megatron import cluster, demo, study, train
     from sorl_megatron.bridge import convert_cli
     from sorl_megatron.data import synthetic
     from sorl_megatron.retrieval import server as retrieval_server
@@ -274,6 +274,7 @@ def _cli_entry_points():
     return {
         "sorl_megatron.train": lambda: train.main([]),
         "sorl_megatron.study": lambda: study.main([]),
+        "sorl_megatron.cluster": lambda: cluster.main([]),
         "sorl_megatron.demo": lambda: demo.main([]),
         "sorl_megatron.rollout.server": lambda: rollout_server.parse_args([]),
         "sorl_megatron.retrieval.server": lambda: retrieval_server.parse_args([]),

@@ -441,12 +441,8 @@ class Engine:
         return len(self._aborted)
 
     def _finish(self, req: GenRequest, result: Any) -> None:
-        """Resolve ``req`` (a result list or an exception) and drop its abort bookkeeping."""
-        if not req.future.done():
-            if isinstance(result, BaseException):
-                req.future.set_exception(result)
-            else:
-                req.future.set_result(result)
+        """Drop ``req``'s abort bookkeeping, then resolve it (a result list or an exception):
+        in that order, so whoever reads the answer sees the bookkeeping already gone."""
         with self._lock:
             left = self._live.get(req.rid, 1) - 1
             if left > 0:
@@ -454,6 +450,11 @@ class Engine:
             else:
                 self._live.pop(req.rid, None)
                 self._aborted.discard(req.rid)
+        if not req.future.done():
+            if isinstance(result, BaseException):
+                req.future.set_exception(result)
+            else:
+                req.future.set_result(result)
 
     # ----- pause / continue / flush (scheduler thread, via call(urgent=True)) -----
 

@@ -48,6 +48,10 @@ def test_clip_bias_factor_over_micro_batches_equals_whole_mini_batch(ws1, engine
 def test_the_default_placement_scales_the_update_by_the_factor(ws1):
     """Under Adam and clip_grad only the LR placement changes the parameter update by the
     factor; on the gradient (before or after clipping) Adam's normalization undoes it."""
+    from sorl_megatron.algorithms.config import ClipBiasConfig, PolicyLossConfig
+
+    # the placement that acts is the one a recipe gets without asking
+    assert ClipBiasConfig().apply_to == PolicyLossConfig().clip_bias.apply_to == "lr"
     r = _ok(ws1, "placement_ws1")
     base, factor = r["base"]["update_norm"], r["lr"]["clip_bias/factor"]
     print({k: (r[k]["update_norm"] / base, r[k]["grad_norm"]) for k in ("lr", "clipped_grad", "grad")}, factor)

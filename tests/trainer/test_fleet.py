@@ -122,8 +122,8 @@ def test_router_keeps_an_episode_on_the_server_that_holds_its_prefix(tiny_data, 
 
 class Saboteur(threading.Thread):
     """Waits until the trainer's router counts a request in flight on one rollout server, then
-    stops that server (SIGSTOP); if the router still counts it in flight (the request is
-    caught inside the stopped server), ``sig`` follows (SIGKILL: a crash; SIGSTOP: it stays
+    stops that server (SIGSTOP); if the router still counts it in flight a second later (the
+    request is caught inside the stopped server), ``sig`` follows (SIGKILL: a crash; SIGSTOP: it stays
     hung), else it continues it and tries again."""
 
     def __init__(self, trainer: RLTrainer, sig: int, timeout_s: float = 300.0):
@@ -150,7 +150,7 @@ class Saboteur(threading.Thread):
             for w in [w for w in fleet.workers if w.url in busy]:
                 pid = fleet.servers.procs[w.name].pid
                 os.kill(pid, signal.SIGSTOP)
-                if (await admin.workers()).get(w.url, {}).get("load", 0) > 0:
+                if await self._still_in_flight(admin, w.url):
                     if self.sig != signal.SIGSTOP:
                         os.kill(pid, self.sig)
                     self.victim = (w.name, pid)
@@ -158,6 +158,18 @@ class Saboteur(threading.Thread):
                 os.kill(pid, signal.SIGCONT)
             await asyncio.sleep(0.01)
         raise AssertionError("no request was ever in flight on a rollout server")
+
+    @staticmethod
+    async def _still_in_flight(admin: RouterAdmin, url: str, settle_s: float = 1.0) -> bool:
+        """Whether the stopped server holds a request: the router's count stays above 0 for
+        ``settle_s``. A response that left the server just before the stop still reaches the
+        router and brings the count to 0 (on a loaded machine that can take a while)."""
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            if (await admin.workers()).get(url, {}).get("load", 0) == 0:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
 
 def _run_with(tiny_data, tmp_path, name: str, sig: int, *extra: str):
@@ -366,3 +378,43 @@ def test_server_killed_during_a_weight_sync(tiny_data, tmp_path):
         assert fleet.urls() == [survivor, restarted]
         assert asyncio.run(versions(fleet.urls())) == ["step_2", "step_2"]
         assert fleet.metrics()["rollout/servers_rejoined"] == 1
+
+
+def test_external_router_takes_generation_and_the_workers_take_the_sync(tiny_data, tmp_path, monkeypatch):
+    """Servers and router the trainer did not start (as on a cluster): rollout.urls are the
+    workers, rollout.router_url the router in front of them. Every /generate of the run comes
+    through the router (no User-Agent: the router's, not the trainer's aiohttp client), every
+    weight update goes straight to each worker, and both serve the step's weights after it."""
+    from sorl_megatron.trainer.servers import EmbeddedServers, rollout_server_spec, router_spec
+
+    with EmbeddedServers(tmp_path / "cluster") as servers:
+        workers = [servers.start(rollout_server_spec(str(tiny_data / "model"), "fp32", False, 1, name=f"w{i}",
+                                                     health_timeout_s=240)) for i in range(2)]
+        router = servers.start(router_spec(workers, "cache_aware", 60, health_timeout_s=240,
+                                           balance_abs_threshold=1))
+        monkeypatch.setenv("SORL_ROLLOUT_API_KEY", servers.api_keys["rollout"])  # as a user hands it over
+        overrides = [*run_overrides(tiny_data, tmp_path, "external"), f"rollout.urls=[{','.join(workers)}]",
+                     "rollout.router=sglang_router", f"rollout.router_url={router}", "schedule.total_steps=1"]
+        RLTrainer(load_recipe(BASE_RECIPE, overrides)).run()
+        metrics = read_metrics(tmp_path / "external")
+        assert metrics[1]["rollout/servers_up"] == 2 and metrics[1]["rollout/server_failures"] == 0
+
+        def requests(name: str, path: str) -> list[str]:
+            log = (tmp_path / "cluster" / "servers" / f"{name}.log").read_text(errors="replace")
+            return [line for line in log.splitlines() if f'"POST {path} HTTP' in line]
+
+        generated = 0
+        for name in ("w0", "w1"):
+            gen = requests(name, "/generate")
+            assert all(line.endswith('"-" "-"') for line in gen), (name, gen[:3])  # only the router's
+            generated += len(gen)
+            sync = requests(name, "/update_weights_from_distributed")
+            assert sync and all("aiohttp" in line for line in sync), name  # the trainer, to each worker
+        assert generated > 0
+
+        async def versions():
+            async with aiohttp.ClientSession(headers=bearer_headers(servers.api_keys["rollout"])) as s:
+                return [(await request(s, "GET", f"{w}/get_model_info", None, RetryPolicy(timeout_s=10, retries=0)))
+                        ["weight_version"] for w in workers]
+
+        assert asyncio.run(versions()) == ["step_1", "step_1"]
