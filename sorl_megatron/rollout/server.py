@@ -7,7 +7,8 @@ Answers the subset of SGLang's native HTTP API that RL rollouts use (docs/rollou
 from tensors and through a torch.distributed group (``/init_weights_update_group``,
 ``/update_weights_from_distributed``, ``/destroy_weights_update_group``; gloo on CPU),
 between ``/begin_weight_update`` and ``/end_weight_update``,
-``/flush_cache``, ``/health``, ``/model_info``. A malformed request gets HTTP 400 with
+``/flush_cache`` (drops the prefix cache), ``/pause_generation`` and ``/continue_generation``,
+``/health``, ``/model_info``. A malformed request gets HTTP 400 with
 ``{"error": {"message": ...}}``; an internal failure gets 500; neither stops the server.
 """
 
@@ -242,6 +243,7 @@ def _result(ok: bool, msg: str, status: int | None = None) -> web.Response:
 
 def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Application:
     from ..common.weight_group import BucketSpec, GroupSpec, WeightGroupError, parse_group_name
+    from .engine import PAUSE_MODES
     from .weights import WeightError, deserialize_named_tensors  # torch: after --help, like the engine
 
     opts = opts or ServerOptions()
@@ -376,8 +378,29 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
         return lambda: engine.set_weight_version(v)
 
     async def flush_cache(_: web.Request) -> web.Response:
-        # No prefix cache is kept between requests, so there is nothing to drop.
-        return web.Response(text="Cache flushed.\n")
+        # Drops the prefix cache at the next decode step; running requests keep their own KV.
+        msg = await asyncio.wrap_future(engine.call(engine.flush_cache, urgent=True))
+        return web.Response(text=f"Cache flushed.\n({msg})\n")
+
+    async def pause_generation(request: web.Request) -> web.Response:
+        try:
+            raw = await read_body(request, MiB, "(fixed 1 MiB for /pause_generation)")
+            body = parse_json(raw) if raw.strip() else {}  # SGLang's default body: {"mode": "abort"}
+            if not isinstance(body, dict):
+                raise ProtocolError("body must be a JSON object")
+            mode = body.get("mode", "abort")
+            if mode not in PAUSE_MODES:
+                raise ProtocolError(f"mode must be one of {list(PAUSE_MODES)}, got {short(mode)}")
+        except BodyError as exc:
+            return _result(False, str(exc), exc.status)
+        except ProtocolError as exc:
+            return _result(False, str(exc))
+        msg = await asyncio.wrap_future(engine.call(lambda: engine.pause(mode), urgent=True))
+        return _result(True, msg)
+
+    async def continue_generation(_: web.Request) -> web.Response:
+        msg = await asyncio.wrap_future(engine.call(engine.resume, urgent=True))
+        return _result(True, msg)
 
     async def health(_: web.Request) -> web.Response:
         ok = engine._thread.is_alive()
@@ -401,7 +424,9 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
                 **engine.info(),
                 **opts.public(),
                 "tp_size": 1,  # ranks this server holds in a weight-update group
-                "num_waves": engine.num_waves,
+                "num_waves": engine.num_waves,  # prefill forwards (admissions into the running batch)
+                "num_decode_steps": engine.num_steps,
+                "max_running_batch": engine.max_batch,
                 "num_tracked_aborts": engine.num_tracked_aborts,
             }
         )
@@ -443,6 +468,8 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
     r.add_post("/destroy_weights_update_group", group_handler(parse_group_name, engine.destroy_weights_group))
     r.add_post("/update_weight_version", weight_handler(set_version))
     r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
     r.add_get("/health", health)
     r.add_get("/health_generate", health_generate)
     for path in ("/model_info", "/get_model_info"):
@@ -533,7 +560,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--disable-radix-cache",
         action="store_true",
-        help="accepted for SGLang compatibility; no prefix cache is kept anyway",
+        help="keep no prefix cache: every request prefills its whole prompt (cached_tokens is always 0)",
+    )
+    p.add_argument(
+        "--prefix-cache-max-tokens",
+        type=int,
+        default=1 << 16,
+        help="most tokens of KV the prefix cache keeps, least recently used dropped first (default 65536)",
+    )
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="a request with sampling_seed gets the same tokens whatever else runs (rows decoded one by one: "
+        "no batching speed-up; see docs/rollout.md)",
     )
     p.add_argument(
         "--api-key",
@@ -607,6 +646,9 @@ def main(argv: list[str] | None = None) -> None:
         skip_tokenizer_init=args.skip_tokenizer_init,
         random_seed=args.random_seed,
         weight_version=args.weight_version,
+        enable_prefix_cache=not args.disable_radix_cache,
+        prefix_cache_max_tokens=args.prefix_cache_max_tokens,
+        deterministic=args.enable_deterministic_inference,
     )
     opts = ServerOptions(
         max_body_mb=args.max_body_mb,

@@ -29,6 +29,8 @@ FLAGS = [
     "--weight-version",
     "--num-threads",
     "--disable-radix-cache",
+    "--prefix-cache-max-tokens",
+    "--enable-deterministic-inference",
     "--api-key",
     "--max-body-mb",
     "--max-weight-body-mb",

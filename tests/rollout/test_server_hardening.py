@@ -87,8 +87,9 @@ def test_invalid_request_in_a_concurrent_burst_fails_alone(server):
     assert all(len(r[1]["output_ids"]) == 6 for i, r in enumerate(results) if i != 2)
 
 
-def test_a_failing_wave_is_retried_request_by_request(server):
-    """Whatever slips past validation fails only its own request: the wave is re-run one by one."""
+def test_a_failing_step_is_retried_row_by_row(server):
+    """Whatever slips past validation fails only its own request: the failing decode step is tried
+    row by row, the culprit's request gets the error, the others go on in the same batch."""
     eng = server.engine
     hold, release = threading.Event(), threading.Event()
 
@@ -96,7 +97,7 @@ def test_a_failing_wave_is_retried_request_by_request(server):
         hold.set()
         release.wait(30)
 
-    eng.call(block)  # keep the scheduler busy so that the four requests form one wave
+    eng.call(block)  # keep the scheduler busy so that the four requests are admitted together
     assert hold.wait(30)
     sp = SamplingParams(max_new_tokens=4, ignore_eos=True, sampling_seed=3)
     unchecked = SamplingParams(max_new_tokens=4, stop_token_ids=[99999], min_new_tokens=2)  # IndexError inside
@@ -110,7 +111,7 @@ def test_a_failing_wave_is_retried_request_by_request(server):
                 f.result(60)
         else:
             assert len(f.result(60)[0]["output_ids"]) == 4
-    assert eng.num_waves == waves + 1 + len(reqs)  # the shared wave, then each alone
+    assert eng.num_waves == waves + 1  # one shared prefill: nobody was restarted
     assert eng._live == {} and eng.num_tracked_aborts == 0
 
 
