@@ -171,6 +171,11 @@ CONFIGS: dict[str, Callable] = {
 }
 
 
+# The issue-20 families get routers with clear top-k margins; the older kinds keep their
+# default-initialized routers (other tests' tolerances were measured on those exact models).
+_WIDE_ROUTERS = ("deepseek_v3", "qwen2_moe", "glm4_moe")
+
+
 def save_tiny_model(kind: str, out_dir: str, seed: int = 0, with_tokenizer: bool = True) -> str:
     """Create a random `kind` model in float32 and save_pretrained it to out_dir."""
     from transformers import AutoModelForCausalLM
@@ -185,8 +190,8 @@ def save_tiny_model(kind: str, out_dir: str, seed: int = 0, with_tokenizer: bool
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):  # routers: clear top-k margins (no near-ties)
-                p.normal_(0.0, 0.3)
+            elif name.endswith("mlp.gate.weight") and config.model_type in _WIDE_ROUTERS:
+                p.normal_(0.0, 0.3)  # clear top-k margins (no near-ties between HF and Megatron)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # sigmoid routers' load-balancing bias
                 buf.normal_(0.0, 0.1)
