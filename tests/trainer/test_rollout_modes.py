@@ -1,0 +1,266 @@
+"""Rollout modes (issue 19): partial rollouts across a weight update, one_step_off, async with
+its staleness bound, dynamic sampling, and kill -9 / resume of an async run.
+
+Real embedded servers on 127.0.0.1 and the tiny synthetic Qwen3-MoE of test_e2e.py. The
+staleness bound is asserted from what the run logs (``episodes.jsonl``: every group a step drew,
+each episode's per-turn weight versions and the trainer's version), never from timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sorl_megatron.rewards.registry import RewardRegistry
+
+from .e2e_helpers import BASE_RECIPE, ROOT, assert_finite, read_metrics, run_overrides, subprocess_env
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("modes_data")
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "make_synthetic_data.py"), "--out", str(out), "--num-people", "8",
+         "--make-model", "--vocab-size", "512", "--tie-embeddings"],
+        check=True, capture_output=True, env=subprocess_env(), cwd=ROOT,
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_data, tmp_path_factory):
+    """One rollout server (routed experts on, for R3) and one retrieval server."""
+    from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
+
+    embedded = EmbeddedServers(tmp_path_factory.mktemp("modes_servers"))
+    with pytest.MonkeyPatch.context() as env:
+        try:
+            retrieval = embedded.start(retrieval_server_spec(str(tiny_data / "corpus.jsonl"), 2))
+            rollout = embedded.start(rollout_server_spec(str(tiny_data / "model"), "fp32", True, 1234))
+            env.setenv("SORL_RETRIEVAL_API_KEY", embedded.api_keys["retrieval"])
+            env.setenv("SORL_ROLLOUT_API_KEY", embedded.api_keys["rollout"])
+            yield {"rollout": rollout, "retrieval": retrieval, "keys": dict(embedded.api_keys),
+                   "overrides": [f"rollout.urls=[{rollout}]", f"retrieval.url={retrieval}"]}
+        finally:
+            embedded.stop()
+
+
+class HalfConstantReward(RewardRegistry):
+    """Crafted: prompts whose first target has an even length always score 0.5 (a group with no
+    GRPO signal, which dynamic sampling drops); the others score the response length mod 5."""
+
+    def score(self, data_source, response, ground_truth):
+        target = ground_truth["target"]
+        first = str(target[0] if isinstance(target, (list, tuple, np.ndarray)) else target)
+        if len(first) % 2 == 0:
+            return 0.5
+        return (len("".join(response)) % 5) / 4
+
+
+def _episodes(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "episodes.jsonl").read_text().splitlines() if x.strip()]
+
+
+# ------------------------------------------------------------- 1. a partial rollout, token by token
+
+
+def test_partial_rollout_across_a_weight_update(tiny_data, servers, tmp_path):
+    """Weights change between an episode's turns (what a weight update in the middle of an
+    async step does to an episode in flight): each turn's tokens carry the version that sampled
+    them, their behaviour log-probs are that version's (recomputed here with transformers), and
+    R3's routes of each turn's positions carry the version that routed them."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sorl_megatron.data.qa import encode_prompt, read_parquet
+    from sorl_megatron.retrieval.client import RetrievalClient
+    from sorl_megatron.rollout.agent import AgentConfig, SearchAgent
+    from sorl_megatron.rollout.client import RolloutClient
+
+    tok = AutoTokenizer.from_pretrained(tiny_data / "model")
+    src = tiny_data / "model"
+    state0 = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()}  # HF names
+    gen = torch.Generator().manual_seed(0)
+    state1 = {k: v + torch.randn(v.shape, generator=gen) * 0.05 for k, v in state0.items()}
+    perturbed = tmp_path / "model1"
+    shutil.copytree(src, perturbed)
+    for f in perturbed.glob("*.safetensors"):
+        f.unlink()
+    save_file(state1, perturbed / "model.safetensors")
+    model0 = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model1 = AutoModelForCausalLM.from_pretrained(perturbed, dtype=torch.float32).eval()
+    rows = read_parquet(str(tiny_data / "train.parquet"))
+
+    def weights(state):
+        return sorted(state.items())
+
+    class UpdateAfterFirstTurn:
+        """The policy: the real client, which pushes version 1 after the episode's first turn."""
+
+        def __init__(self, client):
+            self.client, self.calls = client, 0
+
+        async def generate(self, *args, **kwargs):
+            out = await self.client.generate(*args, **kwargs)
+            self.calls += 1
+            if self.calls == 1:
+                await self.client.update_weights_from_tensor(weights(state1), weight_version="step_1")
+            return out
+
+    async def episode(seed):
+        client = RolloutClient(servers["rollout"])
+        retriever = RetrievalClient(servers["retrieval"], topk=2)
+        try:
+            await client.update_weights_from_tensor(weights(state0), weight_version="step_0")
+            agent = SearchAgent(UpdateAfterFirstTurn(client), retriever, tok, AgentConfig(
+                max_turns=2, max_turn_tokens=12, max_total_tokens=340, max_obs_tokens=32, topk=2,
+                return_routed_experts=True))
+            return await agent.run(encode_prompt(tok, rows[seed % len(rows)]), seed=seed)
+        finally:
+            await client.close()
+            await retriever.close()
+
+    two_turns = None
+    for seed in range(8):  # the random policy sometimes ends at its first turn (EOS): take one that goes on
+        traj = asyncio.run(episode(seed))
+        if traj.num_turns == 2:
+            two_turns = traj
+            break
+    assert two_turns is not None, "no two-turn episode in 8 seeds"
+    t = two_turns
+    assert t.weight_versions == ["step_0", "step_1"]
+    (a0, b0), (a1, b1) = t.policy_spans()
+    assert (t.token_versions[a0:b0] == 0).all() and (t.token_versions[a1:b1] == 1).all()
+    assert (t.token_versions[t.loss_mask == 0] == -1).all() and t.oldest_version == 0
+    ids = torch.as_tensor(t.token_ids)[None]
+    with torch.no_grad():
+        lp = {v: torch.log_softmax(m(ids).logits[0].float(), -1) for v, m in ((0, model0), (1, model1))}
+    behaviour = torch.as_tensor(t.rollout_logprobs)
+    for (a, b), v in (((a0, b0), 0), ((a1, b1), 1)):
+        pos = torch.arange(a, b)
+        truth = lp[v][pos - 1, ids[0, pos]]
+        other = lp[1 - v][pos - 1, ids[0, pos]]
+        assert torch.allclose(behaviour[a:b], truth, atol=1e-3), (v, behaviour[a:b], truth)
+        assert not torch.allclose(behaviour[a:b], other, atol=1e-3)  # the versions really differ
+    # R3: the first request routed positions [0, b0 - 1) under version 0; the second, fed
+    # from there to the end of turn 1 (observation included), under version 1
+    rv = t.routing_versions
+    assert (rv[: b0 - 1] == 0).all() and (rv[b0 - 1 : b1 - 1] == 1).all() and (rv[b1 - 1 :] == -1).all()
+    assert (t.routed_experts[: b1 - 1] >= 0).all()
+
+
+# ------------------------------------------------- 2. one_step_off, with dynamic sampling and PVPO
+
+
+def test_one_step_off_lags_one_version_with_dynamic_sampling(tiny_data, servers, tmp_path, monkeypatch):
+    """Step k+1's batch is generated while step k trains, on step k's weights: step 1 trains on a
+    fresh batch (lag 0), every later step on a batch exactly one version old (the bound). Dynamic
+    sampling drops the groups whose rewards are all equal and refills the batch; its counts agree
+    with the logged groups; overlong episodes are penalized."""
+    monkeypatch.setattr("sorl_megatron.trainer.rl_loop.RewardRegistry", HalfConstantReward)
+    from sorl_megatron.trainer.config import load_recipe
+    from sorl_megatron.trainer.rl_loop import RLTrainer
+
+    name = "one_step_off"
+    trainer = RLTrainer(load_recipe(BASE_RECIPE, run_overrides(
+        tiny_data, tmp_path, name, "schedule.total_steps=3", "rollout.mode=one_step_off",
+        "rollout.dynamic_sampling=true", "rollout.overlong=penalty", "rollout.overlong_buffer=16",
+        "algorithm.loss.name=grpo", "algorithm.advantage.estimator=grpo",
+        "algorithm.loss.is_correction.mode=tis", *servers["overrides"])))
+    trainer.run()
+    metrics = read_metrics(tmp_path / name)
+    rows = _episodes(tmp_path / name)
+    for step in (1, 2, 3):
+        m = metrics[step]
+        assert_finite(m, f"step {step}")
+        mine = [r for r in rows if r["step"] == step]
+        trained = [r for r in mine if r["status"] == "trained"]
+        assert len({r["group"] for r in trained}) == 2 and len(trained) == 4
+        lags = {r["trainer_version"] - v for r in trained for v in r["turn_versions"]}
+        assert lags == ({0} if step == 1 else {1}), (step, lags)
+        assert m["rollout/version_lag_max"] == (0 if step == 1 else 1)
+        assert m["rollout/version_lag_frac_0" if step == 1 else "rollout/version_lag_frac_1"] == 1.0
+        equal = {r["group"] for r in mine if r["status"] == "equal_reward"}
+        assert m["rollout/groups_dropped_equal_reward"] == len(equal)
+        assert m["rollout/groups_drawn"] == len({r["group"] for r in mine})
+        if not m["rollout/groups_refilled_equal_reward"]:
+            for g in {r["group"] for r in trained}:
+                assert len({r["reward"] for r in trained if r["group"] == g}) > 1
+        assert m["time/trainer_idle"] >= 0 and m["time/server_idle"] >= 0 and "time/step_wall" in m
+    assert sum(metrics[s]["rollout/groups_dropped_equal_reward"] for s in (1, 2, 3)) > 0  # the filter ran
+    groups = [r["group"] for r in rows if r["sample"] == 0]
+    assert len(groups) == len(set(groups))  # no group drawn twice
+    assert sorted(groups) == list(range(len(groups)))  # nor any skipped
+
+
+# --------------------------------------------- 3. async: staleness, R3, kill -9 and resume
+
+
+def test_async_staleness_and_resume_after_kill(tiny_data, tmp_path):
+    """An async run (R3, max_staleness 1) in a subprocess, SIGKILLed once its step-2 checkpoint is
+    complete while groups are in flight, then resumed to step 4. No trained group is beyond the
+    bound; the checkpoint lists as settled exactly the groups steps 1-2 drew; the resumed run
+    draws none of them again and regenerates the ones that were in flight or waiting."""
+    name = "async"
+    args = run_overrides(tiny_data, tmp_path, name, "schedule.total_steps=4", "rollout.mode=async",
+                         "rollout.max_staleness=1", "algorithm.routing_replay=r3", "checkpoint.save_every=1",
+                         "checkpoint.keep_last=4", "algorithm.loss.is_correction.mode=tis")
+    ckpt = tmp_path / name / "ckpt"
+    cmd = [sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *args]
+    log = (tmp_path / "killed.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (ckpt / "step_2" / "trainer.json").is_file():
+            assert proc.poll() is None, f"the run exited early:\n{(tmp_path / 'killed.log').read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "the run did not reach its step-2 checkpoint"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its servers, as a node failure would
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    settled = json.loads((ckpt / "step_2" / "trainer.json").read_text())["extra"]["producer"]
+    before = _episodes(tmp_path / name)
+    drawn_12 = {r["group"] for r in before if r["step"] <= 2}
+    frontier, above = settled["frontier"], set(settled["above"])
+    assert {g for g in range(frontier)} | above == drawn_12, (settled, sorted(drawn_12))
+
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert "resuming run async from step 2 of 4" in proc.stdout + proc.stderr
+    metrics = read_metrics(tmp_path / name)
+    assert sorted(metrics) == [0, 1, 2, 3, 4]
+    rows = _episodes(tmp_path / name)
+    assert [r for r in rows if r["step"] <= 2] == [r for r in before if r["step"] <= 2]  # kept as they were
+    later = {r["group"] for r in rows if r["step"] > 2}
+    assert not later & drawn_12, "the resumed run drew a group a checkpointed step had settled"
+    first_unsettled = min(g for g in range(frontier, frontier + len(above) + 1) if g not in above)
+    assert first_unsettled in later  # the groups in flight at the kill are drawn again
+    for r in rows:  # the bound, from the logged versions
+        if r["status"] == "trained":
+            assert r["trainer_version"] - r["oldest"] <= 1, r
+            assert all(0 <= r["trainer_version"] - v <= 1 for v in r["turn_versions"]), r
+        else:
+            assert r["status"] == "stale" and r["trainer_version"] - r["oldest"] > 1, r
+    for step in (1, 2, 3, 4):
+        m = metrics[step]
+        assert_finite(m, f"step {step}")
+        assert m["rollout/version_lag_max"] <= 1 and m["old/routing/replayed_pairs"] > 0
+        assert m["rollout/groups_drawn"] == 2 + m["rollout/groups_dropped_stale"]
+        assert m["rollout/episodes_dropped_stale"] == 2 * m["rollout/groups_dropped_stale"]
+        assert m["time/trainer_idle"] >= 0 and m["time/server_idle"] >= 0
