@@ -439,6 +439,10 @@ def _check_modes(cfg: TrainConfig) -> None:
     if r.mode == "async" and r.max_staleness < 1:
         raise ConfigError("rollout.mode=async with rollout.max_staleness=0 would drop every group that was in "
                           "flight at a weight update: use rollout.mode=sync, or max_staleness >= 1")
+    if r.mode != "sync" and r.stale_groups == "keep" and cfg.algorithm.loss.is_correction.mode == "off":
+        raise ConfigError("rollout.stale_groups=keep trains on groups beyond rollout.max_staleness with the IS "
+                          "correction of their behaviour log-probs: set algorithm.loss.is_correction.mode "
+                          "(tis or mis), or drop them (rollout.stale_groups=drop)")
     if r.dynamic_sampling_max_groups and r.dynamic_sampling_max_groups < cfg.schedule.batch_size:
         raise ConfigError(f"rollout.dynamic_sampling_max_groups={r.dynamic_sampling_max_groups} must be 0 or "
                           f">= schedule.batch_size={cfg.schedule.batch_size}")

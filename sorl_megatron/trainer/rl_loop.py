@@ -840,6 +840,9 @@ class RLTrainer:
         inputs = validate_inputs(cfg, check_corpus=_rank() == 0, rewards=self.rewards)  # rank 0 alone serves retrieval
         if _rank() == 0:
             log.info("%s", message)  # starting / resuming, once the inputs are known to be good
+            if cfg.rollout.mode != "sync" and cfg.algorithm.loss.is_correction.mode == "off":
+                log.warning("rollout.mode=%s trains on tokens sampled by older weights; without "
+                            "algorithm.loss.is_correction.mode (tis / mis) nothing corrects for it", cfg.rollout.mode)
         self.rows, self.val_rows = inputs.train, inputs.val
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

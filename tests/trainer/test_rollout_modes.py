@@ -264,3 +264,86 @@ def test_async_staleness_and_resume_after_kill(tiny_data, tmp_path):
         assert m["rollout/groups_drawn"] == 2 + m["rollout/groups_dropped_stale"]
         assert m["rollout/episodes_dropped_stale"] == 2 * m["rollout/groups_dropped_stale"]
         assert m["time/trainer_idle"] >= 0 and m["time/server_idle"] >= 0
+
+
+# ------------------------------------------------------- 4. the batch rules, without servers
+
+
+def _fake_group(gid: int, versions: list[int], rewards: list[float]):
+    from sorl_megatron.rollout.trajectory import Trajectory
+    from sorl_megatron.trainer.producer import Group
+
+    trajs = []
+    for v in versions:  # a prompt token, then two policy turns sampled by versions v and v + 1
+        trajs.append(Trajectory(
+            token_ids=np.arange(5), loss_mask=np.array([0, 1, 1, 0, 1], np.int8),
+            turn_ids=np.array([-1, 0, 0, -1, 1], np.int32), rollout_logprobs=np.zeros(5, np.float32),
+            prompt_len=1, finish_reason="max_length" if v < 0 else "answer", num_turns=2, num_searches=0,
+            token_versions=np.array([-1, v, v, -1, v + 1]), meta={"reward": rewards[len(trajs)]}))
+    return Group(gid, prompt=gid % 3, trajectories=trajs)
+
+
+def _collect_with(overrides, groups, version):
+    from sorl_megatron.trainer.config import load_recipe
+    from sorl_megatron.trainer.rl_loop import RLTrainer
+
+    cfg = load_recipe(BASE_RECIPE, [*overrides, "model.path=x", "data.train=x", "retrieval.url=http://127.0.0.1:1"])
+    trainer = RLTrainer(cfg)
+    trainer.rows = [None] * 3
+
+    def score(group):
+        group.rewards = torch.tensor([t.meta["reward"] for t in group.trajectories])
+        return 0
+
+    trainer._score_group = score
+    feed = iter(groups)
+    return trainer._collect(version, lambda k: [next(feed) for _ in range(k)])
+
+
+def test_batch_rules_staleness_and_dynamic_sampling():
+    """The staleness rule (oldest token more than K versions behind: dropped, or kept and
+    counted), dynamic sampling (equal rewards dropped, refilled, and dropped ones filling the
+    batch when the draws run out) and the settled bookkeeping a checkpoint saves."""
+    from sorl_megatron.trainer.producer import SettledGroups, apply_overlong, version_lag_metrics
+
+    base = ["schedule.batch_size=2", "rollout.group_size=2", "schedule.mini_batch_size=2",
+            "schedule.micro_batch_size=1", "rollout.max_staleness=1", "rollout.mode=async"]
+    groups = [_fake_group(0, [3, 3], [0, 1]), _fake_group(1, [1, 3], [0, 1]),  # group 1: oldest 1 at version 4
+              _fake_group(2, [3, 3], [1, 0])]
+    accepted, dropped, counts = _collect_with(base, groups, version=4)
+    assert [g.gid for g in accepted] == [0, 2] and [(g.gid, why) for g, why in dropped] == [(1, "stale")]
+    assert counts["rollout/groups_dropped_stale"] == 1 and counts["rollout/episodes_dropped_stale"] == 2
+    assert counts["rollout/groups_drawn"] == 3
+    lag = version_lag_metrics(accepted, 4, 1)  # each episode's tokens at lags 1, 1, 0
+    assert lag["rollout/version_lag_max"] == 1 and lag["rollout/partial_episodes"] == 4
+
+    groups = [_fake_group(0, [3, 3], [0, 1]), _fake_group(1, [1, 3], [0, 1]), _fake_group(2, [4, 4], [1, 0])]
+    keep = [*base, "rollout.stale_groups=keep", "algorithm.loss.is_correction.mode=tis"]
+    accepted, dropped, counts = _collect_with(keep, groups, version=4)
+    assert [g.gid for g in accepted] == [0, 1] and counts["rollout/groups_kept_stale"] == 1 and not dropped
+
+    groups = [_fake_group(g, [4, 4], r) for g, r in enumerate([[1, 1], [0, 1], [0, 0], [0.5, 0.5], [1, 0]])]
+    accepted, dropped, counts = _collect_with([*base, "rollout.dynamic_sampling=true"], groups, version=4)
+    assert [g.gid for g in accepted] == [1, 4]
+    assert [(g.gid, why) for g, why in dropped] == [(0, "equal_reward"), (2, "equal_reward"), (3, "equal_reward")]
+    assert counts["rollout/groups_dropped_equal_reward"] == 3 and counts["rollout/groups_drawn"] == 5
+
+    groups = [_fake_group(g, [4, 4], r) for g, r in enumerate([[1, 1], [0, 1], [0, 0], [0.5, 0.5]])]
+    accepted, dropped, counts = _collect_with(
+        [*base, "rollout.dynamic_sampling=true", "rollout.dynamic_sampling_max_groups=3"], groups, version=4)
+    assert [g.gid for g in accepted] == [1, 0]  # out of draws: an equal-reward group fills the batch
+    assert counts["rollout/groups_refilled_equal_reward"] == 1 and counts["rollout/groups_dropped_equal_reward"] == 1
+    assert [g.gid for g, _ in dropped] == [2]
+
+    cut = _fake_group(0, [-1, 4], [1.0, 1.0])  # episode 0 was cut by the token budget
+    cut.rewards = torch.tensor([1.0, 1.0])
+    assert apply_overlong(cut, "penalty", max_total_tokens=5, buffer=2, penalty=0.5) == 2  # 0 cut, 1 in the buffer
+    assert cut.rewards.tolist() == [0.5, 0.5]
+    assert apply_overlong(cut, "filter", 5, 2, 0.5) == 1 and cut.trajectories[0].num_policy_tokens == 0
+
+    settled = SettledGroups()
+    settled.add([0, 1, 3, 5])
+    assert settled.to_json() == {"frontier": 2, "above": [3, 5]}
+    again = SettledGroups.from_json(settled.to_json())
+    gids = again.unsettled_from(0)
+    assert [next(gids) for _ in range(4)] == [2, 4, 6, 7]
