@@ -9,6 +9,11 @@ rollout.group_size`` trajectories per step, split into mini-batches of
 ``schedule.mini_batch_size`` (one optimizer step each) over ``schedule.ppo_epochs`` epochs
 (SORL appendix A.5). Everything is seeded per step, so a run killed at any point and resumed
 from its latest checkpoint reproduces the uninterrupted run on CPU.
+
+``rollout.mode`` (``sync``, ``one_step_off``, ``async``) decides when a step's groups are
+generated and so how many weight versions behind they may be (``rollout.max_staleness``);
+``producer.py`` holds the groups, their bookkeeping across checkpoints and the async producer
+(docs/rollout.md, "Rollout modes"). Only ``sync`` and ``one_step_off`` reproduce exactly.
 """
 
 from __future__ import annotations
@@ -571,18 +576,17 @@ class RLTrainer:
         return out, {"time/trainer_idle_rollout": idle}
 
     def _log_episodes(self, step: int, version: int, accepted: list[Group], dropped) -> None:
-        """``episodes.jsonl``: every group a step drew, with each episode's turn versions."""
-        path = self.run_dir / "episodes.jsonl"
-        with open(path, "a") as f:
+        """``episodes.jsonl``: one line per group a step drew, with its episodes' turn versions."""
+        with open(self.run_dir / "episodes.jsonl", "a") as f:
             for group, status in [(g, "trained") for g in accepted] + list(dropped):
-                for j, t in enumerate(group.trajectories):
-                    f.write(json.dumps({
-                        "step": step, "group": group.gid, "prompt": group.prompt, "sample": j, "status": status,
-                        "trainer_version": version, "oldest": t.oldest_version,
-                        "turn_versions": [int(v) for v in _turn_versions(t)],
-                        "reward": None if group.rewards is None else float(group.rewards[j]),
-                        "ground_truth": bool(t.meta.get("ground_truth", False)),
-                    }) + "\n")
+                policy = [t for t in group.trajectories if not t.meta.get("ground_truth")]
+                f.write(json.dumps({
+                    "step": step, "group": group.gid, "prompt": group.prompt, "status": status,
+                    "trainer_version": version, "oldest": group.oldest_version,
+                    "turn_versions": [_turn_versions(t) for t in policy],
+                    "rewards": None if group.rewards is None else [round(float(x), 6) for x in group.rewards],
+                    "ground_truth": len(group.trajectories) - len(policy),
+                }) + "\n")
 
     def sync_weights(self, step: int) -> None:
         """Push the actor's weights after ``step`` RL steps to the rollout servers (HF names,
