@@ -347,3 +347,28 @@ def test_batch_rules_staleness_and_dynamic_sampling():
     again = SettledGroups.from_json(settled.to_json())
     gids = again.unsettled_from(0)
     assert [next(gids) for _ in range(4)] == [2, 4, 6, 7]
+
+
+def test_per_token_versions_from_the_server_and_the_routes_they_made():
+    """A server that lands a weight update between decode steps reports each token's version
+    (``meta_info.output_token_weight_versions``): the trajectory keeps them token by token, and
+    each routed position gets the version of the pass that fed it (the prefill: the first
+    token's; output token i, fed to sample token i + 1: token i + 1's)."""
+    from sorl_megatron.common.protocol import GenerateOutput
+    from sorl_megatron.rollout.agent import _Builder
+    from sorl_megatron.rollout.trajectory import version_number
+
+    b = _Builder([1, 2, 3], routed=True)
+    routes = np.arange(5 * 2 * 1, dtype=np.int32).reshape(5, 2, 1)  # 3 prompt + 3 output - 1 positions
+    b.add_policy(GenerateOutput(output_ids=[5, 6, 7], finish_reason={}, prompt_tokens=3, completion_tokens=3,
+                                weight_version="step_2", output_logprobs=[-1.0, -2.0, -3.0], routed_experts=routes,
+                                meta_info={"output_token_weight_versions": ["step_1", "step_2", "step_2"]}), turn=0)
+    assert np.concatenate(b.versions).tolist() == [-1, -1, -1, 1, 2, 2]
+    assert b.routing_version_array().tolist() == [1, 1, 1, 2, 2, -1]
+    b.add_observation([9, 9])
+    b.add_policy(GenerateOutput(output_ids=[4], finish_reason={}, prompt_tokens=8, completion_tokens=1,
+                                weight_version="step_3", output_logprobs=[-0.5],
+                                routed_experts=np.zeros((3, 2, 1), np.int32)), turn=1)  # no per-token list
+    assert np.concatenate(b.versions).tolist()[-3:] == [-1, -1, 3]
+    assert b.routing_version_array().tolist() == [1, 1, 1, 2, 2, 3, 3, 3, -1]
+    assert [version_number(v) for v in ("default", None, "step_12", 7)] == [0, 0, 12, 7]
