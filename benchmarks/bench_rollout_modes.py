@@ -12,7 +12,8 @@ servers, no checkpoints and one validation at the end. The modes run in alternat
 rotated order each round (benchmarks/common.py), so a change of the machine's load hits them
 alike. Reported per mode: the median over rounds of the mean ``time/step_wall`` of steps 2..N
 (step 1 of one_step_off and async has no batch made ahead), of ``time/trainer_idle`` and
-``time/server_idle``, the ratio of step time to sync's, and the last validation EM.
+``time/server_idle``, the ratio of step time to sync's (of the medians, and the median of the
+per-round ratios), and the last validation EM.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--modes", default="sync,one_step_off,async")
+    ap.add_argument("--round-offset", type=int, default=0, help="first round's rotation (to continue a series)")
     ap.add_argument("overrides", nargs="*", help="recipe overrides for every run")
     args = ap.parse_args()
     data = Path(args.data).resolve()
@@ -80,7 +82,7 @@ def main() -> None:
     print(f"start: {load()}; policy {policy}; {args.steps} steps x {args.rounds} round(s)", flush=True)
     results: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="bench_modes_") as tmp:
-        for r in range(args.rounds):
+        for r in range(args.round_offset, args.round_offset + args.rounds):
             order = modes[r % len(modes):] + modes[: r % len(modes)]
             for mode in order:
                 res = run_mode(mode, data, policy, args.steps, Path(tmp), f"{mode}_{r}", args.overrides)
@@ -90,12 +92,14 @@ def main() -> None:
                       f"({res['process_s']:.0f}s in all; {load()})", flush=True)
     base = statistics.median(x["step_s"] for x in results[modes[0]])
     print(f"\nend: {load()}")
-    print(f"{'mode':13s} {'step (s)':>9s} {'vs ' + modes[0]:>10s} {'trainer idle':>13s} {'server idle':>12s} "
-          f"{'lag':>5s} {'val EM':>7s}")
+    print(f"{'mode':13s} {'step (s)':>9s} {'vs ' + modes[0]:>10s} {'per round':>10s} {'trainer idle':>13s} "
+          f"{'server idle':>12s} {'lag':>5s} {'val EM':>7s}")
     for mode, rs in results.items():
         step = statistics.median(x["step_s"] for x in rs)
+        per_round = statistics.median(x["step_s"] / b["step_s"] for x, b in zip(rs, results[modes[0]]))
         ems = [x["em"] for x in rs if x["em"] is not None]
-        print(f"{mode:13s} {step:9.1f} {step / base:9.2f}x {statistics.median(x['trainer_idle_s'] for x in rs):13.1f} "
+        print(f"{mode:13s} {step:9.1f} {step / base:9.2f}x {per_round:9.2f}x "
+              f"{statistics.median(x['trainer_idle_s'] for x in rs):13.1f} "
               f"{statistics.median(x['server_idle_s'] for x in rs):12.1f} "
               f"{statistics.median(x['lag_mean'] for x in rs):5.2f} "
               f"{(statistics.mean(ems) if ems else float('nan')):7.3f}")
