@@ -372,3 +372,56 @@ def test_per_token_versions_from_the_server_and_the_routes_they_made():
     assert np.concatenate(b.versions).tolist()[-3:] == [-1, -1, 3]
     assert b.routing_version_array().tolist() == [1, 1, 1, 2, 2, 3, 3, 3, -1]
     assert [version_number(v) for v in ("default", None, "step_12", 7)] == [0, 0, 12, 7]
+
+
+def test_pause_and_continue_around_updates_or_the_404_fallback():
+    """``pause_generation`` / ``continue_generation`` reach every server with SGLang's bodies; a
+    server without them (404) makes ``pause_generation`` answer False, once, with nothing left
+    paused; any other refusal is raised."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
+    from sorl_megatron.common.http import RequestRejectedError
+    from sorl_megatron.rollout.client import RolloutClient
+
+    seen: list[tuple[int, str, dict]] = []
+
+    def app(index: int, supported: bool, status: int = 404) -> BackgroundServer:
+        async def record(request: web.Request) -> web.Response:
+            seen.append((index, request.path, await request.json()))
+            if not supported:
+                return web.json_response({"error": "no"}, status=status)
+            return web.Response(text="ok")
+
+        a = web.Application()
+        a.router.add_post("/pause_generation", record)
+        a.router.add_post("/continue_generation", record)
+        return BackgroundServer(a, "127.0.0.1", 0).start()
+
+    servers = [app(0, True), app(1, True), app(2, False), app(3, False, status=400)]
+    try:
+        async def go(urls):
+            client = RolloutClient(urls)
+            try:
+                first = await client.pause_generation("retract")
+                await client.continue_generation()
+                again = await client.pause_generation("retract")
+                return first, again
+            finally:
+                await client.close()
+
+        assert asyncio.run(go([servers[0].url, servers[1].url])) == (True, True)
+        assert sorted((i, p) for i, p, _ in seen) == [(0, "/continue_generation"), (0, "/pause_generation"),
+                                                       (0, "/pause_generation"), (1, "/continue_generation"),
+                                                       (1, "/pause_generation"), (1, "/pause_generation")]
+        assert all(body == {"mode": "retract"} for _, p, body in seen if p == "/pause_generation")
+        seen.clear()
+        assert asyncio.run(go([servers[0].url, servers[2].url])) == (False, False)
+        # asked once; the server that did pause is told to continue
+        assert sorted((i, p) for i, p, _ in seen) == [(0, "/continue_generation"), (0, "/pause_generation"),
+                                                       (2, "/continue_generation"), (2, "/pause_generation")]
+        with pytest.raises(RequestRejectedError, match="/pause_generation rejected"):
+            asyncio.run(go([servers[3].url]))
+    finally:
+        for s in servers:
+            s.stop()
