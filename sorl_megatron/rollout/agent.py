@@ -1,7 +1,9 @@
 """The multi-turn search agent loop (Search-R1 protocol), tokens in and tokens out.
 
 Each turn sends the whole token history to the rollout server and appends the sampled ids
-exactly as returned (never re-tokenized). A turn stops at ``</search>``, ``</answer>``, EOS or
+exactly as returned (never re-tokenized), with their behaviour log-probs and the weight version
+that sampled each of them (so an episode that spans a weight update, a partial rollout, keeps
+both token by token; docs/rollout.md, "Rollout modes"). A turn stops at ``</search>``, ``</answer>``, EOS or
 its token budget. ``<search> q </search>`` calls the retriever and appends
 ``<information>...</information>`` observation tokens; a turn with neither a search nor an
 answer gets a correction message as its observation. Observations carry loss mask 0. The
@@ -36,7 +38,7 @@ from tqdm import tqdm
 from ..common.http import RequestRejectedError, ServerError
 from ..common.protocol import GenerateOutput, SamplingParams
 from ..retrieval.corpus import Passage, format_passages
-from .trajectory import Trajectory
+from .trajectory import Trajectory, version_number
 
 log = logging.getLogger("sorl_megatron.rollout.agent")
 
@@ -133,7 +135,9 @@ class _Builder:
         self.mask: list[np.ndarray] = [np.zeros(len(prompt), np.int8)]
         self.turn: list[np.ndarray] = [np.full(len(prompt), -1, np.int32)]
         self.lps: list[np.ndarray] = [np.zeros(len(prompt), np.float32)]
+        self.versions: list[np.ndarray] = [np.full(len(prompt), -1, np.int64)]
         self.routing: list[np.ndarray] | None = [] if routed else None
+        self.routing_versions: list[np.ndarray] = []
         self.length = len(prompt)
         self.routed_len = 0  # positions whose routing we hold
 
@@ -146,16 +150,27 @@ class _Builder:
         self.mask.append(np.ones(n, np.int8))
         self.turn.append(np.full(n, turn, np.int32))
         self.lps.append(np.asarray(out.output_logprobs, dtype=np.float32))
+        versions = token_versions(out)
+        self.versions.append(versions)
         self.length += n
         if self.routing is not None and out.routed_experts is not None:
             self.routing.append(out.routed_experts)
             self.routed_len += out.routed_experts.shape[0]
+            # the prefill (up to the prompt's last position) ran with the version of the first
+            # sampled token; output position i is fed to sample token i + 1, under its version
+            chunk = out.routed_experts.shape[0]
+            fed_outputs = min(max(n - 1, 0), chunk)
+            self.routing_versions.append(np.concatenate([
+                np.full(chunk - fed_outputs, versions[0] if n else version_number(out.weight_version), np.int64),
+                versions[1 : 1 + fed_outputs],
+            ]))
 
     def add_observation(self, ids: Sequence[int]) -> None:
         self.ids.append(np.asarray(ids, dtype=np.int64))
         self.mask.append(np.zeros(len(ids), np.int8))
         self.turn.append(np.full(len(ids), -1, np.int32))
         self.lps.append(np.zeros(len(ids), np.float32))
+        self.versions.append(np.full(len(ids), -1, np.int64))
         self.length += len(ids)
 
     def routed_experts(self) -> np.ndarray | None:
@@ -165,6 +180,26 @@ class _Builder:
         out = np.full((self.length, *got.shape[1:]), -1, np.int32)
         out[: got.shape[0]] = got
         return out
+
+    def routing_version_array(self) -> np.ndarray | None:
+        if self.routing is None or not self.routing_versions:
+            return None
+        got = np.concatenate(self.routing_versions)
+        out = np.full(self.length, -1, np.int64)
+        out[: got.shape[0]] = got
+        return out
+
+
+def token_versions(out: GenerateOutput) -> np.ndarray:
+    """The weight version of each sampled token of one ``/generate`` answer: the server's
+    ``meta_info.output_token_weight_versions`` when it reports them (a server that applies a
+    weight update between decode steps), else the request's ``weight_version`` for every token
+    (a server that updates weights between requests)."""
+    n = len(out.output_ids)
+    per_token = out.meta_info.get("output_token_weight_versions") if out.meta_info else None
+    if isinstance(per_token, list) and len(per_token) == n:
+        return np.asarray([version_number(v) for v in per_token], dtype=np.int64)
+    return np.full(n, version_number(out.weight_version), np.int64)
 
 
 class SearchAgent:
@@ -287,6 +322,8 @@ class SearchAgent:
             answer=answer,
             response_text=self.tokenizer.decode(ids[len(prompt_ids) :].tolist(), skip_special_tokens=False),
             weight_versions=versions,
+            token_versions=np.concatenate(b.versions),
+            routing_versions=b.routing_version_array(),
             meta=meta,
             turn_texts=texts,
             retrieval_errors=errors,

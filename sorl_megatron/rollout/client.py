@@ -119,6 +119,7 @@ class RolloutClient:
         self._rr = itertools.cycle(range(len(cfg.urls)))
         self._routing_shape = cfg.routing_shape
         self._version_counter = 0
+        self._pause_supported: bool | None = None  # /pause_generation: unknown until asked
 
     # ----- plumbing -----
 
@@ -388,6 +389,37 @@ class RolloutClient:
             raise
         await self._all("POST", "/end_weight_update", {})
         return version
+
+    async def pause_generation(self, mode: str = "retract") -> bool:
+        """SGLang's ``/pause_generation`` on every server (``mode``: ``retract`` puts running
+        requests back in the queue, ``in_place`` keeps them, ``abort`` ends them), so a weight
+        update lands between decode steps and the paused requests go on under the new weights
+        after :meth:`continue_generation`. Returns False, having paused nothing, when a server
+        answers 404 (it lacks the endpoint): the update then lands between the requests the
+        server schedules (between turns for the embedded server), which is the fallback."""
+        if self._pause_supported is False:
+            return False
+        try:
+            await self._all("POST", "/pause_generation", {"mode": mode}, expect_json=False)
+        except RequestRejectedError as err:
+            if err.status != 404:
+                raise
+            self._pause_supported = False
+            if len(self.cfg.urls) > 1:  # some may have paused: let them go on
+                await self.continue_generation(force=True)
+            return False
+        self._pause_supported = True
+        return True
+
+    async def continue_generation(self, force: bool = False) -> None:
+        """``/continue_generation`` on every server after :meth:`pause_generation` paused them."""
+        if not force and not self._pause_supported:
+            return
+        try:
+            await self._all("POST", "/continue_generation", {}, expect_json=False)
+        except RequestRejectedError as err:
+            if err.status != 404 or not force:
+                raise
 
     async def flush_cache(self) -> None:
         await self._all("POST", "/flush_cache", None, expect_json=False)

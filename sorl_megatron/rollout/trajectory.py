@@ -7,18 +7,37 @@ token at that token's position and 0 elsewhere; ``routed_experts`` holds, for ev
 that the rollout engine fed through the model, the experts it chose (-1 where none: the last
 token, which no engine feeds, and padding).
 
+``token_versions`` holds, on policy tokens, the weight version (an integer, see
+:func:`version_number`) that sampled each token and -1 elsewhere; ``routing_versions`` the
+version whose forward pass chose each position's ``routed_experts`` (-1 where no routes). A
+*partial rollout* (an episode in flight across a weight update) has several versions; its
+``rollout_logprobs`` are still each token's behaviour log-prob under the version that sampled it.
+
 ``turn_texts`` are the decoded policy turns (one per loss-mask-1 span): what rewards read.
 ``response_text`` also holds the observations between them and is for logs only.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+_VERSION_DIGITS = re.compile(r"(\d+)$")
+
+
+def version_number(version: str | int | None) -> int:
+    """The integer of a weight version label: the trainer names them ``step_<k>``; a label
+    without trailing digits (an embedded server's initial ``default``, or None) is version 0,
+    the weights the servers started with."""
+    if isinstance(version, int):
+        return version
+    m = _VERSION_DIGITS.search(version or "")
+    return int(m.group(1)) if m else 0
 
 
 @dataclass
@@ -39,13 +58,18 @@ class Trajectory:
     turn_texts: list[str] = field(default_factory=list)  # decoded policy turns: what rewards read
     retrieval_errors: int = 0  # searches that got no passages (rejected or failed), see retrieval_rejected
     retrieval_rejected: int = 0  # of those, rejected by the server (HTTP 4xx: a bad query)
-    weight_versions: list[str | None] = field(default_factory=list)
+    weight_versions: list[str | None] = field(default_factory=list)  # per turn, as the server reported them
+    token_versions: np.ndarray | None = None  # int64 [N]: version that sampled each policy token, -1 elsewhere
+    routing_versions: np.ndarray | None = None  # int64 [N]: version that routed each position, -1 without routes
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         for name in ("loss_mask", "turn_ids", "rollout_logprobs"):
             if len(getattr(self, name)) != n:
+                raise ValueError(f"trajectory.{name} has length {len(getattr(self, name))}, token_ids has {n}")
+        for name in ("token_versions", "routing_versions"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise ValueError(f"trajectory.{name} has length {len(getattr(self, name))}, token_ids has {n}")
         if self.routed_experts is not None and self.routed_experts.shape[0] != n:
             raise ValueError(
@@ -62,6 +86,14 @@ class Trajectory:
     @property
     def num_policy_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weight version of any policy token (None: no policy token)."""
+        if self.token_versions is None:
+            return None
+        v = self.token_versions[np.asarray(self.loss_mask) != 0]
+        return int(v.min()) if v.size else None
 
     def policy_spans(self) -> list[tuple[int, int]]:
         """``(start, end)`` of each maximal run of ``loss_mask == 1``: the policy's turns."""

@@ -127,6 +127,30 @@ class RolloutConfig:
     failover_retries: int = 2
     restart_servers: bool = True
     restart_command: Optional[str] = None
+    # Rollout modes (docs/rollout.md, "Rollout modes"): sync generates each step's batch with
+    # the step's own weights; one_step_off generates step k+1's batch while step k trains, on
+    # the weights step k started from (a lag of exactly one version); async keeps episodes in
+    # flight across weight updates (partial rollouts) and trains on finished groups whose oldest
+    # token is at most max_staleness versions behind the trainer ...
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    max_staleness: int = 1
+    # ... and what happens to a group beyond it: dropped (and replaced), or kept: trained with the
+    # IS correction of algorithm.loss.is_correction on its true behaviour log-probs
+    stale_groups: Literal["drop", "keep"] = "drop"
+    # async: SGLang's /pause_generation mode around each weight update (off: never pause; a server
+    # without the endpoint answers 404 and the update lands between its requests)
+    pause_mode: Literal["retract", "in_place", "off"] = "retract"
+    # DAPO dynamic sampling: a group whose rewards are all equal (no GRPO signal) is dropped and
+    # replaced by a fresh prompt's group until the batch is full; at most this many groups are
+    # drawn per step (0: 4 x schedule.batch_size), then dropped groups fill the rest
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_groups: int = 0
+    # episodes cut by rollout.max_total_tokens (finish_reason max_length): keep, filter (loss mask
+    # zeroed) or penalty (DAPO's soft overlong punishment: the reward falls linearly by up to
+    # overlong_penalty over the last overlong_buffer tokens of the budget, and by all of it when cut)
+    overlong: Literal["keep", "filter", "penalty"] = "keep"
+    overlong_buffer: int = 64
+    overlong_penalty: float = 1.0
 
 
 @dataclass
@@ -398,6 +422,32 @@ def _check_fleet(r: RolloutConfig) -> None:
 RESUME_MODES = ("auto", "none")
 
 
+def _check_modes(cfg: TrainConfig) -> None:
+    """The rollout mode, staleness, dynamic sampling and overlong options."""
+    r = cfg.rollout
+    _positive_int("rollout.max_staleness", r.max_staleness, minimum=0)
+    _positive_int("rollout.dynamic_sampling_max_groups", r.dynamic_sampling_max_groups, minimum=0)
+    _positive_int("rollout.overlong_buffer", r.overlong_buffer)
+    if r.overlong_buffer >= r.max_total_tokens:
+        raise ConfigError(f"rollout.overlong_buffer={r.overlong_buffer} must be < rollout.max_total_tokens="
+                          f"{r.max_total_tokens}")
+    if r.overlong_penalty < 0:
+        raise ConfigError(f"rollout.overlong_penalty must be >= 0, got {r.overlong_penalty}")
+    if r.mode == "one_step_off" and r.max_staleness < 1:
+        raise ConfigError("rollout.mode=one_step_off trains on batches one weight version old: "
+                          "rollout.max_staleness must be >= 1")
+    if r.mode == "async" and r.max_staleness < 1:
+        raise ConfigError("rollout.mode=async with rollout.max_staleness=0 would drop every group that was in "
+                          "flight at a weight update: use rollout.mode=sync, or max_staleness >= 1")
+    if r.mode != "sync" and r.stale_groups == "keep" and cfg.algorithm.loss.is_correction.mode == "off":
+        raise ConfigError("rollout.stale_groups=keep trains on groups beyond rollout.max_staleness with the IS "
+                          "correction of their behaviour log-probs: set algorithm.loss.is_correction.mode "
+                          "(tis or mis), or drop them (rollout.stale_groups=drop)")
+    if r.dynamic_sampling_max_groups and r.dynamic_sampling_max_groups < cfg.schedule.batch_size:
+        raise ConfigError(f"rollout.dynamic_sampling_max_groups={r.dynamic_sampling_max_groups} must be 0 or "
+                          f">= schedule.batch_size={cfg.schedule.batch_size}")
+
+
 def _check_resume(resume: str) -> None:
     """``auto``, ``none`` or something that looks like a path: a bare word that is neither (a
     typo of auto) must not silently become a relative directory that is then not found."""
@@ -489,6 +539,7 @@ def _check_values(cfg: TrainConfig) -> None:
     for i, url in enumerate(r.urls):
         _check_url(f"rollout.urls[{i}]", url)
     _check_fleet(r)
+    _check_modes(cfg)
     if cfg.retrieval.url:
         _check_url("retrieval.url", cfg.retrieval.url)
     _check_resume(cfg.checkpoint.resume)

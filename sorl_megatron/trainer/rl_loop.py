@@ -9,12 +9,19 @@ rollout.group_size`` trajectories per step, split into mini-batches of
 ``schedule.mini_batch_size`` (one optimizer step each) over ``schedule.ppo_epochs`` epochs
 (SORL appendix A.5). Everything is seeded per step, so a run killed at any point and resumed
 from its latest checkpoint reproduces the uninterrupted run on CPU.
+
+``rollout.mode`` (``sync``, ``one_step_off``, ``async``) decides when a step's groups are
+generated and so how many weight versions behind they may be (``rollout.max_staleness``);
+``producer.py`` holds the groups, their bookkeeping across checkpoints and the async producer
+(docs/rollout.md, "Rollout modes"). Only ``sync`` and ``one_step_off`` reproduce exactly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import json
 import logging
 import shutil
 import time
@@ -55,8 +62,17 @@ from .config import TrainConfig, dump_config
 from .fleet import RolloutFleet, Worker, start_fleet
 from .inputs import check_resume_dir, validate_inputs
 from .metrics_log import MetricsLogger, open_wandb
+from .producer import (
+    AsyncProducer,
+    BusyClock,
+    Group,
+    SettledGroups,
+    apply_overlong,
+    equal_rewards,
+    version_lag_metrics,
+)
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
-from .rollout_phase import RolloutResult, collect_rollouts, rollout_metrics
+from .rollout_phase import RolloutResult, collect_rollouts, rollout_metrics, score_trajectories
 from .servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
 from .sft import run_sft
 from .weight_sync import DistributedWeightSync
@@ -133,6 +149,20 @@ def tokens_per_second(times: dict[str, float], tokens: dict[str, Optional[float]
     return out
 
 
+def _turn_versions(t: Trajectory) -> list[int]:
+    """The version of each policy turn's first token (the server's per-request version)."""
+    if t.token_versions is None:
+        return []
+    return [int(t.token_versions[a]) for a, _ in t.policy_spans()]
+
+
+def _truncate_jsonl(path: Path, step: int) -> None:
+    """Drop the rows of steps after ``step`` (a resumed run logs them again)."""
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+
 @dataclass
 class StepTimer:
     times: dict[str, float] = field(default_factory=dict)
@@ -184,6 +214,16 @@ class RLTrainer:
         self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
         self._wsync = DistributedWeightSync(cfg.rollout)  # rollout.weight_sync=distributed: groups, senders
         self.weight_sync_bytes = 0  # sent by this rank in the last distributed sync
+        # rollout modes (rank 0; producer.py): the groups finished steps trained on or dropped,
+        # the next group a sync / one-step-off batch draws, one_step_off's batch in the making,
+        # async's producer, the servers' busy clock and whether they pause for weight updates
+        self.settled = SettledGroups()
+        self.next_gid = 0
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pending: Optional[concurrent.futures.Future] = None
+        self._producer: Optional[AsyncProducer] = None
+        self.busy = BusyClock()
+        self._pause_supported: Optional[bool] = None
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -245,7 +285,7 @@ class RLTrainer:
         return complete_checkpoints(self.ckpt_root)
 
     def save(self, step: int) -> None:
-        extra = {"step": step}
+        extra = {"step": step, "producer": self.settled.to_json()}
         if self.pvpo is not None:
             extra["pvpo"] = {"static_v": self.pvpo.static_v, "accuracy": self.pvpo.accuracy,
                              "refreshed_at_step": self.pvpo.refreshed_at_step, "keep": self.stream.indices}
@@ -264,7 +304,12 @@ class RLTrainer:
                 p["refreshed_at_step"],
             )
             self.stream.indices = list(p["keep"])
-        return int(extra["step"])
+        step = int(extra["step"])
+        # older checkpoints: each step trained on batch_size groups, in order
+        self.settled = SettledGroups.from_json(
+            extra.get("producer") or {"frontier": step * self.cfg.schedule.batch_size})
+        self.next_gid = self.settled.frontier
+        return step
 
     # -- rollouts ----------------------------------------------------------------------
 
@@ -369,6 +414,180 @@ class RLTrainer:
 
         return asyncio.run(go())
 
+    # -- groups: what every rollout mode draws (producer.py) -----------------------------
+
+    def group_prompt(self, gid: int) -> int:
+        """Dataset index of group ``gid``: position ``gid % batch_size`` of the stream's batch
+        ``gid // batch_size`` (the prompts a sync run always drew)."""
+        b = self.cfg.schedule.batch_size
+        return self.stream.batch(gid // b)[gid % b]
+
+    def group_seed(self, gid: int) -> int:
+        """Seed of group ``gid``'s first episode (the next ones add 1, 2, ...): the seeds a
+        sync run always gave that batch position."""
+        b, n = self.cfg.schedule.batch_size, self.cfg.rollout.group_size
+        return self.cfg.schedule.seed * 1_000_003 + gid // b + (gid % b) * n
+
+    async def _open_groups(self):
+        """``(run_group, close)`` on the running event loop: ``run_group(gid)`` plays one group."""
+        policy, retriever = self._rollout_client(), self._retrieval_client()
+        agent = SearchAgent(policy, retriever, self.tokenizer, self._agent_config())
+        limit = self.cfg.data.max_prompt_tokens
+
+        async def run_group(gid: int) -> Group:
+            prompt = self.group_prompt(gid)
+            ids = encode_prompt(self.tokenizer, self.rows[prompt])
+            if len(ids) > limit:
+                raise ValueError(f"data row {prompt}: prompt has {len(ids)} tokens > data.max_prompt_tokens={limit}")
+            self.busy.enter()
+            try:
+                trajs = await agent.run_many([ids], n=self.cfg.rollout.group_size, seed=self.group_seed(gid),
+                                             metas=[{"group": gid, "prompt": prompt}])
+            finally:
+                self.busy.exit()
+            return Group(gid, prompt, trajs)
+
+        async def close() -> None:
+            self._fleet().counts["retries"] = self._fleet().counts.get("retries", 0) + policy.retries
+            await policy.close()
+            await retriever.close()
+
+        return run_group, close
+
+    def _draw_groups(self, count: int) -> list[Group]:
+        """The next ``count`` groups from ``next_gid`` on, generated now (sync, one_step_off)."""
+        gids = list(range(self.next_gid, self.next_gid + count))
+        self.next_gid += count
+
+        async def go():
+            run_group, close = await self._open_groups()
+            try:
+                return await asyncio.gather(*(run_group(g) for g in gids))
+            finally:
+                await close()
+
+        return list(asyncio.run(go()))
+
+    def _score_group(self, group: Group) -> int:
+        """Rewards, overlong handling and PVPO ground truth of one group (in place); returns the
+        episodes the overlong option touched."""
+        r = self.cfg.rollout
+        n = len(group.trajectories)
+        group.rewards = score_trajectories(group.trajectories, [self.rows[group.prompt]] * n, self.rewards)
+        touched = apply_overlong(group, r.overlong, r.max_total_tokens, r.overlong_buffer, r.overlong_penalty)
+        group.injected = torch.zeros(n, dtype=torch.bool)
+        if self.pvpo is not None and self.cfg.algorithm.pvpo.inject_ground_truth:
+            unsolved = group_sampling(self.pvpo).unsolved
+            if group.prompt in set(unsolved):
+                gids = torch.full((n,), group.prompt, dtype=torch.long)
+                group.trajectories, group.injected = inject_ground_truth(
+                    group.trajectories, gids, group.rewards, self.gold_for([group.prompt]), unsolved)
+                group.rewards = torch.where(group.injected, torch.ones_like(group.rewards), group.rewards)
+        return touched
+
+    def _collect(self, version: int, draw) -> tuple[list[Group], list[tuple[Group, str]], dict[str, float]]:
+        """A batch of ``schedule.batch_size`` groups for a trainer at weight ``version``:
+        ``draw(k)`` gives the next k generated groups. A group whose oldest token is more than
+        ``rollout.max_staleness`` versions behind is dropped (or kept, ``stale_groups=keep``);
+        with dynamic sampling a group whose rewards are all equal is dropped and replaced, at
+        most ``dynamic_sampling_max_groups`` drawn, then dropped ones fill the batch. Returns
+        the batch, every group drawn but not trained on with why, and the counts."""
+        r, b = self.cfg.rollout, self.cfg.schedule.batch_size
+        limit = (r.dynamic_sampling_max_groups or 4 * b) if r.dynamic_sampling else None
+        accepted: list[Group] = []
+        dropped: list[tuple[Group, str]] = []
+        counts = {"rollout/groups_drawn": 0.0, "rollout/groups_dropped_stale": 0.0,
+                  "rollout/episodes_dropped_stale": 0.0, "rollout/groups_kept_stale": 0.0,
+                  "rollout/overlong_episodes": 0.0}
+        if r.dynamic_sampling:
+            counts.update({"rollout/groups_dropped_equal_reward": 0.0, "rollout/groups_refilled_equal_reward": 0.0})
+        while len(accepted) < b:
+            want = b - len(accepted)
+            if limit is not None:
+                want = min(want, limit - int(counts["rollout/groups_drawn"]))
+                if want <= 0:
+                    break
+            for group in draw(want):
+                counts["rollout/groups_drawn"] += 1
+                oldest = group.oldest_version
+                if oldest is not None and version - oldest > r.max_staleness:
+                    if r.stale_groups == "drop":
+                        counts["rollout/groups_dropped_stale"] += 1
+                        counts["rollout/episodes_dropped_stale"] += len(group.trajectories)
+                        dropped.append((group, "stale"))
+                        continue
+                    counts["rollout/groups_kept_stale"] += 1
+                counts["rollout/overlong_episodes"] += self._score_group(group)
+                if r.dynamic_sampling and equal_rewards(group):
+                    counts["rollout/groups_dropped_equal_reward"] += 1
+                    dropped.append((group, "equal_reward"))
+                    continue
+                accepted.append(group)
+        if len(accepted) < b:  # dynamic sampling ran out of draws: equal-reward groups fill the batch
+            fill = [g for g, why in dropped if why == "equal_reward"][: b - len(accepted)]
+            counts["rollout/groups_refilled_equal_reward"] = float(len(fill))
+            counts["rollout/groups_dropped_equal_reward"] -= len(fill)  # dropped: not trained on
+            accepted += fill
+            dropped = [(g, why) for g, why in dropped if not any(g is f for f in fill)]
+        return accepted, dropped, counts
+
+    def _collect_sync(self, version: int):
+        """A batch generated now, from ``next_gid`` on (sync; one_step_off in its thread)."""
+        self.check_servers(f"the rollout phase of step {version + 1}")
+        return self._collect(version, self._draw_groups)
+
+    def _collect_async(self, version: int):
+        """A batch from the producer's finished groups (started on first use)."""
+        if self._producer is None:
+            r = self.cfg.rollout
+            self.check_servers("the asynchronous rollouts")
+            self._producer = AsyncProducer(self._open_groups, self.settled.unsettled_from(self.settled.frontier),
+                                           window=(r.max_staleness + 1) * self.cfg.schedule.batch_size).start()
+        timeout = self.cfg.rollout.timeout_s * (self.cfg.rollout.max_turns + 1)
+        return self._collect(version, lambda k: [self._producer.take(timeout) for _ in range(k)])
+
+    def close_rollouts(self) -> None:
+        """Stop the one-step-off thread and the async producer (their groups are not settled:
+        a resumed run draws them again)."""
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+            self._pending = None
+
+    def _next_batch(self, step: int) -> tuple[tuple, dict[str, float]]:
+        """Rank 0: step ``step``'s groups by ``rollout.mode`` and the trainer's idle seconds."""
+        mode, t0 = self.cfg.rollout.mode, time.perf_counter()
+        if mode == "async":
+            out = self._collect_async(step)
+        elif mode == "one_step_off" and self._pending is not None:
+            out = self._pending.result()
+            self._pending = None
+        else:  # sync, and one_step_off's first step (of a run, or after a resume)
+            out = self._collect_sync(step)
+        idle = time.perf_counter() - t0
+        if mode == "one_step_off" and step + 1 < self.cfg.schedule.total_steps:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="one-step-off")
+            # step + 1's batch, on the weights this step trains from (the sync waits for it)
+            self._pending = self._executor.submit(self._collect_sync, step + 1)
+        return out, {"time/trainer_idle_rollout": idle}
+
+    def _log_episodes(self, step: int, version: int, accepted: list[Group], dropped) -> None:
+        """``episodes.jsonl``: one line per group a step drew, with its episodes' turn versions."""
+        with open(self.run_dir / "episodes.jsonl", "a") as f:
+            for group, status in [(g, "trained") for g in accepted] + list(dropped):
+                policy = [t for t in group.trajectories if not t.meta.get("ground_truth")]
+                f.write(json.dumps({
+                    "step": step, "group": group.gid, "prompt": group.prompt, "status": status,
+                    "trainer_version": version, "oldest": group.oldest_version,
+                    "turn_versions": [_turn_versions(t) for t in policy],
+                    "rewards": None if group.rewards is None else [round(float(x), 6) for x in group.rewards],
+                    "ground_truth": len(group.trajectories) - len(policy),
+                }) + "\n")
+
     def sync_weights(self, step: int) -> None:
         """Push the actor's weights after ``step`` RL steps to the rollout servers (HF names,
         bucketed), labelled weight version ``step_<step>``."""
@@ -376,10 +595,34 @@ class RLTrainer:
         self.check_servers(f"the weight sync to version {version}", retrieval=False)
         if _rank() == 0:
             self.rollout_urls = self._fleet().prepare_sync()  # restarted servers get this sync too
-        self._push_weights(version)
+        paused = self._pause(True)
+        try:
+            self._push_weights(version)
+        finally:
+            if paused:
+                self._pause(False)
         if _rank() == 0:
             self._fleet().finish_sync()  # ... and serve again: with the current weights
             self.rollout_urls = self._fleet().urls()
+
+    def _pause(self, pause: bool) -> bool:
+        """Async mode, rank 0: ``/pause_generation`` before a weight update (True when the
+        servers paused), ``/continue_generation`` after. Servers without the endpoints apply the
+        update between the requests they schedule, as they would anyway (docs/rollout.md)."""
+        mode = self.cfg.rollout.pause_mode
+        if _rank() != 0 or self.cfg.rollout.mode != "async" or mode == "off" or self._pause_supported is False:
+            return False
+        if not pause:
+            asyncio.run(self._with_client(lambda c: c.continue_generation()))
+            return False
+        async def go(c: RolloutClient) -> bool:
+            c._pause_supported = self._pause_supported
+            return await c.pause_generation(mode)
+
+        self._pause_supported = asyncio.run(self._with_client(go))
+        if not self._pause_supported:
+            log.info("the rollout servers have no /pause_generation: weight updates land between their requests")
+        return self._pause_supported
 
     def _push_weights(self, version: str) -> None:
         """The sync itself, to ``rollout_urls`` (every rank joins the export)."""
@@ -421,6 +664,20 @@ class RLTrainer:
             routed_experts=t.get("routed_experts") if self.cfg.algorithm.routing_replay == "r3" else None,
         ), injected
 
+    def _batch_result(self, groups: list[Group]) -> tuple[RolloutResult, torch.Tensor]:
+        """The batch's trajectories (group after group: prompt-major), rows, prompt ids,
+        rewards and PVPO injection marks."""
+        trajs = [t for g in groups for t in g.trajectories]
+        rewards = torch.cat([g.rewards for g in groups])
+        res = RolloutResult(
+            trajectories=trajs,
+            rows=[self.rows[g.prompt] for g in groups for _ in g.trajectories],
+            group_ids=torch.tensor([g.prompt for g in groups for _ in g.trajectories], dtype=torch.long),
+            rewards=rewards,
+            metrics=rollout_metrics(trajs, rewards),
+        )
+        return res, torch.cat([g.injected for g in groups])
+
     def advantages(self, batch: RLBatch, rewards: torch.Tensor, values: Optional[torch.Tensor]):
         """The recipe's estimator (``algorithms.advantages`` registry) on this batch."""
         a = self.cfg.algorithm.advantage
@@ -433,20 +690,18 @@ class RLTrainer:
         cfg = self.cfg
         timer = StepTimer()
         metrics: dict[str, float] = {}
-        indices = self.stream.batch(step)
+        wall0, busy0 = time.perf_counter(), self.busy.busy_seconds()
         with timer("rollout"):
             payload = None
             if _rank() == 0:
-                self.check_servers(f"the rollout phase of step {step + 1}")
-                res = self.rollouts(indices, cfg.rollout.group_size, seed=cfg.schedule.seed * 1_000_003 + step)
-                injected = torch.zeros(len(res.trajectories), dtype=torch.bool)
-                if self.pvpo is not None and cfg.algorithm.pvpo.inject_ground_truth:
-                    unsolved = group_sampling(self.pvpo).unsolved
-                    gold = self.gold_for(sorted(set(indices) & set(unsolved)))
-                    res.trajectories, injected = inject_ground_truth(
-                        res.trajectories, res.group_ids, res.rewards, gold, unsolved
-                    )
-                    res.rewards = torch.where(injected, torch.ones_like(res.rewards), res.rewards)
+                (accepted, dropped, counts), idle = self._next_batch(step)
+                res, injected = self._batch_result(accepted)
+                res.metrics.update(counts)
+                res.metrics.update(version_lag_metrics(accepted, step, cfg.rollout.max_staleness))
+                # settled: a checkpoint after this step says so, and a resumed run never draws them again
+                self.settled.add([g.gid for g in accepted] + [g.gid for g, _ in dropped])
+                self._log_episodes(step + 1, step, accepted, dropped)
+                metrics.update(idle)
                 payload = (self._to_batch(res, injected), res.rewards, res.metrics)
             (batch, injected), rewards, rollout_metrics_ = _broadcast(payload)
         metrics.update(rollout_metrics_)
@@ -479,9 +734,18 @@ class RLTrainer:
                         for k, v in self.critic.update(batch.replace(returns=returns, values=values)).items()
                     }
                 )
+        if self._pending is not None:  # one_step_off: the next batch is made on these weights
+            t0 = time.perf_counter()
+            concurrent.futures.wait([self._pending])
+            metrics["time/trainer_idle_next_batch"] = time.perf_counter() - t0
         with timer("weight_sync"):
             self.sync_weights(step + 1)
         metrics.update(timer.times)
+        if _rank() == 0:
+            wall = time.perf_counter() - wall0
+            metrics["time/trainer_idle"] = sum(v for k, v in metrics.items() if k.startswith("time/trainer_idle_"))
+            metrics["time/server_idle"] = max(wall - (self.busy.busy_seconds() - busy0), 0.0)
+            metrics["time/step_wall"] = wall
         if _rank() == 0:
             metrics.update(self._fleet().metrics())  # failures, retries, restarts: this step's and validation's
         metrics.update(tokens_per_second(timer.times, {
@@ -580,6 +844,9 @@ class RLTrainer:
         inputs = validate_inputs(cfg, check_corpus=_rank() == 0, rewards=self.rewards)  # rank 0 alone serves retrieval
         if _rank() == 0:
             log.info("%s", message)  # starting / resuming, once the inputs are known to be good
+            if cfg.rollout.mode != "sync" and cfg.algorithm.loss.is_correction.mode == "off":
+                log.warning("rollout.mode=%s trains on tokens sampled by older weights; without "
+                            "algorithm.loss.is_correction.mode (tis / mis) nothing corrects for it", cfg.rollout.mode)
         self.rows, self.val_rows = inputs.train, inputs.val
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -613,12 +880,18 @@ class RLTrainer:
             stack.callback(logger.close)
             stack.callback(self._wsync.close)
             if _rank() == 0:
+                if start == 0:
+                    (self.run_dir / "episodes.jsonl").unlink(missing_ok=True)
+                else:
+                    _truncate_jsonl(self.run_dir / "episodes.jsonl", start)
+            if _rank() == 0:
                 r = cfg.rollout
                 self.fleet = start_fleet(r, self.run_dir, servers, lambda name: rollout_server_spec(
                     policy_path, r.precision, cfg.algorithm.routing_replay == "r3", cfg.schedule.seed, name=name,
                     health_timeout_s=r.start_timeout_s))
                 stack.callback(self.fleet.close)
                 self.rollout_urls = self.fleet.urls()
+            stack.callback(self.close_rollouts)  # before the servers stop (callbacks run last first)
             if start > 0 or cfg.rollout.urls:
                 self.sync_weights(start)  # servers hold the initial checkpoint; bring them to the trainer's weights
             first: dict[str, float] = {}
