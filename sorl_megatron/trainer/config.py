@@ -91,6 +91,10 @@ class RolloutConfig:
     max_total_tokens: int = 512
     max_obs_tokens: int = 128
     concurrency: int = 16
+    # embedded servers decode each row alone (--enable-deterministic-inference): a seeded episode
+    # gets the same tokens whatever else is in flight, so a run repeats on its machine at any
+    # load; costs the batching speed-up (docs/rollout.md). External servers: SGLang's own flag.
+    deterministic: bool = False
     # Every wait on the servers is bounded here (see docs/rollout.md, failure model): seconds
     # per /generate call (a timed-out call is not retried) ...
     timeout_s: float = 120.0
@@ -407,6 +411,9 @@ def _check_fleet(r: RolloutConfig) -> None:
         if importlib.util.find_spec("sglang_router") is None:
             raise ConfigError("rollout.router=sglang_router needs the sglang-router package to start the router: "
                               "pip install sglang-router (or give rollout.router_url of a running one)")
+    if r.deterministic and r.urls:
+        raise ConfigError("rollout.deterministic is for embedded servers; launch external SGLang servers with "
+                          "--enable-deterministic-inference instead")
     if r.restart_command is not None:
         if not r.urls:
             raise ConfigError("rollout.restart_command is for external servers (rollout.urls); the trainer restarts "

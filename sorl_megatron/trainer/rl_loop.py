@@ -888,7 +888,7 @@ class RLTrainer:
                 r = cfg.rollout
                 self.fleet = start_fleet(r, self.run_dir, servers, lambda name: rollout_server_spec(
                     policy_path, r.precision, cfg.algorithm.routing_replay == "r3", cfg.schedule.seed, name=name,
-                    health_timeout_s=r.start_timeout_s))
+                    health_timeout_s=r.start_timeout_s, deterministic=r.deterministic))
                 stack.callback(self.fleet.close)
                 self.rollout_urls = self.fleet.urls()
             stack.callback(self.close_rollouts)  # before the servers stop (callbacks run last first)

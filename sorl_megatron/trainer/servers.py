@@ -169,8 +169,11 @@ class EmbeddedServers:
 
 def rollout_server_spec(model_path: str, precision: str, routed_experts: bool, seed: int,
                         tokenizer_path: Optional[str] = None, max_running_requests: Optional[int] = None,
-                        name: str = "rollout", health_timeout_s: float = 300.0) -> ServerSpec:
+                        name: str = "rollout", health_timeout_s: float = 300.0,
+                        deterministic: bool = False) -> ServerSpec:
     args = ["--model-path", model_path, "--precision", precision, "--random-seed", str(seed)]
+    if deterministic:
+        args.append("--enable-deterministic-inference")
     if tokenizer_path:
         args += ["--tokenizer-path", tokenizer_path]
     if routed_experts:

@@ -104,6 +104,9 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["rollout.max_turn_tokens=700"], r"rollout.max_turn_tokens=700 must be < rollout.max_total_tokens=640"),
         (["data.max_prompt_tokens=2048"], r"data.max_prompt_tokens=2048 must be < rollout.max_total_tokens=640"),
         (["rollout.top_k=0"], r"rollout.top_k must be -1 \(off\) or >= 1"),
+        (["rollout.deterministic=true", "rollout.urls=[http://a:30000]"],
+         r"rollout.deterministic is for embedded servers; launch external SGLang servers with "
+         r"--enable-deterministic-inference"),
         (["checkpoint.resume=atuo"], r"checkpoint.resume: 'atuo' is not auto, none or a checkpoint directory "
                                      r"\(did you mean auto\?\)"),
         (["checkpoint.resume=Non"], r"\(did you mean none\?\)"),

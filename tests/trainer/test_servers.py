@@ -71,3 +71,11 @@ def test_an_interrupted_run_reports_one_line_on_rank_0(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     assert report_interrupt(KeyboardInterrupt()) == 130
     assert capsys.readouterr().err == ""
+
+
+def test_deterministic_rollouts_reach_the_embedded_server_as_its_flag():
+    from sorl_megatron.trainer.servers import rollout_server_spec
+
+    flag = "--enable-deterministic-inference"
+    assert flag in rollout_server_spec("m", "fp32", False, 1, deterministic=True).args
+    assert flag not in rollout_server_spec("m", "fp32", False, 1).args
