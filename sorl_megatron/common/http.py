@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import aiohttp
 
@@ -93,13 +93,17 @@ async def request(
     payload: Any = None,
     policy: RetryPolicy = RetryPolicy(),
     expect_json: bool = True,
+    on_retry: Optional[Callable[[], None]] = None,
 ) -> Any:
-    """One HTTP call with the retry policy; returns parsed JSON (or text when not expected)."""
+    """One HTTP call with the retry policy; returns parsed JSON (or text when not expected).
+    ``on_retry`` is called before each re-send (a caller that counts the calls sent again)."""
     timeout = aiohttp.ClientTimeout(total=policy.timeout_s, sock_connect=policy.connect_timeout_s)
     last: Exception | None = None
     for attempt in range(policy.retries + 1):
         if attempt:
             await asyncio.sleep(policy.wait(attempt - 1))
+            if on_retry is not None:
+                on_retry()
         try:
             async with session.request(method, url, json=payload, timeout=timeout) as resp:
                 body = await resp.text()

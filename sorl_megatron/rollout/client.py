@@ -109,7 +109,7 @@ class RolloutClient:
             cfg = RolloutClientConfig(urls=(cfg,) if isinstance(cfg, str) else tuple(cfg))
         self.cfg = cfg
         self.on_failure = on_failure
-        self.retries = 0  # /generate calls sent again after a server failed them (failover_retries)
+        self.retries = 0  # /generate calls sent again after a server failed them (HTTP retries and failover)
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._inflight = {u: 0 for u in cfg.urls}
@@ -248,7 +248,9 @@ class RolloutClient:
                 self._inflight.setdefault(url, 0)
                 self._inflight[url] += 1
                 try:
-                    return await request(self._sess(), "POST", f"{url}/generate", body, self.cfg.generate_retry), url
+                    # a re-send after a 5xx or a refused connection is a retry of the call too
+                    return await request(self._sess(), "POST", f"{url}/generate", body, self.cfg.generate_retry,
+                                         on_retry=self._count_retry), url
                 except (ServerUnavailableError, ServerTimeoutError, BadResponseError) as exc:
                     errors.append(str(exc))
                     failed = exc
@@ -271,6 +273,9 @@ class RolloutClient:
                     self._usable = set(left)
                 failovers += 1
                 self.retries += 1
+
+    def _count_retry(self) -> None:
+        self.retries += 1
 
     # ----- control: every server -----
 

@@ -612,8 +612,8 @@ class RLTrainer:
         mode = self.cfg.rollout.pause_mode
         if _rank() != 0 or self.cfg.rollout.mode != "async" or mode == "off" or self._pause_supported is False:
             return False
-        if not pause:
-            asyncio.run(self._with_client(lambda c: c.continue_generation()))
+        if not pause:  # a fresh client: it has not seen the pause, so it must be told to continue
+            asyncio.run(self._with_client(lambda c: c.continue_generation(force=True)))
             return False
         async def go(c: RolloutClient) -> bool:
             c._pause_supported = self._pause_supported
