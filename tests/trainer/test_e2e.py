@@ -538,10 +538,16 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
             seen["steps"].append((batch, rewards.clone(), adv))
             return adv, returns
 
-        def rollouts(self, indices, n, seed, greedy=False, rows=None, rewards=None):
+        def rollouts(self, indices, n, seed, greedy=False, rows=None, rewards=None):  # the PVPO passes
             res = super().rollouts(indices, n, seed, greedy, rows, rewards)
             seen.setdefault("versions", []).append({v for t in res.trajectories for v in t.weight_versions})
             return res
+
+        def _draw_groups(self, count):  # a training step's rollouts
+            groups = super()._draw_groups(count)
+            seen.setdefault("versions", []).append(
+                {v for g in groups for t in g.trajectories for v in t.weight_versions})
+            return groups
 
     overrides = run_overrides(tiny_data, tmp_path, "pvpo", f"data.train={tmp_path / 'crafted.parquet'}",
                               "algorithm.loss.name=grpo", "algorithm.advantage.estimator=pvpo",
