@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from sorl_megatron.common.protocol import decode_routed_experts
 from sorl_megatron.rollout.engine import EngineConfig
 from sorl_megatron.rollout.server import start_rollout_server
+from tests.hf_checkpoints import perturbed_checkpoint
 from tests.http_calls import call
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -125,16 +125,6 @@ def test_seeded_output_is_the_same_alone_and_among_16(moe_dir):
         assert logprobs(crowd).tolist() == logprobs(alone).tolist()  # bit for bit
     finally:
         srv.stop()
-
-
-def perturbed_checkpoint(src, dst, scale: float, seed: int):
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    model.save_pretrained(dst)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,13 @@ import aiohttp
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from sorl_megatron.common.http import RequestRejectedError
 from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.rollout.engine import EngineConfig
 from sorl_megatron.rollout.server import start_rollout_server
+from tests.hf_checkpoints import perturbed_checkpoint
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -30,16 +30,6 @@ def server(moe_dir):
     srv = start_rollout_server(EngineConfig(model_path=str(moe_dir), enable_return_routed_experts=True))
     yield srv
     srv.stop()
-
-
-def perturbed_checkpoint(src, dst, scale: float, seed: int):
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    model.save_pretrained(dst)
-    return model.eval()
 
 
 async def sample(url, routed=True):
