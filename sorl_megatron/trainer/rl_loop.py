@@ -615,11 +615,7 @@ class RLTrainer:
         if not pause:  # a fresh client: it has not seen the pause, so it must be told to continue
             asyncio.run(self._with_client(lambda c: c.continue_generation(force=True)))
             return False
-        async def go(c: RolloutClient) -> bool:
-            c._pause_supported = self._pause_supported
-            return await c.pause_generation(mode)
-
-        self._pause_supported = asyncio.run(self._with_client(go))
+        self._pause_supported = asyncio.run(self._with_client(lambda c: c.pause_generation(mode)))
         if not self._pause_supported:
             log.info("the rollout servers have no /pause_generation: weight updates land between their requests")
         return self._pause_supported
