@@ -198,7 +198,8 @@ def token_versions(out: GenerateOutput) -> np.ndarray:
     n = len(out.output_ids)
     per_token = out.meta_info.get("output_token_weight_versions") if out.meta_info else None
     if isinstance(per_token, list) and len(per_token) == n:
-        return np.asarray([version_number(v) for v in per_token], dtype=np.int64)
+        labels, which = np.unique(np.asarray(per_token, dtype=object).astype(str), return_inverse=True)
+        return np.asarray([version_number(v) for v in labels], dtype=np.int64)[which]  # a few labels
     return np.full(n, version_number(out.weight_version), np.int64)
 
 

@@ -466,11 +466,13 @@ class Engine:
             else:
                 self._live.pop(req.rid, None)
                 self._aborted.discard(req.rid)
-        if not req.future.done():
+        try:  # the HTTP thread may cancel the future (a client that left) at any moment
             if isinstance(result, BaseException):
                 req.future.set_exception(result)
             else:
                 req.future.set_result(result)
+        except cf.InvalidStateError:
+            pass  # already cancelled or resolved: nobody waits for this answer
 
     # ----- pause / continue / flush (scheduler thread, via call(urgent=True)) -----
 

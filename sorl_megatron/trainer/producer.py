@@ -134,7 +134,7 @@ def version_lag_metrics(groups: Sequence[Group], version: int, max_staleness: in
         out[f"rollout/version_lag_frac_{k}"] = float((lag == k).mean())
     out["rollout/version_lag_frac_over"] = float((lag > max_staleness).mean())
     out["rollout/partial_episodes"] = float(sum(
-        len({int(v) for v in t.token_versions[np.asarray(t.loss_mask) != 0]}) > 1
+        _spans_versions(t.token_versions[np.asarray(t.loss_mask) != 0])
         for g in groups for t in g.trajectories if t.token_versions is not None
     ))
     return out
@@ -272,3 +272,8 @@ class AsyncProducer:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout_s)
+
+
+def _spans_versions(versions: np.ndarray) -> bool:
+    """Whether an episode's policy tokens came from more than one weight version."""
+    return bool(versions.size) and bool(versions.min() != versions.max())

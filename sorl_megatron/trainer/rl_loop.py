@@ -615,7 +615,15 @@ class RLTrainer:
         if not pause:  # a fresh client: it has not seen the pause, so it must be told to continue
             asyncio.run(self._with_client(lambda c: c.continue_generation(force=True)))
             return False
-        self._pause_supported = asyncio.run(self._with_client(lambda c: c.pause_generation(mode)))
+        try:
+            self._pause_supported = asyncio.run(self._with_client(lambda c: c.pause_generation(mode)))
+        except Exception:
+            # some servers may have paused before one failed: never leave them paused
+            try:
+                asyncio.run(self._with_client(lambda c: c.continue_generation(force=True)))
+            except Exception as err:
+                log.warning("after a failed /pause_generation, /continue_generation failed too: %s", err)
+            raise
         if not self._pause_supported:
             log.info("the rollout servers have no /pause_generation: weight updates land between their requests")
         return self._pause_supported

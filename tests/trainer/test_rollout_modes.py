@@ -422,6 +422,25 @@ def test_pause_and_continue_around_updates_or_the_404_fallback():
                                                        (2, "/continue_generation"), (2, "/pause_generation")]
         with pytest.raises(RequestRejectedError, match="/pause_generation rejected"):
             asyncio.run(go([servers[3].url]))
+
+        # the trainer: a pause one server refuses raises, and the one that paused is told to go on
+        from types import SimpleNamespace
+
+        from sorl_megatron.trainer.rl_loop import RLTrainer
+
+        async def with_client(fn):
+            client = RolloutClient([servers[0].url, servers[3].url])
+            try:
+                return await fn(client)
+            finally:
+                await client.close()
+
+        trainer = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(mode="async", pause_mode="retract")),
+                                  _pause_supported=None, _with_client=with_client)
+        seen.clear()
+        with pytest.raises(RequestRejectedError, match="/pause_generation rejected"):
+            RLTrainer._pause(trainer, True)
+        assert [(i, p) for i, p, _ in seen if i == 0] == [(0, "/pause_generation"), (0, "/continue_generation")]
     finally:
         for s in servers:
             s.stop()
