@@ -72,7 +72,13 @@ from .producer import (
     version_lag_metrics,
 )
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
-from .rollout_phase import RolloutResult, collect_rollouts, rollout_metrics, score_trajectories
+from .rollout_phase import (
+    RolloutResult,
+    check_prompt_length,
+    collect_rollouts,
+    rollout_metrics,
+    score_trajectories,
+)
 from .servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
 from .sft import run_sft
 from .weight_sync import DistributedWeightSync
@@ -408,7 +414,7 @@ class RLTrainer:
                     max_prompt_tokens=self.cfg.data.max_prompt_tokens,
                 )
             finally:
-                self._fleet().counts["retries"] = self._fleet().counts.get("retries", 0) + policy.retries
+                self._count_retries(policy)
                 await policy.close()
                 await retriever.close()
 
@@ -432,13 +438,11 @@ class RLTrainer:
         """``(run_group, close)`` on the running event loop: ``run_group(gid)`` plays one group."""
         policy, retriever = self._rollout_client(), self._retrieval_client()
         agent = SearchAgent(policy, retriever, self.tokenizer, self._agent_config())
-        limit = self.cfg.data.max_prompt_tokens
 
         async def run_group(gid: int) -> Group:
             prompt = self.group_prompt(gid)
             ids = encode_prompt(self.tokenizer, self.rows[prompt])
-            if len(ids) > limit:
-                raise ValueError(f"data row {prompt}: prompt has {len(ids)} tokens > data.max_prompt_tokens={limit}")
+            check_prompt_length(ids, prompt, self.cfg.data.max_prompt_tokens)
             self.busy.enter()
             try:
                 trajs = await agent.run_many([ids], n=self.cfg.rollout.group_size, seed=self.group_seed(gid),
@@ -448,11 +452,16 @@ class RLTrainer:
             return Group(gid, prompt, trajs)
 
         async def close() -> None:
-            self._fleet().counts["retries"] = self._fleet().counts.get("retries", 0) + policy.retries
+            self._count_retries(policy)
             await policy.close()
             await retriever.close()
 
         return run_group, close
+
+    def _count_retries(self, policy: RolloutClient) -> None:
+        """A rollout client's re-sent /generate calls into the fleet's per-step count."""
+        counts = self._fleet().counts
+        counts["retries"] = counts.get("retries", 0) + policy.retries
 
     def _draw_groups(self, count: int) -> list[Group]:
         """The next ``count`` groups from ``next_gid`` on, generated now (sync, one_step_off)."""

@@ -28,6 +28,14 @@ class RolloutResult:
     metrics: dict[str, float]
 
 
+def check_prompt_length(ids: list[int], row_id: int, max_prompt_tokens: int) -> None:
+    """A prompt longer than ``data.max_prompt_tokens`` is an error naming its row."""
+    if len(ids) > max_prompt_tokens:
+        raise ValueError(
+            f"data row {row_id}: prompt has {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}"
+        )
+
+
 async def collect_rollouts(
     agent: SearchAgent,
     tokenizer: Any,
@@ -48,10 +56,7 @@ async def collect_rollouts(
     prompts = [encode_prompt(tokenizer, row) for row in rows]
     if max_prompt_tokens is not None:
         for ids, row_id in zip(prompts, prompt_ids):
-            if len(ids) > max_prompt_tokens:
-                raise ValueError(
-                    f"data row {row_id}: prompt has {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}"
-                )
+            check_prompt_length(ids, row_id, max_prompt_tokens)
     trajs = await agent.run_many(prompts, n=n, seed=seed, progress=progress)
     traj_rows = [rows[i] for i in range(len(rows)) for _ in range(n)]
     scores = score_trajectories(trajs, traj_rows, rewards)
