@@ -1,8 +1,9 @@
 """RL wall time per step in each rollout mode (sync, one_step_off, async) at the same
-trajectories per step, with validation EM after the last step.
+trajectories per step, with validation EM after the last step (and every ``--val-every`` steps).
 
     python benchmarks/bench_rollout_modes.py --data runs/tiny [--policy runs/tiny_search/so_grpo/sft_model]
-        [--steps 4] [--rounds 1] [--modes sync,one_step_off,async] [key=value ...]
+        [--steps 4] [--rounds 1] [--modes sync,one_step_off,async] [--seeds 1234,1]
+        [--val-every 4] [--out DIR] [key=value ...]
 
 Each run is the CLI (``python -m sorl_megatron.train``) on the CPU demo's recipe
 (``recipes/tiny_search_so_grpo.yaml``: 8 prompts x 8 samples = 64 trajectories per step,
@@ -13,7 +14,9 @@ rotated order each round (benchmarks/common.py), so a change of the machine's lo
 alike. Reported per mode: the median over rounds of the mean ``time/step_wall`` of steps 2..N
 (step 1 of one_step_off and async has no batch made ahead), of ``time/trainer_idle`` and
 ``time/server_idle``, the ratio of step time to sync's (of the medians, and the median of the
-per-round ratios), and the last validation EM.
+per-round ratios), and the last validation EM (mean over runs). With ``--seeds`` each round runs
+every mode at each seed (``schedule.seed``); ``--out`` keeps the runs' logs (metrics.jsonl,
+episodes.jsonl) and each run's validation EM curve is printed.
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ from common import load  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_mode(mode: str, data: Path, policy: Path, steps: int, out: Path, name: str, extra: list[str]) -> dict:
+def run_mode(
+    mode: str, data: Path, policy: Path, steps: int, out: Path, name: str, seed: int, val_every: int, extra: list[str]
+) -> dict:
     args = [
         sys.executable, "-m", "sorl_megatron.train", "--config", str(ROOT / "recipes" / "tiny_search_so_grpo.yaml"),
         f"model.path={policy}", f"retrieval.corpus={data}/corpus.jsonl", f"data.train={data}/train.parquet",
         f"data.val={data}/validation.parquet", "sft.enabled=false", f"schedule.total_steps={steps}",
-        "schedule.val_every=0", "checkpoint.save_every=0", "logging.progress=none", "logging.tensorboard=false",
+        f"schedule.val_every={val_every}", f"schedule.seed={seed}", "checkpoint.save_every=0",
+        "logging.progress=none", "logging.tensorboard=false",
         f"logging.dir={out}", f"logging.run_name={name}", f"checkpoint.dir={out / name / 'ckpt'}",
         f"rollout.mode={mode}", "algorithm.loss.is_correction.mode=tis", *extra,
     ]
@@ -59,6 +65,8 @@ def run_mode(mode: str, data: Path, policy: Path, steps: int, out: Path, name: s
         "step_s": mean("time/step_wall"), "trainer_idle_s": mean("time/trainer_idle"),
         "server_idle_s": mean("time/server_idle"), "lag_mean": mean("rollout/version_lag_mean"),
         "em": rows[steps].get("val/em"), "em_start": rows[0].get("val/em"), "process_s": wall,
+        "em_curve": {s: r["val/em"] for s, r in sorted(rows.items()) if r.get("val/em") is not None},
+        "groups_dropped_stale": sum(r.get("rollout/groups_dropped_stale", 0) for r in later),
     }
 
 
@@ -70,6 +78,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--modes", default="sync,one_step_off,async")
     ap.add_argument("--round-offset", type=int, default=0, help="first round's rotation (to continue a series)")
+    ap.add_argument("--seeds", default="1234", help="comma-separated schedule.seed values, each run in every mode")
+    ap.add_argument("--val-every", type=int, default=0, help="validate every N steps too (0: after the last step only)")
+    ap.add_argument("--out", default=None, help="keep the runs' logs here (default: a temporary directory)")
     ap.add_argument("overrides", nargs="*", help="recipe overrides for every run")
     args = ap.parse_args()
     data = Path(args.data).resolve()
@@ -81,15 +92,21 @@ def main() -> None:
     modes = args.modes.split(",")
     print(f"start: {load()}; policy {policy}; {args.steps} steps x {args.rounds} round(s)", flush=True)
     results: dict[str, list[dict]] = {m: [] for m in modes}
+    seeds = [int(x) for x in args.seeds.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench_modes_") as tmp:
+        out = Path(args.out).resolve() if args.out else Path(tmp)
         for r in range(args.round_offset, args.round_offset + args.rounds):
             order = modes[r % len(modes):] + modes[: r % len(modes)]
-            for mode in order:
-                res = run_mode(mode, data, policy, args.steps, Path(tmp), f"{mode}_{r}", args.overrides)
-                results[mode].append(res)
-                print(f"round {r} {mode:13s} step {res['step_s']:6.1f}s  trainer idle {res['trainer_idle_s']:5.1f}s  "
-                      f"server idle {res['server_idle_s']:5.1f}s  lag {res['lag_mean']:.2f}  EM {res['em']}  "
-                      f"({res['process_s']:.0f}s in all; {load()})", flush=True)
+            for seed in seeds:
+                for mode in order:
+                    name = f"{mode}_r{r}_s{seed}"
+                    res = run_mode(mode, data, policy, args.steps, out, name, seed, args.val_every, args.overrides)
+                    results[mode].append(res)
+                    curve = " ".join(f"{s}:{em:.4f}" for s, em in res["em_curve"].items())
+                    print(f"round {r} seed {seed} {mode:13s} step {res['step_s']:6.1f}s  "
+                          f"trainer idle {res['trainer_idle_s']:5.1f}s  server idle {res['server_idle_s']:5.1f}s  "
+                          f"lag {res['lag_mean']:.2f}  stale groups dropped {res['groups_dropped_stale']}  "
+                          f"EM {curve}  ({res['process_s']:.0f}s in all; {load()})", flush=True)
     base = statistics.median(x["step_s"] for x in results[modes[0]])
     print(f"\nend: {load()}")
     print(f"{'mode':13s} {'step (s)':>9s} {'vs ' + modes[0]:>10s} {'per round':>10s} {'trainer idle':>13s} "
