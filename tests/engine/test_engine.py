@@ -362,12 +362,15 @@ def test_optimizer_cpu_patch_is_needed(ws1):
 # ---------------------------------------------------------------- issue 20's MoE families
 
 
-def test_deepseek_v3_update_at_ep2_equals_world_size_1(ws1, ws2, engine_work):
-    """MLA, a leading dense layer, one shared expert, sigmoid routing with a correction bias and
-    group-limited top-k: three optimizer steps at EP=2 land where world size 1 does."""
-    _ok(ws1, "actor_ds_ws1")
-    _ok(ws2, "actor_ds_ep2")
-    ref, got = _load(engine_work, "actor_ds_ws1"), _load(engine_work, "actor_ds_ep2")
+@pytest.mark.parametrize("model", ["deepseek_v3", "qwen2_moe", "glm4_moe"])
+def test_family_update_at_ep2_equals_world_size_1(ws1, ws2, engine_work, model):
+    """Three optimizer steps at EP=2 land where world size 1 does. DeepSeek-V3: MLA, a leading
+    dense layer, one shared expert, sigmoid routing with a correction bias and group-limited top-k;
+    Qwen2-MoE: softmax top-k without renormalization, the sigmoid-gated shared expert; GLM-4.5:
+    partial rotary, q/k/v biases, a leading dense layer, sigmoid routing with the bias."""
+    _ok(ws1, f"actor_{model}_ws1")
+    _ok(ws2, f"actor_{model}_ep2")
+    ref, got = _load(engine_work, f"actor_{model}_ws1"), _load(engine_work, f"actor_{model}_ep2")
     assert (ref["logprobs"] - got["logprobs"]).abs().max() <= 1e-6
     assert _max_diff(ref["params_1"], got["params_1"]) <= 1e-6
     assert _max_diff(ref["params_3"], got["params_3"]) <= 1e-6
