@@ -1,4 +1,4 @@
-"""Fixtures: tiny random HF models and the grouped worker launches (1 and 2 processes)."""
+"""Fixtures: tiny random HF models and the grouped worker launches (1, 2 and 4 processes)."""
 
 from __future__ import annotations
 
@@ -138,9 +138,12 @@ def ws2(engine_models, engine_work):
 
 @pytest.fixture(scope="session")
 def ws4(engine_models, engine_work):
-    """Four processes: TP2 x EP2 (expert TP 2, expert-DP 1) and TP2 x EP4 with expert TP 1."""
+    """Four processes: TP2 x EP2 (expert TP 2, expert-DP 1) and TP2 x EP4 with expert TP 1; and
+    issue 20's families' logits vs transformers at TP2 x EP2 (the bridge's check, in the only
+    four-process launch of the suite)."""
     cases = [
         {"op": "actor", "model": MODEL, "layout": "tp=2,ep=2", "tag": "actor_tp2_ep2_4r", "steps": 1},
         {"op": "actor", "model": MODEL, "layout": "tp=2,ep=4,etp=1", "tag": "actor_tp2_etp1_ep4_4r", "steps": 1},
+        *[{"op": "logits", "model": k, "layout": "tp=2,ep=2", "tag": f"logits_{k}_tp2_ep2_4r"} for k in FAMILIES],
     ]
     return launch(engine_models, engine_work, cases, 4, "ws4")

@@ -2,7 +2,8 @@
 
 Three launches: one single-process (the references), one `torchrun --nproc_per_node=2` that
 re-initializes megatron at TP=2(+SP), EP=2, PP=2, PP=2 x VPP=2, TP=2 x ETP=1 x EP=2 and DP=2
-in turn, and one of four processes (TP2 x EP2, TP2 x ETP1 x EP4). Nothing is mocked:
+in turn, and one of four processes (TP2 x EP2, TP2 x ETP1 x EP4; and there issue 20's families'
+logits vs transformers at TP2 x EP2, the bridge tests' one check). Nothing is mocked:
 the only thing missing here is a GPU, which cpu_compat stands in for.
 """
 
@@ -12,6 +13,8 @@ import os
 
 import pytest
 import torch
+
+from tests.bridge.cases import LOGIT_TOL
 
 TOL = 1e-5
 
@@ -403,3 +406,14 @@ def test_rollout_routes_replay_exactly(ws1, ws2, tag):
     assert r["given_pairs"] > 20
     assert r["r3_used_exactly"] and r["live_equals_rollout"] and r["replay_mismatch"] == 0.0
     assert r["logprob_max_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3", "qwen2_moe", "glm4_moe"])
+def test_family_logits_match_transformers_at_tp2_ep2_4_ranks(ws4, model):
+    """Megatron logits vs transformers at TP2 x EP2 (expert TP 2: each rank holds half of the
+    routed experts, each split in half along its FFN). The bridge's logits check
+    (tests/bridge/worker.py), run here because this is the suite's four-process launch."""
+    r = _ok(ws4, f"logits_{model}_tp2_ep2_4r")
+    print(model, r["max_abs_diff"])
+    assert r["max_abs_diff"] <= LOGIT_TOL, r
+    assert r["shape"] == [2, 12, 128]

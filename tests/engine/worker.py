@@ -29,6 +29,7 @@ from sorl_megatron.engine.config import BatchingConfig, OptimConfig  # noqa: E40
 from sorl_megatron.engine.critic import CriticConfig, ValueEngine  # noqa: E402
 from sorl_megatron.engine.rl_batch import BatchError  # noqa: E402
 from tests.bridge.case_runner import run_cases  # noqa: E402
+from tests.bridge.worker import op_logits  # noqa: E402  (the one logits-vs-transformers check)
 
 
 def rank() -> int:
@@ -957,6 +958,7 @@ OPS = {
     "diagnostics": op_diagnostics,
     "packing": op_packing,
     "wsync": op_wsync,
+    "logits": op_logits,  # the bridge's check, run in this suite's four-process launch
 }
 
 
