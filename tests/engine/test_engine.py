@@ -274,7 +274,9 @@ def test_bf16_layouts_stay_within_bf16_tolerance(ws1, ws2, engine_work, tag):
                                        else ["Float16OptimizerWithFloat16Params"])
     if "distopt" in tag:  # its fp32 main-parameter shards and Adam state resume exactly ...
         assert r["bf16"]["resume_max_diff"] == 0.0
-        # ... with the CPU patch for torch Adam's per-parameter step (apex / TE's Adam keeps it per group)
+        # ... with the CPU patches for torch Adam's per-parameter step (apex / TE's Adam keeps it per
+        # group): a fresh optimizer has none for state_dict() to read, and the checkpoint holds none
+        assert r["bf16"]["unpatched_fresh_load"] == "AssertionError: "
         assert r["bf16"]["unpatched_load"] == "KeyError: 'step'"
     ref, got = _load(engine_work, "bf16_ws1"), _load(engine_work, tag)
     _bf16_close(ref["fp32"], got["bf16"])
