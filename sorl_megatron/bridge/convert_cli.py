@@ -49,6 +49,17 @@ def _say(msg: str) -> None:
         print(msg, flush=True)
 
 
+def _say_skipped_mtp(model) -> None:
+    """DeepSeek-V3 / GLM-4.5 checkpoints carry multi-token-prediction layers the Megatron model
+    does not build: say so, since a converted or exported checkpoint silently lacks them."""
+    from .families import mtp_layers
+
+    n = mtp_layers(model.hf_config)
+    if n:
+        _say(f"note: {n} multi-token-prediction layer(s) (num_nextn_predict_layers) not converted: the Megatron "
+             "model has no MTP module and HF exports leave its weights out (docs/conversion.md#model-families)")
+
+
 def _layout(text: str):
     from .layout import ParallelLayout
 
@@ -60,6 +71,7 @@ def cmd_hf_to_megatron(args: argparse.Namespace) -> int:
 
     t = time.time()
     model = build_model(args.hf, _layout(args.layout), ModelOptions(dtype=_dtype(args.dtype)))
+    _say_skipped_mtp(model)
     save_megatron_checkpoint(model, args.out)
     _say(f"saved Megatron checkpoint {args.out} ({model.layout.describe()}, {model.dtype}) in {time.time() - t:.1f}s")
     return 0
@@ -75,6 +87,7 @@ def cmd_megatron_to_hf(args: argparse.Namespace) -> int:
         model = load_megatron_checkpoint(args.ckpt, _layout(args.layout))
     else:
         model = build_model(args.hf, _layout(args.layout), ModelOptions())
+    _say_skipped_mtp(model)
     save_hf_checkpoint(
         model, args.out, dtype=_dtype(args.dtype), fp8=args.fp8, max_shard_bytes=_size(args.max_shard_size)
     )
@@ -92,6 +105,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         model = load_megatron_checkpoint(args.ckpt, _layout(args.layout))
     else:
         model = build_model(args.hf, _layout(args.layout), ModelOptions(dtype=_dtype(args.dtype)))
+    _say_skipped_mtp(model)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = int(model.hf_config.vocab_size)
     tokens = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .cpu_compat_collectives import uneven_gather_targets
-from .cpu_compat_optimizer import optimizer_targets, torch_adam_step_targets
+from .cpu_compat_optimizer import fresh_torch_adam_targets, optimizer_targets, torch_adam_step_targets
 from .cpu_modes import CudaDeviceToCpu
 
 _APPLIED: dict[str, "CpuPatch"] = {}
@@ -314,6 +314,15 @@ PATCHES: dict[str, CpuPatch] = {
             torch_adam_step_targets,
         ),
         CpuPatch(
+            "fresh_torch_adam_state_on_load",
+            "Loading a distributed-optimizer checkpoint into an optimizer that has not stepped: "
+            "megatron's sharded_state_dict(is_loading=True) first calls state_dict(), which without "
+            "apex / TE reads torch Adam's per-parameter step, absent before the first step: "
+            "AssertionError (assert len(steps) == 1, distrib_optimizer.py). Give it a state first with "
+            "megatron's own dummy step at learning rate and weight decay 0 (cpu_compat_optimizer.py).",
+            fresh_torch_adam_targets,
+        ),
+        CpuPatch(
             "dist_ckpt_queue_forked",
             "dist_checkpointing's async writer gets its results queue from a *spawned* "
             "multiprocessing Manager, which re-imports __main__: a script without an "
@@ -372,13 +381,25 @@ def applied_patches() -> list[str]:
 
 @contextlib.contextmanager
 def without_patch(name: str) -> Iterator[None]:
-    """Temporarily undo one patch (tests use this to show the patch is still needed)."""
-    patch = PATCHES[name]
-    was_applied = name in _APPLIED
-    if was_applied:
+    """Temporarily undo one patch (tests use this to show the patch is still needed).
+
+    Patches applied after it may wrap what it replaced (several wrap optimizer methods), so
+    they come off first and go back on top of whatever is there without it."""
+    if name not in _APPLIED:
+        yield
+        return
+    applied = list(_APPLIED)
+    later = [PATCHES[n] for n in applied[applied.index(name) + 1:]]
+    for patch in reversed(later):
         patch.revert()
+    PATCHES[name].revert()
+    for patch in later:
+        patch.apply()
     try:
         yield
     finally:
-        if was_applied:
+        for patch in reversed(later):
+            patch.revert()
+        PATCHES[name].apply()
+        for patch in later:
             patch.apply()

@@ -1,4 +1,5 @@
-"""CPU stand-ins for megatron-core's optimizer code (used by the `optimizer_on_cpu` CpuPatch).
+"""CPU stand-ins for megatron-core's optimizer code (the `optimizer_on_cpu`, `torch_adam_step_on_load`
+and `fresh_torch_adam_state_on_load` CpuPatches).
 
 megatron-core 0.16.1's optimizer stack assumes CUDA in three ways:
 - it allocates with ``device='cuda'`` (``FP32Optimizer._scale``, the grad-norm and
@@ -113,3 +114,38 @@ def torch_adam_step_targets() -> list[tuple[Any, str, Any]]:
     cls = distrib_optimizer.DistributedOptimizer
     name = "_set_main_param_and_optimizer_states"
     return [(cls, name, _set_states_with_torch_adam_step(vars(cls)[name]))]
+
+
+def _with_dummy_state_before_load(original: Callable) -> Callable:
+    # updated=(): not the attributes of optimizer_on_cpu's wrapper below it (its "already wrapped" mark)
+    @functools.wraps(original, updated=())
+    def sharded_state_dict(self, *args, **kwargs):
+        from megatron.core.optimizer import distrib_optimizer
+
+        is_loading = kwargs["is_loading"] if "is_loading" in kwargs else len(args) > 1 and bool(args[1])
+        fresh = self.optimizer is not None and not self.optimizer.state
+        if is_loading and fresh and not distrib_optimizer.HAVE_APEX_OR_TE:
+            # megatron's own dummy step (zero gradients), at learning rate and weight decay 0 so
+            # that nothing moves; the load overwrites every value it creates.
+            saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"], g["weight_decay"] = 0.0, 0.0
+            try:
+                self._init_optimizer_states_with_dummy_values()
+            finally:
+                for g, (lr, wd) in zip(self.optimizer.param_groups, saved):
+                    g["lr"], g["weight_decay"] = lr, wd
+        return original(self, *args, **kwargs)
+
+    sharded_state_dict.__wrapped_for_cpu__ = original  # type: ignore[attr-defined]
+    sharded_state_dict.__sorl_cpu_patch__ = "fresh_torch_adam_state_on_load"  # type: ignore[attr-defined]
+    return sharded_state_dict
+
+
+def fresh_torch_adam_targets() -> list[tuple[Any, str, Any]]:
+    """``DistributedOptimizer.sharded_state_dict``, whose loading form first calls
+    ``state_dict()``, which reads torch Adam's per-parameter step."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    return [(cls, "sharded_state_dict", _with_dummy_state_before_load(vars(cls)["sharded_state_dict"]))]

@@ -139,30 +139,6 @@ def _load_rng(rng_dir: str) -> None:
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _give_fresh_distributed_optimizer_a_state(optimizer) -> None:
-    """Without apex / TE's fused Adam (CPU), megatron's ``DistributedOptimizer.state_dict()`` reads
-    the Adam ``step`` from the inner torch optimizer's per-parameter state, which an optimizer that
-    has not stepped yet does not have (``assert len(steps) == 1``). Give it one with megatron's own
-    dummy step (zero gradients, at learning rate and weight decay 0, so nothing moves); the load
-    then overwrites every value."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    if distrib_optimizer.HAVE_APEX_OR_TE:
-        return  # fused Adam keeps its step in the param groups
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not hasattr(opt, "_init_optimizer_states_with_dummy_values") or inner is None or inner.state:
-            continue
-        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in inner.param_groups]
-        for g in inner.param_groups:
-            g["lr"], g["weight_decay"] = 0.0, 0.0
-        try:
-            opt._init_optimizer_states_with_dummy_values()
-        finally:
-            for g, (lr, wd) in zip(inner.param_groups, saved):
-                g["lr"], g["weight_decay"] = lr, wd
-
-
 def _save_engine(engine: EngineBase, path: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -198,7 +174,6 @@ def _load_engine(engine: EngineBase, path: str) -> None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointFileError(f"{state_path}: bad engine state ({type(e).__name__}: {e})") from None
     model_sd = _sharded_state_dict(engine.model)
-    _give_fresh_distributed_optimizer_a_state(engine.optimizer)
     sharded = {"optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIMIZER_METADATA)}
     loaded = load_dist_checkpoint(sharded, os.path.join(path, "optim"))
     engine.optimizer.load_state_dict(loaded["optimizer"])

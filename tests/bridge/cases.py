@@ -43,7 +43,7 @@ MP_CASES = [
         "ckpt": "ck_qwen2_4l_vpp",
     },
     {"id": "load/mixtral/ep2->tp2", "op": "load_ckpt", "model": "mixtral", "layout": "tp=2", "ckpt": "ck_mixtral_ep2"},
-    # the shared-expert / MLA families (issue 20) at each 2-rank layout
+    # the shared-expert / MLA families (issue 20) at each 2-rank layout (4 ranks: tests/engine/conftest.py ws4)
     *[
         {"id": f"logits/{k}/{name}", "op": "logits", "model": k, "layout": layout}
         for k in ("deepseek_v3", "qwen2_moe", "glm4_moe")

@@ -141,6 +141,34 @@ def _run(fn) -> str | None:
     return None
 
 
+def _layers(fn) -> list[str]:
+    """What wraps DistributedOptimizer.sharded_state_dict, outermost first."""
+    out = []
+    while fn is not None:
+        if getattr(fn, "__sorl_cpu_optimizer__", False):
+            out.append("optimizer_on_cpu")
+        elif getattr(fn, "__sorl_cpu_patch__", None):
+            out.append(fn.__sorl_cpu_patch__)
+        else:
+            out.append(fn.__module__)
+        fn = getattr(fn, "__wrapped_for_cpu__", None)
+    return out
+
+
+def _layered() -> dict:
+    """Reverting optimizer_on_cpu, which fresh_torch_adam_state_on_load wraps over, keeps the
+    latter applied, and both come back in their order."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def layers():
+        return _layers(vars(DistributedOptimizer)["sharded_state_dict"])
+
+    before = layers()
+    with without_patch("optimizer_on_cpu"):
+        inside = layers()
+    return {"before": before, "inside": inside, "after": layers()}
+
+
 def run_probes() -> dict:
     apply_cpu_compat()
     out = {"patches": sorted(PATCHES), "probed": sorted(PROBES)}
@@ -148,4 +176,5 @@ def run_probes() -> dict:
         with without_patch(name):
             out[f"{name}/without"] = _run(fn)
         out[f"{name}/with"] = _run(fn)
+    out["layered"] = _layered()
     return out

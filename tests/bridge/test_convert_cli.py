@@ -42,6 +42,7 @@ def test_help_lists_the_commands():
 @pytest.mark.slow
 def test_hf_to_megatron_under_torchrun(converted):
     assert "saved Megatron checkpoint" in converted["save"].stdout and "TP=2" in converted["save"].stdout
+    assert "multi-token-prediction" not in converted["save"].stdout  # Qwen3-MoE has no MTP layers
     meta = json.loads((converted["ckpt"] / "sorl_megatron.json").read_text())
     assert meta["saved_layout"]["tp"] == 2 and meta["world_size"] == 2
 
@@ -91,3 +92,5 @@ def test_verify_deepseek_v3(models_dir):
                             "--json"]))
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] is True and result["max_abs_diff"] <= 1e-5, result
+    # the tiny config has one MTP layer (families.mtp_layers): the CLI says it is not converted
+    assert "note: 1 multi-token-prediction layer(s) (num_nextn_predict_layers) not converted" in proc.stdout

@@ -10,7 +10,7 @@ from .harness import result
 
 # Patches owned by other test suites (they revert them in their own workers).
 PROBED_ELSEWHERE = {"optimizer_on_cpu": "tests/engine", "uneven_gather_on_gloo": "tests/engine",
-                    "torch_adam_step_on_load": "tests/engine"}
+                    "torch_adam_step_on_load": "tests/engine", "fresh_torch_adam_state_on_load": "tests/engine"}
 
 EXPECTED_FAILURE = {
     "rng_on_cpu_generator": "Torch not compiled with CUDA enabled",
@@ -41,6 +41,15 @@ def test_patch_is_needed_and_works(single_results, name):
     without, with_ = r[f"{name}/without"], r[f"{name}/with"]
     assert without is not None and EXPECTED_FAILURE[name] in without, without
     assert with_ is None, with_
+
+
+@pytest.mark.slow
+def test_reverting_a_patch_keeps_the_patches_layered_over_it(single_results):
+    r = result(single_results, "compat_probes")["layered"]
+    outer, inner = "fresh_torch_adam_state_on_load", "optimizer_on_cpu"
+    megatron = "megatron.core.optimizer.distrib_optimizer"
+    assert r["before"] == r["after"] == [outer, inner, megatron], r
+    assert r["inside"] == [outer, megatron], r
 
 
 def test_nothing_is_patched_when_cuda_is_available(monkeypatch):

@@ -1,7 +1,8 @@
 """Megatron models built from tiny HF checkpoints on CPU: logits, weights, checkpoints.
 
 Two worker launches hold all the cases: one `torchrun --nproc_per_node=2` (gloo) run and
-one single-process run that also resumes the checkpoints the 2-process run saved.
+one single-process run that also resumes the checkpoints the 2-process run saved. The
+four-rank logits (TP2 x EP2) run worker.py's op_logits in tests/engine's four-process launch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fixtures: tiny random HF models and the grouped worker launches (1 and 2 processes)."""
+"""Fixtures: tiny random HF models and the grouped worker launches (1, 2 and 4 processes)."""
 
 from __future__ import annotations
 
@@ -96,9 +96,10 @@ def ws1(engine_models, engine_work):
         {"op": "bf16", "model": MODEL, "layout": "tp=1", "tag": "bf16_ws1", "replay": "r2", "resume": True,
          "critic": True},
         {"op": "actor", "model": MODEL_4L, "layout": "tp=1", "tag": "actor_4l_ws1", "steps": 1},
-        # DeepSeek-V3 (MLA, a dense first layer, grouped sigmoid routing with a bias): the update
-        # (light: no per-mode autograd references), random-route R2/R3; every family's rollout R3
-        {"op": "actor", "model": "deepseek_v3", "layout": "tp=1", "tag": "actor_ds_ws1", "light": True},
+        # issue 20's families: the update (light: no per-mode autograd references); DeepSeek-V3's
+        # random-route R2/R3 (MLA, a dense first layer, grouped sigmoid routing with a bias); every
+        # family's rollout R3
+        *[{"op": "actor", "model": k, "layout": "tp=1", "tag": f"actor_{k}_ws1", "light": True} for k in FAMILIES],
         {"op": "replay", "model": "deepseek_v3", "layout": "tp=1", "tag": "replay_ds_ws1"},
         *[{"op": "rollout_r3", "model": k, "layout": "tp=1", "tag": f"rollout_r3_{k}_ws1"} for k in FAMILIES],
     ]
@@ -129,7 +130,7 @@ def ws2(engine_models, engine_work):
         {"op": "actor", "model": MODEL, "layout": "tp=2,ep=2,etp=1", "tag": "actor_tp2_etp1_ep2", "steps": 1},
         {"op": "actor", "model": MODEL_4L, "layout": "pp=2,vpp=2", "tag": "actor_4l_pp2_vpp2", "steps": 1},
         {"op": "compat_uneven", "model": MODEL, "layout": "tp=1", "tag": "compat_uneven_2"},
-        {"op": "actor", "model": "deepseek_v3", "layout": "ep=2", "tag": "actor_ds_ep2", "light": True},
+        *[{"op": "actor", "model": k, "layout": "ep=2", "tag": f"actor_{k}_ep2", "light": True} for k in FAMILIES],
         {"op": "rollout_r3", "model": "deepseek_v3", "layout": "ep=2", "tag": "rollout_r3_deepseek_v3_ep2"},
     ]
     return launch(engine_models, engine_work, cases, 2, "ws2")
@@ -137,9 +138,12 @@ def ws2(engine_models, engine_work):
 
 @pytest.fixture(scope="session")
 def ws4(engine_models, engine_work):
-    """Four processes: TP2 x EP2 (expert TP 2, expert-DP 1) and TP2 x EP4 with expert TP 1."""
+    """Four processes: TP2 x EP2 (expert TP 2, expert-DP 1) and TP2 x EP4 with expert TP 1; and
+    issue 20's families' logits vs transformers at TP2 x EP2 (the bridge's check, in the only
+    four-process launch of the suite)."""
     cases = [
         {"op": "actor", "model": MODEL, "layout": "tp=2,ep=2", "tag": "actor_tp2_ep2_4r", "steps": 1},
         {"op": "actor", "model": MODEL, "layout": "tp=2,ep=4,etp=1", "tag": "actor_tp2_etp1_ep4_4r", "steps": 1},
+        *[{"op": "logits", "model": k, "layout": "tp=2,ep=2", "tag": f"logits_{k}_tp2_ep2_4r"} for k in FAMILIES],
     ]
     return launch(engine_models, engine_work, cases, 4, "ws4")

@@ -2,7 +2,8 @@
 
 Three launches: one single-process (the references), one `torchrun --nproc_per_node=2` that
 re-initializes megatron at TP=2(+SP), EP=2, PP=2, PP=2 x VPP=2, TP=2 x ETP=1 x EP=2 and DP=2
-in turn, and one of four processes (TP2 x EP2, TP2 x ETP1 x EP4). Nothing is mocked:
+in turn, and one of four processes (TP2 x EP2, TP2 x ETP1 x EP4; and there issue 20's families'
+logits vs transformers at TP2 x EP2, the bridge tests' one check). Nothing is mocked:
 the only thing missing here is a GPU, which cpu_compat stands in for.
 """
 
@@ -12,6 +13,8 @@ import os
 
 import pytest
 import torch
+
+from tests.bridge.cases import LOGIT_TOL
 
 TOL = 1e-5
 
@@ -271,7 +274,9 @@ def test_bf16_layouts_stay_within_bf16_tolerance(ws1, ws2, engine_work, tag):
                                        else ["Float16OptimizerWithFloat16Params"])
     if "distopt" in tag:  # its fp32 main-parameter shards and Adam state resume exactly ...
         assert r["bf16"]["resume_max_diff"] == 0.0
-        # ... with the CPU patch for torch Adam's per-parameter step (apex / TE's Adam keeps it per group)
+        # ... with the CPU patches for torch Adam's per-parameter step (apex / TE's Adam keeps it per
+        # group): a fresh optimizer has none for state_dict() to read, and the checkpoint holds none
+        assert r["bf16"]["unpatched_fresh_load"] == "AssertionError: "
         assert r["bf16"]["unpatched_load"] == "KeyError: 'step'"
     ref, got = _load(engine_work, "bf16_ws1"), _load(engine_work, tag)
     _bf16_close(ref["fp32"], got["bf16"])
@@ -362,12 +367,15 @@ def test_optimizer_cpu_patch_is_needed(ws1):
 # ---------------------------------------------------------------- issue 20's MoE families
 
 
-def test_deepseek_v3_update_at_ep2_equals_world_size_1(ws1, ws2, engine_work):
-    """MLA, a leading dense layer, one shared expert, sigmoid routing with a correction bias and
-    group-limited top-k: three optimizer steps at EP=2 land where world size 1 does."""
-    _ok(ws1, "actor_ds_ws1")
-    _ok(ws2, "actor_ds_ep2")
-    ref, got = _load(engine_work, "actor_ds_ws1"), _load(engine_work, "actor_ds_ep2")
+@pytest.mark.parametrize("model", ["deepseek_v3", "qwen2_moe", "glm4_moe"])
+def test_family_update_at_ep2_equals_world_size_1(ws1, ws2, engine_work, model):
+    """Three optimizer steps at EP=2 land where world size 1 does. DeepSeek-V3: MLA, a leading
+    dense layer, one shared expert, sigmoid routing with a correction bias and group-limited top-k;
+    Qwen2-MoE: softmax top-k without renormalization, the sigmoid-gated shared expert; GLM-4.5:
+    partial rotary, q/k/v biases, a leading dense layer, sigmoid routing with the bias."""
+    _ok(ws1, f"actor_{model}_ws1")
+    _ok(ws2, f"actor_{model}_ep2")
+    ref, got = _load(engine_work, f"actor_{model}_ws1"), _load(engine_work, f"actor_{model}_ep2")
     assert (ref["logprobs"] - got["logprobs"]).abs().max() <= 1e-6
     assert _max_diff(ref["params_1"], got["params_1"]) <= 1e-6
     assert _max_diff(ref["params_3"], got["params_3"]) <= 1e-6
@@ -400,3 +408,14 @@ def test_rollout_routes_replay_exactly(ws1, ws2, tag):
     assert r["given_pairs"] > 20
     assert r["r3_used_exactly"] and r["live_equals_rollout"] and r["replay_mismatch"] == 0.0
     assert r["logprob_max_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3", "qwen2_moe", "glm4_moe"])
+def test_family_logits_match_transformers_at_tp2_ep2_4_ranks(ws4, model):
+    """Megatron logits vs transformers at TP2 x EP2 (expert TP 2: each rank holds half of the
+    routed experts, each split in half along its FFN). The bridge's logits check
+    (tests/bridge/worker.py), run here because this is the suite's four-process launch."""
+    r = _ok(ws4, f"logits_{model}_tp2_ep2_4r")
+    print(model, r["max_abs_diff"])
+    assert r["max_abs_diff"] <= LOGIT_TOL, r
+    assert r["shape"] == [2, 12, 128]

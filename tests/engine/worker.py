@@ -29,6 +29,7 @@ from sorl_megatron.engine.config import BatchingConfig, OptimConfig  # noqa: E40
 from sorl_megatron.engine.critic import CriticConfig, ValueEngine  # noqa: E402
 from sorl_megatron.engine.rl_batch import BatchError  # noqa: E402
 from tests.bridge.case_runner import run_cases  # noqa: E402
+from tests.bridge.worker import op_logits  # noqa: E402  (the one logits-vs-transformers check)
 
 
 def rank() -> int:
@@ -208,16 +209,19 @@ def op_bf16(case: dict, models: str, work: str) -> dict:
             actor.update(batch)
             uninterrupted = state(actor)
             del actor
-            if cfg.optim.use_distributed_optimizer:  # the CPU patch for torch Adam's step is needed
+            if cfg.optim.use_distributed_optimizer:  # the CPU patches for torch Adam's step are needed
                 from sorl_megatron.bridge.cpu_compat import without_patch
 
                 actor = PolicyEngine(path, layout, cfg, model_options=ModelOptions(dtype=dtype))
-                try:
-                    with without_patch("torch_adam_step_on_load"):
-                        load_engine_checkpoint(ckpt, actor)
-                    r["unpatched_load"] = None
-                except Exception as e:  # noqa: BLE001 - the test asserts on the message
-                    r["unpatched_load"] = f"{type(e).__name__}: {e}"
+                # one fresh engine for both: the first fails in state_dict(), before it changes anything
+                for patch, key in (("fresh_torch_adam_state_on_load", "unpatched_fresh_load"),
+                                   ("torch_adam_step_on_load", "unpatched_load")):
+                    try:
+                        with without_patch(patch):
+                            load_engine_checkpoint(ckpt, actor)
+                        r[key] = None
+                    except Exception as e:  # noqa: BLE001 - the test asserts on the message
+                        r[key] = f"{type(e).__name__}: {e}"
                 del actor
             actor = PolicyEngine(path, layout, cfg, model_options=ModelOptions(dtype=dtype))
             load_engine_checkpoint(ckpt, actor)
@@ -240,7 +244,7 @@ def op_bf16(case: dict, models: str, work: str) -> dict:
             del critic
     save(work, case["tag"], runs)
     keep = ("param_dtypes", "main_dtypes", "grad_dtypes", "optimizers", "model_is_rounded_main", "resume_max_diff",
-            "unpatched_load")
+            "unpatched_load", "unpatched_fresh_load")
     return {k: {f: v for f, v in r.items() if f in keep} for k, r in runs.items() if not k.startswith("critic")}
 
 
@@ -957,6 +961,7 @@ OPS = {
     "diagnostics": op_diagnostics,
     "packing": op_packing,
     "wsync": op_wsync,
+    "logits": op_logits,  # the bridge's check, run in this suite's four-process launch
 }
 
 
