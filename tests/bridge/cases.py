@@ -61,6 +61,10 @@ MP_CASES = [
      "layout": "pp=2,last_stage_layers=1", "expect_layers": [[[0, 1, 2]], [[3]]]},
     {"id": "roundtrip/deepseek_v3_3l/pp2-first1", "op": "roundtrip", "model": "deepseek_v3_3l",
      "layout": "pp=2,first_stage_layers=1"},
+    {"id": "save/deepseek_v3_3l/pp2-first1", "op": "save_ckpt", "model": "deepseek_v3_3l",
+     "layout": "pp=2,first_stage_layers=1", "ckpt": "ck_deepseek_v3_3l_pp2_first1"},
+    {"id": "load/deepseek_v3_3l/pp2-first1->ep2", "op": "load_ckpt", "model": "deepseek_v3_3l", "layout": "ep=2",
+     "ckpt": "ck_deepseek_v3_3l_pp2_first1"},
     {
         "id": "save/deepseek_v3/ep2",
         "op": "save_ckpt",
@@ -135,5 +139,7 @@ SINGLE_CASES = (
         },
         {"id": "spec_selection", "op": "spec_selection", "model": "qwen3_moe"},
         {"id": "pipeline_split_grid", "op": "pipeline_split_grid"},
+        {"id": "load/deepseek_v3_3l/pp2-first1->ws1", "op": "load_ckpt", "model": "deepseek_v3_3l", "layout": "",
+         "ckpt": "ck_deepseek_v3_3l_pp2_first1"},
     ]
 )
