@@ -166,6 +166,10 @@ def check_pipeline_split(layout: ParallelLayout, layers: int, name: str = "the m
         [f"first {first}"] * (first is not None) + [f"{rest} over {middle_ranks} middle ranks"]
         + [f"last {last}"] * (last is not None)
     )
+    if middle_ranks == 0 and rest:
+        raise LayoutError(
+            f"first_stage_layers + last_stage_layers = {first + last} must equal num_hidden_layers={layers} "
+            f"of {name} at PP=2 (no middle ranks take the rest)", (*given, "pp"))
     if rest < 0 or (rest == 0) != (middle_ranks == 0):
         raise LayoutError(
             f"{' and '.join(f'{k}={getattr(layout, k)}' for k in given)} leave {rest} layers for {middle_ranks} "

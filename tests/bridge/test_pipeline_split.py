@@ -53,7 +53,7 @@ def test_deepseek_v3_splits_only_unevenly(layout):
     (ParallelLayout(pp=4, first_stage_layers=40, last_stage_layers=30), "leave -9 layers for 2 middle",
      ("first_stage_layers", "last_stage_layers", "pp")),
     # PP 2 with both ends given: they must add up to the layers (no middle rank takes the rest)
-    (ParallelLayout(pp=2, first_stage_layers=30, last_stage_layers=30), "leave 1 layers for 0 middle",
+    (ParallelLayout(pp=2, first_stage_layers=30, last_stage_layers=30), "= 60 must equal num_hidden_layers=61",
      ("first_stage_layers", "last_stage_layers", "pp")),
     # the ends take every layer: the middle ranks would be empty
     (ParallelLayout(pp=3, first_stage_layers=30, last_stage_layers=31), "leave 0 layers for 1 middle",
