@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 from .cpu_compat import apply_cpu_compat
 from .families import family_config_overrides, local_spec_layout_problem
 from .hf_config import check_hf_dir_has_weights, load_hf_config
-from .layout import LayoutError, ParallelLayout, num_experts_of, validate_layout
+from .layout import LayoutError, ParallelLayout, megatron_pipeline_split, num_experts_of, validate_layout
 from .model import MegatronModel, ModelOptions, attach_value_head
 from .parallel import current_layout, init_parallel
 from .weights import load_hf_weights
@@ -43,6 +43,7 @@ def _config_overrides(hf_config: PretrainedConfig, layout: ParallelLayout, optio
         over["moe_router_pre_softmax"] = not bool(getattr(hf_config, "norm_topk_prob", False))
     if num_experts_of(hf_config):
         over["moe_token_dispatcher_type"] = "alltoall"
+    over.update(megatron_pipeline_split(layout))  # layer offsets follow it: mbridge maps by layer_number
     over.update(family_config_overrides(hf_config, on_gpu_te=use_te and not on_cpu))
     over.update(options.config_overrides)
     return over

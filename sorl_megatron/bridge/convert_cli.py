@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="convert.py",
         description="Convert between HuggingFace and Megatron checkpoints (any TP/PP/VPP/EP layout) "
         "and verify logits. Runs as one process or under torchrun (the layout must fit the world size).",
-        epilog="Layouts are comma-separated key=value: tp, pp, vpp, ep, etp, sp (e.g. 'tp=2,ep=2,etp=1'). "
+        epilog="Layouts are comma-separated key=value: tp, pp, vpp, ep, etp, sp, and first_stage_layers / "
+        "last_stage_layers for uneven pipeline stages (e.g. 'tp=2,ep=2,etp=1', 'pp=4,first_stage_layers=16'). "
         "See docs/conversion.md.",
     )
     p.add_argument("--verbose", action="store_true", help="keep library warnings")

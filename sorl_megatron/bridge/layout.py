@@ -19,7 +19,8 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral", "dee
 class LayoutError(ValueError):
     """A parallel layout that cannot work for this model or this world size.
 
-    ``keys``: the layout fields (``tp``, ``pp``, ``vpp``, ``ep``, ``etp``, ``cp``) to change,
+    ``keys``: the layout fields (``tp``, ``pp``, ``vpp``, ``ep``, ``etp``, ``cp``,
+    ``first_stage_layers``, ``last_stage_layers``) to change,
     so that a caller can name its own keys for them (the recipe's ``parallelism.*``).
     """
 
@@ -40,6 +41,10 @@ class ParallelLayout:
     (interleaved schedule; 1 = off), ep: expert parallel, etp: expert tensor parallel
     (None = same as tp, megatron's default), cp: context parallel (only 1 is tested here).
     sequence_parallel: None = on whenever tp > 1 (MoE layers require it with TP).
+    first_stage_layers / last_stage_layers: uneven pipeline stages (megatron's
+    ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``): the
+    layers of the first / last pipeline rank; the other layers split evenly over the middle
+    ranks. None = even split. With VPP each pipeline rank's layers split evenly over its chunks.
     """
 
     tp: int = 1
@@ -49,6 +54,23 @@ class ParallelLayout:
     etp: Optional[int] = None
     cp: int = 1
     sequence_parallel: Optional[bool] = None
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+
+    @property
+    def uneven(self) -> bool:
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers of each pipeline rank, first to last (megatron's split; unchecked:
+        `validate_layout` refuses the splits that do not add up)."""
+        if not self.uneven:
+            return [num_layers // self.pp] * self.pp
+        first, last = self.first_stage_layers, self.last_stage_layers
+        middle_ranks = self.pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        each = rest // middle_ranks if middle_ranks > 0 else 0
+        return ([first] if first is not None else []) + [each] * middle_ranks + ([last] if last is not None else [])
 
     @property
     def expert_tp(self) -> int:
@@ -69,6 +91,10 @@ class ParallelLayout:
 
     def describe(self) -> str:
         parts = [f"TP={self.tp}", f"PP={self.pp}"]
+        if self.uneven:
+            ends = [f"{k} {v}" for k, v in (("first", self.first_stage_layers), ("last", self.last_stage_layers))
+                    if v is not None]
+            parts[-1] += f" ({', '.join(ends)} layers)"
         if self.vpp > 1:
             parts.append(f"VPP={self.vpp}")
         if self.ep > 1 or self.etp is not None:
@@ -82,7 +108,7 @@ class ParallelLayout:
 
     @classmethod
     def from_string(cls, text: str) -> "ParallelLayout":
-        """Parse 'tp=2,pp=1,ep=2' (keys: tp pp vpp ep etp cp sp)."""
+        """Parse 'tp=2,pp=1,ep=2' (keys: tp pp vpp ep etp cp sp first_stage_layers last_stage_layers)."""
         values: dict[str, Any] = {}
         for item in filter(None, (s.strip() for s in text.split(","))):
             if "=" not in item:
@@ -90,13 +116,14 @@ class ParallelLayout:
             key, value = (s.strip().lower() for s in item.split("=", 1))
             if key == "sp":
                 values["sequence_parallel"] = value in ("1", "true", "yes", "on")
-            elif key in ("tp", "pp", "vpp", "ep", "etp", "cp"):
+            elif key in ("tp", "pp", "vpp", "ep", "etp", "cp", "first_stage_layers", "last_stage_layers"):
                 try:
                     values[key] = int(value)
                 except ValueError:
                     raise LayoutError(f"layout {key}={value!r} is not an integer") from None
             else:
-                raise LayoutError(f"unknown layout key {key!r} in {text!r}; use tp,pp,vpp,ep,etp,cp,sp")
+                raise LayoutError(f"unknown layout key {key!r} in {text!r}; use tp,pp,vpp,ep,etp,cp,sp,"
+                                  "first_stage_layers,last_stage_layers")
         return cls(**values)
 
 
@@ -106,6 +133,69 @@ def _cfg(hf_config: Any, *names: str, default: Any = None) -> Any:
         if value is not None:
             return value
     return default
+
+
+def check_pipeline_split(layout: ParallelLayout, layers: int, name: str = "the model") -> None:
+    """Megatron's rules for splitting `layers` over PP (x VPP) stages, even or uneven
+    (TransformerConfig.__post_init__ and transformer_block.get_num_layers_to_build), as
+    LayoutErrors naming the keys before megatron would assert."""
+    stages = layout.pp * layout.vpp
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    if not layout.uneven:
+        if layers % stages:
+            raise LayoutError(
+                f"PP={layout.pp} x VPP={layout.vpp} = {stages} stages do not divide num_hidden_layers={layers} "
+                f"of {name} (uneven stages: first_stage_layers / last_stage_layers)",
+                ("pp", "vpp") if layout.vpp > 1 else ("pp",),
+            )
+        return
+    given = tuple(k for k, v in (("first_stage_layers", first), ("last_stage_layers", last)) if v is not None)
+    for key in given:
+        value = getattr(layout, key)
+        if value < 1:
+            raise LayoutError(f"{key}={value} must be >= 1", (key,))
+        if value % layout.vpp:
+            raise LayoutError(f"VPP={layout.vpp} does not divide {key}={value} (each pipeline rank's layers "
+                              "split evenly over its virtual stages)", (key, "vpp"))
+    if layout.pp == 1:
+        raise LayoutError(f"{' / '.join(given)} need PP > 1 (they size the first / last pipeline stage)",
+                          (*given, "pp"))
+    middle_ranks = layout.pp - len(given)
+    rest = layers - (first or 0) - (last or 0)
+    split = f"{layers} layers = " + " + ".join(
+        [f"first {first}"] * (first is not None) + [f"{rest} over {middle_ranks} middle ranks"]
+        + [f"last {last}"] * (last is not None)
+    )
+    if middle_ranks == 0 and rest:
+        raise LayoutError(
+            f"first_stage_layers + last_stage_layers = {first + last} must equal num_hidden_layers={layers} "
+            f"of {name} at PP=2 (no middle ranks take the rest)", (*given, "pp"))
+    if rest < 0 or (rest == 0) != (middle_ranks == 0):
+        raise LayoutError(
+            f"{' and '.join(f'{k}={getattr(layout, k)}' for k in given)} leave {rest} layers for {middle_ranks} "
+            f"middle pipeline ranks at PP={layout.pp} ({split} of {name}; each rank needs at least one layer)",
+            (*given, "pp"),
+        )
+    if middle_ranks and rest % middle_ranks:
+        raise LayoutError(
+            f"the {rest} layers left by {' and '.join(f'{k}={getattr(layout, k)}' for k in given)} do not split "
+            f"evenly over the {middle_ranks} middle pipeline ranks of PP={layout.pp} ({name})", (*given, "pp"))
+    if middle_ranks and (rest // middle_ranks) % layout.vpp:
+        raise LayoutError(f"VPP={layout.vpp} does not divide the {rest // middle_ranks} layers of each middle "
+                          f"pipeline rank ({split} of {name})", ("vpp", *given))
+
+
+def megatron_pipeline_split(layout: ParallelLayout) -> dict:
+    """TransformerConfig fields for an uneven split (empty when even). With PP=2, first and last
+    both given, only the first is passed: megatron's interleaved layer offset divides by the
+    number of middle ranks (0 // 0, transformer_layer.get_transformer_layer_offset), and the
+    last rank as the lone "middle" rank gets the same layers."""
+    if not layout.uneven:
+        return {}
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    if layout.pp == 2 and first is not None and last is not None:
+        last = None
+    return {"num_layers_in_first_pipeline_stage": first, "num_layers_in_last_pipeline_stage": last}
 
 
 def num_experts_of(hf_config: Any) -> int:
@@ -148,14 +238,9 @@ def validate_layout(layout: ParallelLayout, hf_config: Any, world_size: Optional
             f"TP={layout.tp} does not divide num_key_value_heads={kv_heads} of {name} "
             "(KV-head replication is not supported)", ("tp",)
         )
-    stages = layout.pp * layout.vpp
     if layout.vpp > 1 and layout.pp == 1:
         raise LayoutError(f"VPP={layout.vpp} needs PP > 1 (interleaving splits pipeline stages)", ("vpp", "pp"))
-    if layers % stages:
-        raise LayoutError(
-            f"PP={layout.pp} x VPP={layout.vpp} = {stages} stages do not divide "
-            f"num_hidden_layers={layers} of {name}", ("pp", "vpp") if layout.vpp > 1 else ("pp",)
-        )
+    check_pipeline_split(layout, layers, name)
     experts = num_experts_of(hf_config)
     if experts == 0:
         if layout.ep > 1 or (layout.etp not in (None, layout.tp)):

@@ -314,7 +314,7 @@ class TrainConfig:
 
 CONFIG_GROUPS: dict[str, str] = {
     "model": "HF checkpoint of the policy / critic and dtype",
-    "parallelism": "tp, pp, vpp, ep, etp, cp, sequence_parallel",
+    "parallelism": "tp, pp, vpp, ep, etp, cp, sequence_parallel, first_stage_layers / last_stage_layers (uneven PP)",
     "algorithm": (
         "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, "
         "routing_replay, value_clip, pvpo"
@@ -497,6 +497,12 @@ def _check_values(cfg: TrainConfig) -> None:
         _positive_int("parallelism.etp", p.etp)
     if p.vpp > 1 and p.pp == 1:  # the rule of bridge/layout.py validate_layout
         raise ConfigError(f"parallelism.vpp={p.vpp} needs parallelism.pp > 1 (interleaving splits pipeline stages)")
+    for key in ("first_stage_layers", "last_stage_layers"):
+        if getattr(p, key) is not None:
+            _positive_int(f"parallelism.{key}", getattr(p, key))
+            if p.pp == 1:
+                raise ConfigError(f"parallelism.{key}={getattr(p, key)} needs parallelism.pp > 1 "
+                                  "(it sizes the first / last pipeline stage)")
     s = cfg.schedule
     for key in ("total_steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "critic_epochs"):
         _positive_int(f"schedule.{key}", getattr(s, key))
@@ -669,8 +675,9 @@ def _check_model_layout(cfg: TrainConfig, hf_config, key: str) -> None:
         raise ConfigError(
             f"parallelism.tp={p.tp} does not divide the model's vocab_size {vocab} (pad the vocabulary; {key})"
         )
-    if layers % (p.pp * p.vpp):
-        raise ConfigError(f"parallelism.pp x vpp = {p.pp * p.vpp} does not divide the model's {layers} layers ({key})")
+    if not p.uneven and layers % (p.pp * p.vpp):
+        raise ConfigError(f"parallelism.pp x vpp = {p.pp * p.vpp} does not divide the model's {layers} layers "
+                          f"({key}; uneven stages: parallelism.first_stage_layers / last_stage_layers)")
     if p.ep > 1 and experts == 0:
         raise ConfigError(f"parallelism.ep={p.ep} needs an MoE model; {key} is dense")
     if p.ep > 1 and experts % p.ep:
@@ -686,7 +693,8 @@ def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) 
     from ..bridge.layout import LayoutError, UnsupportedModelError, validate_layout
 
     layout = p = cfg.parallelism
-    where = (f"parallelism (tp={p.tp}, pp={p.pp}, vpp={p.vpp}, ep={p.ep}, etp={p.etp}) "
+    stages = f", first_stage_layers={p.first_stage_layers}, last_stage_layers={p.last_stage_layers}" * p.uneven
+    where = (f"parallelism (tp={p.tp}, pp={p.pp}, vpp={p.vpp}, ep={p.ep}, etp={p.etp}{stages}) "
              f"at world size {world_size} for {key}={getattr(cfg.model, key.split('.')[1])}")
     try:
         validate_layout(layout, hf_config, world_size)

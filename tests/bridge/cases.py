@@ -54,6 +54,17 @@ MP_CASES = [
     {"id": "roundtrip/deepseek_v3/tp2", "op": "roundtrip", "model": "deepseek_v3", "layout": "tp=2"},
     {"id": "roundtrip/glm4_moe/ep2", "op": "roundtrip", "model": "glm4_moe", "layout": "ep=2"},
     {"id": "roundtrip/qwen2_moe/tp2", "op": "roundtrip", "model": "qwen2_moe", "layout": "tp=2"},
+    # uneven pipeline stages (parallelism.first_stage_layers / last_stage_layers): 3 layers = 1 + 2
+    {"id": "logits/deepseek_v3_3l/pp2-first1", "op": "uneven_logits", "model": "deepseek_v3_3l",
+     "layout": "pp=2,first_stage_layers=1", "expect_layers": [[[0]], [[1, 2]]]},
+    {"id": "logits/qwen2_4l/pp2-last1", "op": "uneven_logits", "model": "qwen2_4l",  # tied embeddings
+     "layout": "pp=2,last_stage_layers=1", "expect_layers": [[[0, 1, 2]], [[3]]]},
+    {"id": "roundtrip/deepseek_v3_3l/pp2-first1", "op": "roundtrip", "model": "deepseek_v3_3l",
+     "layout": "pp=2,first_stage_layers=1"},
+    {"id": "save/deepseek_v3_3l/pp2-first1", "op": "save_ckpt", "model": "deepseek_v3_3l",
+     "layout": "pp=2,first_stage_layers=1", "ckpt": "ck_deepseek_v3_3l_pp2_first1"},
+    {"id": "load/deepseek_v3_3l/pp2-first1->ep2", "op": "load_ckpt", "model": "deepseek_v3_3l", "layout": "ep=2",
+     "ckpt": "ck_deepseek_v3_3l_pp2_first1"},
     {
         "id": "save/deepseek_v3/ep2",
         "op": "save_ckpt",
@@ -127,5 +138,8 @@ SINGLE_CASES = (
             "ckpt": "ck_deepseek_v3_ep2",
         },
         {"id": "spec_selection", "op": "spec_selection", "model": "qwen3_moe"},
+        {"id": "pipeline_split_grid", "op": "pipeline_split_grid"},
+        {"id": "load/deepseek_v3_3l/pp2-first1->ws1", "op": "load_ckpt", "model": "deepseek_v3_3l", "layout": "",
+         "ckpt": "ck_deepseek_v3_3l_pp2_first1"},
     ]
 )

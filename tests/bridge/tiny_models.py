@@ -156,6 +156,14 @@ def deepseek_v3_no_q_lora_config():
     return cfg
 
 
+def deepseek_v3_3l_config():
+    """Three layers (a prime count, as DeepSeek-V3's 61): only uneven pipeline stages split it,
+    e.g. the dense layer 0 alone on the first stage and the two MoE layers on the second."""
+    cfg = deepseek_v3_config()
+    cfg.num_hidden_layers = 3
+    return cfg
+
+
 CONFIGS: dict[str, Callable] = {
     "qwen2": lambda: qwen2_config(tied=False),
     "qwen2_tied": lambda: qwen2_config(tied=True),
@@ -166,6 +174,7 @@ CONFIGS: dict[str, Callable] = {
     "deepseek_v3": deepseek_v3_config,
     "deepseek_v3_yarn": deepseek_v3_yarn_config,
     "deepseek_v3_no_q_lora": deepseek_v3_no_q_lora_config,
+    "deepseek_v3_3l": deepseek_v3_3l_config,  # uneven PP
     "qwen2_moe": qwen2_moe_config,
     "glm4_moe": glm4_moe_config,
 }

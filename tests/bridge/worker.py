@@ -311,7 +311,27 @@ def op_compat_probes(case: dict, models: str, work: str) -> dict:
     return run_probes()
 
 
+def op_pipeline_split_grid(case: dict, models: str, work: str) -> dict:
+    from pipeline_split_grid import run_grid
+
+    return run_grid()
+
+
+def op_uneven_logits(case: dict, models: str, work: str) -> dict:
+    """Logits vs transformers at an uneven PP layout, and the global layer ids each rank built."""
+    src = os.path.join(models, case["model"])
+    model = build_model(src, ParallelLayout.from_string(case["layout"]))
+    logits = forward_logits(model, TOKENS)
+    mine = [[layer.layer_number - 1 for layer in chunk.decoder.layers] for chunk in model.unwrapped()]
+    by_rank = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(by_rank, mine)
+    diff = (logits - reference_logits(src)).abs().max().item()
+    return {"max_abs_diff": diff, "shape": list(logits.shape), "layers_by_rank": by_rank}
+
+
 OPS = {
+    "pipeline_split_grid": op_pipeline_split_grid,
+    "uneven_logits": op_uneven_logits,
     "logits": op_logits,
     "value": op_value,
     "from_config": op_from_config,

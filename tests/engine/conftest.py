@@ -129,6 +129,9 @@ def ws2(engine_models, engine_work):
         # expert TP 1 under TP 2 (MiniRL's ETP != TP), and the interleaved schedule (VPP)
         {"op": "actor", "model": MODEL, "layout": "tp=2,ep=2,etp=1", "tag": "actor_tp2_etp1_ep2", "steps": 1},
         {"op": "actor", "model": MODEL_4L, "layout": "pp=2,vpp=2", "tag": "actor_4l_pp2_vpp2", "steps": 1},
+        # uneven pipeline stages (parallelism.first_stage_layers): layers 0 | 1, 2, 3
+        {"op": "actor", "model": MODEL_4L, "layout": "pp=2,first_stage_layers=1", "tag": "actor_4l_pp2_first1",
+         "steps": 1},
         {"op": "compat_uneven", "model": MODEL, "layout": "tp=1", "tag": "compat_uneven_2"},
         *[{"op": "actor", "model": k, "layout": "ep=2", "tag": f"actor_{k}_ep2", "light": True} for k in FAMILIES],
         {"op": "rollout_r3", "model": "deepseek_v3", "layout": "ep=2", "tag": "rollout_r3_deepseek_v3_ep2"},

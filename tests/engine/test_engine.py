@@ -138,6 +138,7 @@ def test_actor_layout_equals_world_size_1(ws1, ws2, engine_work, tag):
 MORE_LAYOUTS = [
     ("ws2", "actor_tp2_etp1_ep2", "actor_ws1"),  # TP 2 x ETP 1 x EP 2: expert TP != TP
     ("ws2", "actor_4l_pp2_vpp2", "actor_4l_ws1"),  # PP 2 x VPP 2: the interleaved 1F1B schedule
+    ("ws2", "actor_4l_pp2_first1", "actor_4l_ws1"),  # uneven PP: 1 + 3 layers (parallelism.first_stage_layers)
     ("ws4", "actor_tp2_ep2_4r", "actor_ws1"),  # TP 2 x EP 2 x DP 2 (ETP 2, expert-DP 1)
     ("ws4", "actor_tp2_etp1_ep4_4r", "actor_ws1"),  # TP 2 x DP 2, experts ETP 1 x EP 4
 ]

@@ -411,6 +411,21 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", num_attention_heads=32, num_key_val
 QWEN3_235B_A22B = dict(model_type="qwen3_moe", num_attention_heads=64, num_key_value_heads=4, num_hidden_layers=94,
                        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, intermediate_size=12288,
                        vocab_size=151936, head_dim=128)
+# config.json of deepseek-ai/DeepSeek-V3 and moonshotai/Moonlight-16B-A3B (model_type deepseek_v3)
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", num_attention_heads=128, num_key_value_heads=128, num_hidden_layers=61,
+                   hidden_size=7168, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8,
+                   topk_group=4, first_k_dense_replace=3, moe_intermediate_size=2048, intermediate_size=18432,
+                   q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1, vocab_size=129280,
+                   max_position_embeddings=163840, rope_theta=10000.0,
+                   rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+MOONLIGHT_16B_A3B = dict(model_type="deepseek_v3", num_attention_heads=16, num_key_value_heads=16, num_hidden_layers=27,
+                         hidden_size=2048, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1,
+                         topk_group=1, first_k_dense_replace=1, moe_intermediate_size=1408, intermediate_size=11264,
+                         q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                         routed_scaling_factor=2.446, norm_topk_prob=True, vocab_size=163840,
+                         max_position_embeddings=8192, rope_theta=50000.0)
 
 # recipe -> (model shape, the world sizes its comment states)
 GPU_LAUNCHES = {
@@ -423,6 +438,8 @@ GPU_LAUNCHES = {
     "pvpo_qwen2.5_7b.yaml": (QWEN25_7B, [8, 16, 32]),
     "minirl_qwen3_30b_a3b_r3.yaml": (QWEN3_30B_A3B, [32]),
     "minirl_qwen3_235b_a22b_r3.yaml": (QWEN3_235B_A22B, [64, 128]),
+    "minirl_moonlight_16b_a3b_r3.yaml": (MOONLIGHT_16B_A3B, [8]),
+    "minirl_deepseek_v3_r3.yaml": (DEEPSEEK_V3, [128, 256]),
 }
 
 
@@ -521,6 +538,43 @@ def test_qwen3_235b_layout_is_the_only_kind_its_shape_allows(tmp_path):
         with pytest.raises(ConfigError, match=message):
             validate_layout_for_launch(load_recipe(GPU / "minirl_qwen3_235b_a22b_r3.yaml",
                                                    [f"model.path={model}", *overrides]), world)
+
+
+def test_deepseek_v3_layout_is_valid_through_its_uneven_stages(tmp_path):
+    """61 layers are prime: the recipe's PP 4 works only because parallelism.first_stage_layers
+    makes the stages 16 + 15 + 15 + 15; every even or interleaved variant is refused naming the key."""
+    model = _hf_config(tmp_path / "model", **DEEPSEEK_V3)
+    recipe = GPU / "minirl_deepseek_v3_r3.yaml"
+    cfg = load_recipe(recipe, [f"model.path={model}"])
+    assert (cfg.model.dtype, cfg.rollout.precision, cfg.algorithm.routing_replay) == ("bfloat16", "fp8", "r3")
+    assert cfg.optimizer.use_distributed_optimizer and cfg.schedule.pack_sequences
+    assert cfg.parallelism.stage_layers(61) == [16, 15, 15, 15]
+    validate_layout_for_launch(cfg, 128)
+    for overrides, world, message in [
+        (["parallelism.first_stage_layers=null"], 128,
+         r"parallelism.pp x vpp = 4 does not divide the model's 61 layers .*parallelism.first_stage_layers"),
+        (["parallelism.first_stage_layers=14"], 128,
+         r"parallelism.first_stage_layers=14, parallelism.pp=4: .*the 47 layers left by first_stage_layers=14 "
+         r"do not split evenly over the 3 middle"),
+        (["parallelism.last_stage_layers=16"], 128,
+         r"parallelism.first_stage_layers=16, parallelism.last_stage_layers=16, parallelism.pp=4: .*29 layers"),
+        (["parallelism.vpp=2"], 128, r"parallelism.vpp=2, parallelism.first_stage_layers=16: .*VPP=2 does not divide"),
+        (["parallelism.pp=1"], 128, r"parallelism.first_stage_layers=16 needs parallelism.pp > 1"),
+        (["parallelism.first_stage_layers=0"], 128, r"parallelism.first_stage_layers must be >= 1, got 0"),
+        ([], 64, r"parallelism.ep=32, parallelism.etp=1: .*ETP x EP x PP = 128"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate_layout_for_launch(load_recipe(recipe, [f"model.path={model}", *overrides]), world)
+
+
+def test_moonlight_recipe_is_one_node_of_deepseek_v3_architecture(tmp_path):
+    model = _hf_config(tmp_path / "model", **MOONLIGHT_16B_A3B)
+    cfg = load_recipe(GPU / "minirl_moonlight_16b_a3b_r3.yaml", [f"model.path={model}"])
+    assert (cfg.model.dtype, cfg.rollout.precision, cfg.algorithm.routing_replay) == ("bfloat16", "fp8", "r3")
+    assert cfg.rollout.weight_sync == "distributed" and cfg.schedule.pack_sequences
+    validate_layout_for_launch(cfg, 8)
+    with pytest.raises(ConfigError, match=r"parallelism.ep=8, parallelism.etp=1: .*ETP x EP x PP = 8"):
+        validate_layout_for_launch(cfg, 4)  # one node is the least: EP 8 needs 8 ranks
 
 
 def test_gpu_recipe_paper_settings():
