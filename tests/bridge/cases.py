@@ -129,7 +129,7 @@ SINGLE_CASES = (
         {"id": "logits/deepseek_v3_yarn/ws1", "op": "logits", "model": "deepseek_v3_yarn", "layout": ""},
         {"id": "logits/deepseek_v3_no_q_lora/ws1", "op": "logits", "model": "deepseek_v3_no_q_lora", "layout": ""},
         {"id": "value/deepseek_v3/ws1", "op": "value", "model": "deepseek_v3", "layout": ""},  # a critic on MLA
-        {"id": "fp8/deepseek_v3/ws1", "op": "fp8", "model": "deepseek_v3", "layout": ""},
+        *[{"id": f"fp8/{k}/ws1", "op": "fp8", "model": k, "layout": ""} for k in NEW_FAMILIES],
         {
             "id": "load/deepseek_v3/ep2->ws1",
             "op": "load_ckpt",

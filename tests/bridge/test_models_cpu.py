@@ -186,6 +186,26 @@ def test_fp8_export_quantizes_mla_projections(single_results):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen2_moe", "glm4_moe"])
+def test_fp8_export_of_shared_expert_families(single_results, model):
+    """Routed and shared experts and attention go to FP8 blocks; routers, the routing bias
+    (GLM-4.5) and Qwen2-MoE's one-row shared-expert gate stay in high precision, bit-equal, as
+    SGLang's FP8 loaders read them unquantized."""
+    r = result(single_results, f"fp8/{model}/ws1")
+    assert r["worst_error_over_bound"] <= 1.0 and r["kept_unequal"] == []
+    fp8, kept = r["fp8_names"], r["kept_names"]
+    shared = "shared_expert." if model == "qwen2_moe" else "shared_experts."
+    moe_layer = 0 if model == "qwen2_moe" else 1  # GLM-4.5's first layer is dense
+    for piece in ("self_attn.q_proj", "self_attn.o_proj", f"mlp.{shared}down_proj", "mlp.experts.0.up_proj"):
+        assert any(f"layers.{moe_layer}.{piece}" in n for n in fp8), piece
+    assert f"model.layers.{moe_layer}.mlp.gate.weight" in kept
+    if model == "qwen2_moe":
+        assert "model.layers.0.mlp.shared_expert_gate.weight" in kept
+    else:
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in kept
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["deepseek_v3", "deepseek_v3_yarn", "qwen2_moe", "glm4_moe"])
 def test_each_family_fix_is_needed(single_results, model):
     """Undoing any TransformerConfig field families.py sets (or zeroing the loaded expert-score

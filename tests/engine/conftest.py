@@ -100,7 +100,7 @@ def ws1(engine_models, engine_work):
         # random-route R2/R3 (MLA, a dense first layer, grouped sigmoid routing with a bias); every
         # family's rollout R3
         *[{"op": "actor", "model": k, "layout": "tp=1", "tag": f"actor_{k}_ws1", "light": True} for k in FAMILIES],
-        {"op": "replay", "model": "deepseek_v3", "layout": "tp=1", "tag": "replay_ds_ws1"},
+        *[{"op": "replay", "model": k, "layout": "tp=1", "tag": f"replay_{k}_ws1"} for k in FAMILIES],
         *[{"op": "rollout_r3", "model": k, "layout": "tp=1", "tag": f"rollout_r3_{k}_ws1"} for k in FAMILIES],
     ]
     return launch(engine_models, engine_work, cases, 1, "ws1")

@@ -385,10 +385,12 @@ def test_family_update_at_ep2_equals_world_size_1(ws1, ws2, engine_work, model):
         assert got[m]["loss"] == pytest.approx(ref[m]["loss"], rel=1e-6, abs=1e-7)
 
 
-def test_deepseek_v3_routing_replay(ws1):
-    """R2 records and replays the grouped sigmoid+bias router's choice; R3 uses given random
-    routes exactly (the dense first layer has no router: its entries stay -1)."""
-    r = _ok(ws1, "replay_ds_ws1")
+@pytest.mark.parametrize("model", ["deepseek_v3", "glm4_moe", "qwen2_moe"])
+def test_family_routing_replay(ws1, model):
+    """R2 records and replays each family's router choice (DeepSeek-V3: grouped sigmoid + bias,
+    GLM-4.5: sigmoid + bias, Qwen2-MoE: softmax beside a gated shared expert); R3 uses given
+    random routes exactly (a leading dense layer has no router: its entries stay -1)."""
+    r = _ok(ws1, f"replay_{model}_ws1")
     assert r["live_differs_frac"] > 0.05 and r["replay_used_equals_recorded"]
     assert r["m_first"]["routing/replay_mismatch_frac"] == 0.0
     assert r["r3_given_used_exactly"] and r["r3_missing_fall_back_to_live"] and r["r3_mismatch"] > 0.5
