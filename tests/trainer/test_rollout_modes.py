@@ -435,12 +435,64 @@ def test_pause_and_continue_around_updates_or_the_404_fallback():
             finally:
                 await client.close()
 
+        from sorl_megatron.rollout.client import PauseClock
+
         trainer = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(mode="async", pause_mode="retract")),
-                                  _pause_supported=None, _with_client=with_client)
+                                  _pause_supported=None, _with_client=with_client, pause_clock=PauseClock(60))
         seen.clear()
         with pytest.raises(RequestRejectedError, match="/pause_generation rejected"):
             RLTrainer._pause(trainer, True)
         assert [(i, p) for i, p, _ in seen if i == 0] == [(0, "/pause_generation"), (0, "/continue_generation")]
+        assert not trainer.pause_clock.paused  # the clock runs again with the servers
     finally:
         for s in servers:
             s.stop()
+
+
+def test_a_paused_turn_waits_out_the_sync_within_weight_sync_timeout_s():
+    """While the servers are paused for a weight sync, a /generate call's rollout.timeout_s
+    clock stops, for at most rollout.weight_sync_timeout_s (the clock's cap): a turn paused on
+    purpose is not timed out by a slow sync, and the wait stays bounded, the error naming both keys."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
+    from sorl_megatron.common.http import RetryPolicy, ServerTimeoutError
+    from sorl_megatron.common.protocol import SamplingParams
+    from sorl_megatron.rollout.client import PauseClock, RolloutClient, RolloutClientConfig
+
+    async def slow(request):  # answers after 1.5 s, as a request held by a pause would
+        await asyncio.sleep(1.5)
+        return web.json_response({"output_ids": [4], "meta_info": {
+            "id": "a", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 1, "completion_tokens": 1,
+            "cached_tokens": 0, "weight_version": "v", "output_token_logprobs": [[-1.0, 4, None]]}})
+
+    app = web.Application()
+    app.router.add_post("/generate", slow)
+    server = BackgroundServer(app, "127.0.0.1", 0).start()
+    cfg = RolloutClientConfig(urls=(server.url,), generate_retry=RetryPolicy(timeout_s=0.6, retries=0))
+
+    def turn(clock, resume_after=None):
+        async def go():
+            async with RolloutClient(cfg, pauses=clock) as client:
+                if clock is not None:
+                    clock.pause()
+                    if resume_after is not None:
+                        asyncio.get_running_loop().call_later(resume_after, clock.resume)
+                t0 = time.monotonic()
+                try:
+                    return (await client.generate([1], SamplingParams(max_new_tokens=1)))[0], time.monotonic() - t0
+                except ServerTimeoutError as err:
+                    return err, time.monotonic() - t0
+
+        return asyncio.run(go())
+
+    try:
+        err, took = turn(None)  # no clock: 0.6 s and out
+        assert isinstance(err, ServerTimeoutError) and took < 1.4
+        out, took = turn(PauseClock(max_credit_s=30), resume_after=1.2)  # paused 1.2 s of its 1.5 s
+        assert out.output_ids == [4] and took >= 1.4
+        err, took = turn(PauseClock(max_credit_s=0.3))  # a pause longer than the cap
+        assert isinstance(err, ServerTimeoutError) and 0.8 <= took < 1.4, took
+        assert "rollout.timeout_s" in str(err) and "rollout.weight_sync_timeout_s" in str(err)
+    finally:
+        server.stop()
