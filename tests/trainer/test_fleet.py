@@ -126,9 +126,10 @@ class Saboteur(threading.Thread):
     request is caught inside the stopped server), ``sig`` follows (SIGKILL: a crash; SIGSTOP: it stays
     hung), else it continues it and tries again."""
 
-    def __init__(self, trainer: RLTrainer, sig: int, timeout_s: float = 300.0):
+    def __init__(self, trainer: RLTrainer, sig: int, timeout_s: float = 300.0, when=None):
         super().__init__(daemon=True)
         self.trainer, self.sig, self.timeout_s = trainer, sig, timeout_s
+        self.when = when  # strikes only once this holds (e.g. the background thread is generating)
         self.victim: tuple[str, int] | None = None  # (server name, pid)
         self.error: BaseException | None = None
 
@@ -146,6 +147,9 @@ class Saboteur(threading.Thread):
         fleet = self.trainer.fleet
         admin = RouterAdmin(fleet.router_url, fleet.api_key)
         while time.monotonic() < deadline:
+            if self.when is not None and not self.when():
+                await asyncio.sleep(0.01)
+                continue
             busy = [u for u, w in (await admin.workers()).items() if w.get("load", 0) > 0]
             for w in [w for w in fleet.workers if w.url in busy]:
                 pid = fleet.servers.procs[w.name].pid
@@ -172,9 +176,9 @@ class Saboteur(threading.Thread):
         return True
 
 
-def _run_with(tiny_data, tmp_path, name: str, sig: int, *extra: str):
+def _run_with(tiny_data, tmp_path, name: str, sig: int, *extra: str, when=None):
     trainer = RLTrainer(load_recipe(BASE_RECIPE, [*run_overrides(tiny_data, tmp_path, name), *FLEET, *extra]))
-    saboteur = Saboteur(trainer, sig)
+    saboteur = Saboteur(trainer, sig, when=None if when is None else lambda: when(trainer))
     saboteur.start()
     try:
         trainer.run()
@@ -209,6 +213,34 @@ def _assert_recovered(metrics: dict, run_dir: Path, victim: str) -> None:
 def test_server_killed_mid_rollout(tiny_data, tmp_path):
     metrics, victim = _run_with(tiny_data, tmp_path, "killed", signal.SIGKILL)
     _assert_recovered(metrics, tmp_path / "killed", victim)
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_server_killed_while_a_background_thread_generates(tiny_data, tmp_path, mode):
+    """kill -9 of a rollout server while the one-step-off thread (step 2's batch, during step 1's
+    training) or the async producer generates: the failure is handled from that thread (failover,
+    one restart), the run finishes, the metrics count it, and every step trains a full batch of
+    complete groups (no accepted episode lost, none drawn twice)."""
+    busy = {"one_step_off": lambda t: t._pending is not None, "async": lambda t: t._producer is not None}[mode]
+    metrics, victim = _run_with(tiny_data, tmp_path, mode, signal.SIGKILL, f"rollout.mode={mode}",
+                                "algorithm.loss.is_correction.mode=tis", when=busy)
+    steps = [metrics[s] for s in (1, 2)]
+    total = {k: sum(m[f"rollout/{k}"] for m in steps) for k in
+             ("server_failures", "server_restarts", "servers_rejoined", "retries")}
+    assert total["server_failures"] == 1 and total["server_restarts"] == 1, total
+    assert total["servers_rejoined"] == 1 and total["retries"] >= 1, total
+    assert steps[-1]["rollout/servers_up"] == 2
+    assert all(m.get("rollout/finish_error", 0) == 0 for m in steps)  # every call found a server
+    log = (tmp_path / mode / "servers" / f"{victim}.log").read_text(errors="replace")
+    assert log.count("Running on http://127.0.0.1:") == 2, "the server was not started again"
+    rows = [json.loads(x) for x in (tmp_path / mode / "episodes.jsonl").read_text().splitlines() if x.strip()]
+    for step in (1, 2):
+        trained = [r for r in rows if r["step"] == step and r["status"] == "trained"]
+        assert len(trained) == 2 and all(len(r["turn_versions"]) == 2 for r in trained), (step, trained)
+    groups = [r["group"] for r in rows]
+    assert len(groups) == len(set(groups))
+    if mode == "one_step_off":
+        assert sorted(groups) == list(range(len(groups)))  # none skipped
 
 
 def test_server_hung_mid_rollout(tiny_data, tmp_path):
