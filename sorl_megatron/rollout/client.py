@@ -345,7 +345,9 @@ class RolloutClient:
                         f"POST {url}/generate did not answer within {policy.timeout_s:g} s (rollout.timeout_s) "
                         f"plus {credit:.1f} s paused for weight syncs (at most {clock.max_credit_s:g} s: "
                         f"rollout.weight_sync_timeout_s)")
-                done, _ = await asyncio.wait({call}, timeout=min(max(left, 0.05), 1.0))
+                # credit only grows: unpaused, wake at the deadline and look again; paused, poll
+                wait = max(left, 0.05)
+                done, _ = await asyncio.wait({call}, timeout=min(wait, 1.0) if clock.paused else wait)
                 if done:
                     return call.result()
         finally:
