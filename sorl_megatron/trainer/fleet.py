@@ -25,7 +25,7 @@ step fails only when no server is left. Metrics per step: ``rollout/retries``,
 ``rollout/server_failures``, ``rollout/server_restarts``, ``rollout/servers_rejoined``,
 ``rollout/servers_up``.
 
-Threads: in ``rollout.mode=async`` the producer thread (its own event loop) and the main thread
+Threads: in ``rollout.mode`` one_step_off and async a background thread (its own event loop) and the main thread
 report failures to the same fleet. One ``threading.Lock`` serializes every decision (checks,
 failures, joins), and a report is handled once per *worker generation*: a URL that no longer
 names a serving worker (already taken out, or restarted on a new port) is not checked again, so
