@@ -505,13 +505,16 @@ class RLTrainer:
                 group.rewards = torch.where(group.injected, torch.ones_like(group.rewards), group.rewards)
         return touched
 
-    def _collect(self, version: int, draw) -> tuple[list[Group], list[tuple[Group, str]], dict[str, float]]:
+    def _collect(
+        self, version: int, draw, on_drop=None
+    ) -> tuple[list[Group], list[tuple[Group, str]], dict[str, float]]:
         """A batch of ``schedule.batch_size`` groups for a trainer at weight ``version``:
         ``draw(k)`` gives the next k generated groups. A group whose oldest token is more than
         ``rollout.max_staleness`` versions behind is dropped (or kept, ``stale_groups=keep``);
         with dynamic sampling a group whose rewards are all equal is dropped and replaced, at
         most ``dynamic_sampling_max_groups`` drawn, then dropped ones fill the batch. Returns
-        the batch, every group drawn but not trained on with why, and the counts."""
+        the batch, every group drawn but not trained on with why, and the counts. ``on_drop(group)``
+        is told of each drop as it happens (async: the producer reuses its slot at once)."""
         r, b = self.cfg.rollout, self.cfg.schedule.batch_size
         limit = (r.dynamic_sampling_max_groups or 4 * b) if r.dynamic_sampling else None
         accepted: list[Group] = []
@@ -535,12 +538,16 @@ class RLTrainer:
                         counts["rollout/groups_dropped_stale"] += 1
                         counts["rollout/episodes_dropped_stale"] += len(group.trajectories)
                         dropped.append((group, "stale"))
+                        if on_drop is not None:
+                            on_drop(group)
                         continue
                     counts["rollout/groups_kept_stale"] += 1
                 counts["rollout/overlong_episodes"] += self._score_group(group)
                 if r.dynamic_sampling and equal_rewards(group):
                     counts["rollout/groups_dropped_equal_reward"] += 1
                     dropped.append((group, "equal_reward"))
+                    if on_drop is not None:
+                        on_drop(group)
                     continue
                 accepted.append(group)
         if len(accepted) < b:  # dynamic sampling ran out of draws: equal-reward groups fill the batch
@@ -564,7 +571,8 @@ class RLTrainer:
             self._producer = AsyncProducer(self._open_groups, self.settled.unsettled_from(self.settled.frontier),
                                            window=(r.max_staleness + 1) * self.cfg.schedule.batch_size).start()
         timeout = self.cfg.rollout.timeout_s * (self.cfg.rollout.max_turns + 1)
-        return self._collect(version, lambda k: [self._producer.take(timeout) for _ in range(k)])
+        return self._collect(version, lambda k: [self._producer.take(timeout) for _ in range(k)],
+                             on_drop=lambda g: self._producer.release([g.gid]))
 
     def close_rollouts(self) -> None:
         """Stop the one-step-off thread and the async producer (their groups are not settled:
@@ -770,6 +778,8 @@ class RLTrainer:
             metrics["time/trainer_idle_next_batch"] = time.perf_counter() - t0
         with timer("weight_sync"):
             self.sync_weights(step + 1)
+        if self._producer is not None:  # async: this step's groups free their slots for the new weights
+            self._producer.release()
         metrics.update(timer.times)
         if _rank() == 0:
             wall = time.perf_counter() - wall0

@@ -280,6 +280,48 @@ def test_async_staleness_and_resume_after_kill(tiny_data, tmp_path):
 # ------------------------------------------------------- 4. the batch rules, without servers
 
 
+def test_async_window_counts_the_groups_a_step_trains_until_released():
+    """The producer's window holds a step's taken groups until the trainer releases them (after
+    the weight sync that follows the step): with window = (K + 1) x batch, K = 1, batch 2, a
+    fast producer has at most 2 groups ahead while a step trains, so the next step's groups were
+    started before the previous sync (lag 1), never two syncs back (which the staleness rule
+    would drop). A dropped group's slot is released at once."""
+    from sorl_megatron.trainer.producer import AsyncProducer, Group
+
+    started: list[int] = []
+
+    async def open_loop():
+        async def run_group(gid):
+            started.append(gid)
+            return Group(gid, prompt=gid, trajectories=[])
+
+        async def close():
+            return None
+
+        return run_group, close
+
+    def settle(n):
+        deadline = time.monotonic() + 10
+        while len(started) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # and nothing more starts
+        return sorted(started)
+
+    producer = AsyncProducer(open_loop, iter(range(100)), window=4).start()
+    try:
+        assert settle(4) == [0, 1, 2, 3]  # the first window
+        taken = [producer.take(5).gid for _ in range(2)]
+        assert taken == [0, 1] and producer.pending() == (0, 2, 2)
+        assert settle(4) == [0, 1, 2, 3]  # the step trains: its groups keep their slots
+        producer.release([1])  # e.g. dropped (stale, equal rewards): reused at once
+        assert settle(5) == [0, 1, 2, 3, 4]
+        producer.release()  # after the weight sync
+        assert settle(6) == [0, 1, 2, 3, 4, 5]
+        assert [producer.take(5).gid for _ in range(2)] == [2, 3]
+    finally:
+        producer.close()
+
+
 def _fake_group(gid: int, versions: list[int], rewards: list[float]):
     from sorl_megatron.rollout.trajectory import Trajectory
     from sorl_megatron.trainer.producer import Group
