@@ -8,15 +8,22 @@ times out or fails with 5xx is sent again (at most that many times) after the ``
 hook has had its say (the trainer's fleet health-checks the servers, takes a dead or hung one
 out and restarts it). Control calls (weight updates, cache flush) go to every server, never
 through the router.
+
+Which servers take generation can change while a client lives (the async producer's client
+lives for the whole run): with ``serving`` (the trainer passes its fleet's ``urls``) each call
+picks among the servers serving *now*, so a server restarted on a new port gets calls once it
+is back. With ``pauses`` (a :class:`PauseClock`), the time the servers spend paused for a
+weight sync does not count against a ``/generate`` call's timeout (up to the clock's cap).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import aiohttp
@@ -96,6 +103,43 @@ class RolloutClientConfig:
             raise ValueError(f"rollout.failover_retries must be >= 0, got {self.failover_retries}")
 
 
+class PauseClock:
+    """How long the rollout servers have been paused for weight syncs (thread-safe): the
+    trainer calls :meth:`pause` before ``/pause_generation`` and :meth:`resume` after
+    ``/continue_generation``; a client holding the clock adds the paused seconds that overlap
+    a ``/generate`` call to its timeout, at most ``max_credit_s`` per call (the recipe's
+    ``rollout.weight_sync_timeout_s``), so a paused turn waits out a slow sync but never unboundedly."""
+
+    def __init__(self, max_credit_s: float):
+        if not max_credit_s >= 0:
+            raise ValueError(f"rollout.weight_sync_timeout_s must be >= 0, got {max_credit_s}")
+        self.max_credit_s = float(max_credit_s)
+        self._lock = threading.Lock()
+        self._total = 0.0  # seconds of finished pauses
+        self._since: float | None = None  # start of the pause in progress
+
+    def pause(self) -> None:
+        with self._lock:
+            if self._since is None:
+                self._since = time.monotonic()
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._since is not None:
+                self._total += time.monotonic() - self._since
+                self._since = None
+
+    @property
+    def paused(self) -> bool:
+        with self._lock:
+            return self._since is not None
+
+    def seconds(self) -> float:
+        """Paused seconds since the clock was made (the pause in progress included)."""
+        with self._lock:
+            return self._total + (time.monotonic() - self._since if self._since is not None else 0.0)
+
+
 # What the fleet is told when a /generate call failed on ``url`` (None: through the router,
 # server unknown); it answers the URLs of the servers still serving (empty: none is left).
 FailureHook = Callable[[str | None, ServerError], Awaitable[Sequence[str]]]
@@ -104,11 +148,16 @@ FailureHook = Callable[[str | None, ServerError], Awaitable[Sequence[str]]]
 class RolloutClient:
     """``async with RolloutClient(cfg) as c: out = await c.generate(ids, SamplingParams(...))``."""
 
-    def __init__(self, cfg: RolloutClientConfig | Sequence[str] | str, on_failure: FailureHook | None = None):
+    def __init__(self, cfg: RolloutClientConfig | Sequence[str] | str, on_failure: FailureHook | None = None,
+                 serving: Callable[[], Sequence[str]] | None = None, pauses: PauseClock | None = None):
+        """``serving()``: the URLs that take generation now (any thread may change them; None:
+        ``cfg.urls`` less those ``on_failure`` dropped). ``pauses``: see :class:`PauseClock`."""
         if not isinstance(cfg, RolloutClientConfig):
             cfg = RolloutClientConfig(urls=(cfg,) if isinstance(cfg, str) else tuple(cfg))
         self.cfg = cfg
         self.on_failure = on_failure
+        self.serving = serving
+        self.pauses = pauses
         self.retries = 0  # /generate calls sent again after a server failed them (HTTP retries and failover)
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
@@ -116,7 +165,7 @@ class RolloutClient:
         self._usable: set[str] | None = None  # the servers the fleet still lists (None: all)
         self._control = list(cfg.urls)  # where control calls go: a server the fleet dropped mid-sync leaves
         self._down_until = {u: 0.0 for u in cfg.urls}
-        self._rr = itertools.cycle(range(len(cfg.urls)))
+        self._rr = itertools.count()
         self._routing_shape = cfg.routing_shape
         self._version_counter = 0
         self._pause_supported: bool | None = None  # /pause_generation: unknown until asked
@@ -145,17 +194,21 @@ class RolloutClient:
 
     def _pick(self, exclude: set[str]) -> str | None:
         now = time.monotonic()
-        urls = [u for u in self.cfg.urls if u not in exclude and (self._usable is None or u in self._usable)]
-        up = [u for u in urls if self._down_until[u] <= now]
+        if self.serving is not None:
+            known = [u.rstrip("/") for u in self.serving()]
+        else:
+            known = [u for u in self.cfg.urls if self._usable is None or u in self._usable]
+        urls = [u for u in known if u not in exclude]
+        up = [u for u in urls if self._down_until.get(u, 0.0) <= now]
         if not up:
             up = urls  # all cooling down: try anyway
         if not up:
             return None
-        start = next(self._rr)
-        ordered = sorted(up, key=lambda u: (self.cfg.urls.index(u) - start) % len(self.cfg.urls))
+        start = next(self._rr) % len(known)  # rotate over the known list: ties move on
+        ordered = sorted(up, key=lambda u: (known.index(u) - start) % len(known))
         if self.cfg.routing == "round_robin":
             return ordered[0]
-        return min(ordered, key=lambda u: self._inflight[u])
+        return min(ordered, key=lambda u: self._inflight.get(u, 0))
 
     @property
     def inflight(self) -> dict[str, int]:
@@ -245,12 +298,9 @@ class RolloutClient:
                 url = self.cfg.router_url or self._pick(tried)
                 if url is None:
                     raise ServerUnavailableError("no rollout server reachable: " + "; ".join(errors))
-                self._inflight.setdefault(url, 0)
-                self._inflight[url] += 1
+                self._inflight[url] = self._inflight.get(url, 0) + 1
                 try:
-                    # a re-send after a 5xx or a refused connection is a retry of the call too
-                    return await request(self._sess(), "POST", f"{url}/generate", body, self.cfg.generate_retry,
-                                         on_retry=self._count_retry), url
+                    return await self._generate_on(url, body), url
                 except (ServerUnavailableError, ServerTimeoutError, BadResponseError) as exc:
                     errors.append(str(exc))
                     failed = exc
@@ -273,6 +323,37 @@ class RolloutClient:
                     self._usable = set(left)
                 failovers += 1
                 self.retries += 1
+
+    async def _generate_on(self, url: str, body: dict[str, Any]) -> Any:
+        """One ``/generate`` call on ``url`` (or the router) under ``generate_retry``; with a
+        :class:`PauseClock`, paused seconds overlapping the call extend its timeout (capped)."""
+        policy = self.cfg.generate_retry
+        # a re-send after a 5xx or a refused connection is a retry of the call too
+        if self.pauses is None:
+            return await request(self._sess(), "POST", f"{url}/generate", body, policy, on_retry=self._count_retry)
+        clock, t0 = self.pauses, time.monotonic()
+        paused0 = clock.seconds()
+        longest = replace(policy, timeout_s=policy.timeout_s + clock.max_credit_s)  # aiohttp's own bound
+        call = asyncio.ensure_future(request(self._sess(), "POST", f"{url}/generate", body, longest,
+                                             on_retry=self._count_retry))
+        try:
+            while True:
+                credit = min(clock.seconds() - paused0, clock.max_credit_s)
+                left = t0 + policy.timeout_s + credit - time.monotonic()
+                if left <= 0 and not (clock.paused and credit < clock.max_credit_s):
+                    raise ServerTimeoutError(
+                        f"POST {url}/generate did not answer within {policy.timeout_s:g} s (rollout.timeout_s) "
+                        f"plus {credit:.1f} s paused for weight syncs (at most {clock.max_credit_s:g} s: "
+                        f"rollout.weight_sync_timeout_s)")
+                # credit only grows: unpaused, wake at the deadline and look again; paused, poll
+                wait = max(left, 0.05)
+                done, _ = await asyncio.wait({call}, timeout=min(wait, 1.0) if clock.paused else wait)
+                if done:
+                    return call.result()
+        finally:
+            if not call.done():
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
 
     def _count_retry(self) -> None:
         self.retries += 1

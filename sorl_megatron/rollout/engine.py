@@ -421,6 +421,11 @@ class Engine:
         self._thread.start()
         return self
 
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread runs: nothing queued is answered once it has stopped."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         with self._groups_lock:
             groups = [g for g, _ in self._groups.values() if g is not None]
@@ -649,7 +654,8 @@ class Engine:
                 self._fail(req, err)
             for item in pending:
                 if isinstance(item, tuple):
-                    item[2].set_exception(err)
+                    if item[2].set_running_or_notify_cancel():  # a cancelled one has no reader
+                        item[2].set_exception(err)
                 else:
                     self._finish(item, err)
 
@@ -691,11 +697,15 @@ class Engine:
             self._run_control(fn, fut)
 
     def _run_control(self, fn: Callable[[], Any], fut: cf.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return  # its caller gave up (a bound passed, a client left): not run late
         try:
-            fut.set_result(fn())
+            result = fn()
         except Exception as exc:  # reported to the caller, never kills the thread
             log.warning("control operation failed: %s", exc)
             fut.set_exception(exc)
+            return
+        fut.set_result(result)
 
     # ----- admission and prefill -----
 

@@ -64,6 +64,8 @@ class ServerOptions:
             sequences of prompt tokens plus ``max_new_tokens`` (capped by the context length).
         api_key: when set, every endpoint but ``/health*`` needs ``Authorization: Bearer <key>``.
         weight_group_timeout_s: bound on joining a weight-update group and on each broadcast in it.
+        control_timeout_s: bound on ``/flush_cache``, ``/pause_generation`` and
+            ``/continue_generation`` waiting for the scheduler (they run at its next step).
     """
 
     max_body_mb: int = 64
@@ -72,6 +74,7 @@ class ServerOptions:
     max_tokens_per_request: int = 1 << 20
     api_key: str | None = field(default=None, repr=False)
     weight_group_timeout_s: float = 600.0
+    control_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("max_body_mb", "max_weight_body_mb", "max_prompts_per_request", "max_tokens_per_request"):
@@ -79,6 +82,8 @@ class ServerOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.weight_group_timeout_s < float("inf"):
             raise ValueError(f"weight_group_timeout_s must be > 0 seconds, got {self.weight_group_timeout_s}")
+        if not 0 < self.control_timeout_s < float("inf"):
+            raise ValueError(f"control_timeout_s must be > 0 seconds, got {self.control_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no authentication)")
 
@@ -233,6 +238,14 @@ def parse_generate(body: Any, engine: Engine, opts: ServerOptions | None = None)
     return reqs, is_batch
 
 
+class SchedulerError(RuntimeError):
+    """A control call the scheduler thread did not run: dead (503) or not within its bound (504)."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+
 def _error(msg: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": msg}}, status=status)
 
@@ -251,8 +264,30 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
     weight_limit = opts.max_weight_body_mb * MiB
     off_loop = OffLoop("rollout-validate")
 
+    async def on_scheduler(fut, what: str, bound_s: float | None = None) -> Any:
+        """The result of a call queued on the scheduler thread; ``SchedulerError`` when that
+        thread is dead (now or while waiting) or ``bound_s`` passes (None: the caller's own
+        timeout bounds it, as for weight updates that wait for running requests)."""
+        wrapped = asyncio.wrap_future(fut)
+        deadline = None if bound_s is None else asyncio.get_running_loop().time() + bound_s
+        while True:
+            if not engine.alive and not fut.done():
+                wrapped.cancel()
+                raise SchedulerError(f"{what}: the scheduler thread is not running (see the server log)")
+            left = 0.5 if deadline is None else min(0.5, deadline - asyncio.get_running_loop().time())
+            if left <= 0:
+                wrapped.cancel()
+                raise SchedulerError(f"{what}: the scheduler did not run it within {bound_s:g} s "
+                                     "(--control-timeout-s)", 504)
+            done, _ = await asyncio.wait({wrapped}, timeout=left)
+            if done:
+                return wrapped.result()
+
     async def run_control(fn) -> Any:
-        return await asyncio.wrap_future(engine.call(fn))
+        return await on_scheduler(engine.call(fn), "weight update")
+
+    async def run_urgent(fn, what: str) -> Any:
+        return await on_scheduler(engine.call(fn, urgent=True), what, opts.control_timeout_s)
 
     async def read_json(request: web.Request, limit: int, flag: str) -> Any:
         raw = await read_body(request, limit, flag)
@@ -307,6 +342,8 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
                 return _result(False, str(exc), exc.status)
             except (ProtocolError, WeightError) as exc:
                 return _result(False, str(exc))
+            except SchedulerError as exc:
+                return _result(False, str(exc), exc.status)
             except Exception as exc:
                 log.exception("weight update failed")
                 return _result(False, f"{type(exc).__name__}: {exc}", 500)
@@ -364,6 +401,8 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
                 return _result(False, str(exc), exc.status)
             except (ProtocolError, WeightError, WeightGroupError) as exc:
                 return _result(False, str(exc))
+            except SchedulerError as exc:
+                return _result(False, str(exc), exc.status)
             except Exception as exc:
                 log.exception("distributed weight update failed")
                 return _result(False, f"{type(exc).__name__}: {exc}", 500)
@@ -379,7 +418,10 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
 
     async def flush_cache(_: web.Request) -> web.Response:
         # Drops the prefix cache at the next decode step; running requests keep their own KV.
-        msg = await asyncio.wrap_future(engine.call(engine.flush_cache, urgent=True))
+        try:
+            msg = await run_urgent(engine.flush_cache, "/flush_cache")
+        except SchedulerError as exc:
+            return web.Response(status=exc.status, text=str(exc))
         return web.Response(text=f"Cache flushed.\n({msg})\n")
 
     async def pause_generation(request: web.Request) -> web.Response:
@@ -395,15 +437,21 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
             return _result(False, str(exc), exc.status)
         except ProtocolError as exc:
             return _result(False, str(exc))
-        msg = await asyncio.wrap_future(engine.call(lambda: engine.pause(mode), urgent=True))
+        try:
+            msg = await run_urgent(lambda: engine.pause(mode), "/pause_generation")
+        except SchedulerError as exc:
+            return _result(False, str(exc), exc.status)
         return _result(True, msg)
 
     async def continue_generation(_: web.Request) -> web.Response:
-        msg = await asyncio.wrap_future(engine.call(engine.resume, urgent=True))
+        try:
+            msg = await run_urgent(engine.resume, "/continue_generation")
+        except SchedulerError as exc:
+            return _result(False, str(exc), exc.status)
         return _result(True, msg)
 
     async def health(_: web.Request) -> web.Response:
-        ok = engine._thread.is_alive()
+        ok = engine.alive
         return web.Response(status=200 if ok else 503, text="" if ok else "scheduler thread is not running")
 
     async def health_generate(_: web.Request) -> web.Response:
@@ -608,6 +656,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=600.0,
         help="bound in seconds on joining a weight-update group and on each broadcast in it (default 600)",
     )
+    p.add_argument(
+        "--control-timeout-s",
+        type=float,
+        default=60.0,
+        help="bound in seconds on /flush_cache, /pause_generation and /continue_generation waiting for the "
+        "scheduler (they run at its next step; default 60); past it, or with the scheduler dead, they answer 5xx",
+    )
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)
     if args.api_key is None:
@@ -657,6 +712,7 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens_per_request=args.max_tokens_per_request,
         api_key=args.api_key,
         weight_group_timeout_s=args.weight_group_timeout_s,
+        control_timeout_s=args.control_timeout_s,
     )
     engine = Engine(cfg).start()
     log.info(

@@ -24,17 +24,25 @@ hold the current weights, and only then go back into the router and the worker l
 step fails only when no server is left. Metrics per step: ``rollout/retries``,
 ``rollout/server_failures``, ``rollout/server_restarts``, ``rollout/servers_rejoined``,
 ``rollout/servers_up``.
+
+Threads: in ``rollout.mode`` one_step_off and async a background thread (its own event loop) and the main thread
+report failures to the same fleet. One ``threading.Lock`` serializes every decision (checks,
+failures, joins), and a report is handled once per *worker generation*: a URL that no longer
+names a serving worker (already taken out, or restarted on a new port) is not checked again, so
+two threads reporting the same dead server cause one restart. Readers (``urls()``) take no lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shlex
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -75,27 +83,54 @@ class RolloutFleet:
     api_key: Optional[str] = field(default=None, repr=False)
     counts: dict[str, float] = field(default_factory=dict)
     _hooks: list[subprocess.Popen] = field(default_factory=list)
-    _lock: Optional[asyncio.Lock] = None
-    _lock_loop: object = None
-    _last_check: float = 0.0
+    # the decisions (check, fail, join): one thread at a time; held across health checks
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _counts_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # never held across I/O
+    _last_check: float = 0.0  # when the last health check under the lock started
 
     # -- views ------------------------------------------------------------------------
 
     def urls(self, joining: bool = False) -> list[str]:
-        """The workers that serve (``joining``: and those about to get the weight sync)."""
+        """The workers that serve (``joining``: and those about to get the weight sync). Any
+        thread, no lock: a worker's URL is read before its state, and a failure sets the state
+        (down) before the URL (the restart's port), so a new URL is never listed before it serves."""
         states = ("up", "joining") if joining else ("up",)
-        return [w.url for w in self.workers if w.state in states]
+        out = []
+        for w in list(self.workers):
+            url = w.url
+            if w.state in states:
+                out.append(url)
+        return out
 
-    def _count(self, key: str, n: float = 1) -> None:
-        self.counts[key] = self.counts.get(key, 0) + n
+    def count(self, key: str, n: float = 1) -> None:
+        """Add to this step's counter ``rollout/<key>`` (any thread)."""
+        with self._counts_lock:
+            self.counts[key] = self.counts.get(key, 0) + n
 
     def metrics(self) -> dict[str, float]:
         """This step's counters (then reset) and the servers up now."""
-        out = {f"rollout/{k}": float(self.counts.get(k, 0))
-               for k in ("retries", "server_failures", "server_restarts", "servers_rejoined")}
+        with self._counts_lock:
+            out = {f"rollout/{k}": float(self.counts.get(k, 0))
+                   for k in ("retries", "server_failures", "server_restarts", "servers_rejoined")}
+            self.counts.clear()
         out["rollout/servers_up"] = float(len(self.urls()))
-        self.counts.clear()
         return out
+
+    @contextlib.asynccontextmanager
+    async def _deciding(self) -> AsyncIterator[None]:
+        """The decision lock from a coroutine, without blocking its event loop (the other
+        thread may hold it across a health check). Bounded: the holder's work is health checks,
+        router calls and process launches, each bounded; ``rollout.start_timeout_s`` is the cap."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self._lock.acquire(blocking=False):
+            if time.monotonic() > deadline:
+                raise ServerError(f"the rollout fleet's failure handling stayed busy in another thread for "
+                                  f"{self.timeout_s:g} s (rollout.start_timeout_s)")
+            await asyncio.sleep(0.01)
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _router(self) -> Optional[RouterAdmin]:
         if self.router_url is None:
@@ -121,13 +156,18 @@ class RolloutFleet:
         join at the next weight sync); the failed ones are handled (see the module doc).
         Raises when no worker is left serving: the health errors, as one health check of
         them all would, or a ``ServerUnavailableError`` saying where the workers are."""
-        asked = [w for w in self.workers if w.state == "up" or (w.state == "down" and w.name is None)]
-        errors = await self._health([w.url for w in asked], when)
-        for w in asked:
-            if errors[w.url] is None and w.state == "down":
-                w.state = "joining"
-            elif errors[w.url] is not None and w.state == "up":
-                await self._fail(w, errors[w.url])
+        async with self._deciding():
+            started = time.monotonic()
+            asked = [(w, w.url) for w in self.workers if w.state == "up" or (w.state == "down" and w.name is None)]
+            errors = await self._health([u for _, u in asked], when)
+            for w, url in asked:
+                if w.url != url:
+                    continue
+                if errors[url] is None and w.state == "down":
+                    w.state = "joining"
+                elif errors[url] is not None and w.state == "up":
+                    await self._fail(w, errors[url])
+            self._last_check = started
         if self.urls():
             return
         failed = [e for e in errors.values() if e is not None]
@@ -143,26 +183,26 @@ class RolloutFleet:
         """The client's hook after a call failed on ``url`` (None: a ``/generate`` through the
         router, server unknown): health-check it (all of them for the router), handle the
         failed ones; returns the URLs still serving or getting the weight sync (a joining
-        server that fails its sync fails like the others). Concurrent failures share one check."""
-        loop = asyncio.get_running_loop()
-        if self._lock is None or self._lock_loop is not loop:  # one lock per event loop (one per phase)
-            self._lock, self._lock_loop = asyncio.Lock(), loop
+        server that fails its sync fails like the others). Concurrent failures, from any thread,
+        share one check; a URL no longer serving (taken out, restarted elsewhere) is not checked again."""
         asked = time.monotonic()
-        async with self._lock:
-            if self._last_check > asked:
-                return self.urls(joining=True)  # a check that started after this failure already ran
+        async with self._deciding():
             suspects = [u for u in self.urls(joining=True) if url is None or u == url]
-            log.warning("rollout: a call failed (%s); checking %s", err, suspects or "no server")
+            if self._last_check > asked or not suspects:
+                return self.urls(joining=True)  # handled: a check started after this failure, or it is out
+            log.warning("rollout: a call failed (%s); checking %s", err, suspects)
+            started = time.monotonic()
             errors = await self._health(suspects, "after a failed call")
             for w in [w for w in self.workers if w.state in ("up", "joining") and errors.get(w.url) is not None]:
                 await self._fail(w, errors[w.url])
-            self._last_check = time.monotonic()
+            self._last_check = started
             return self.urls(joining=True)
 
     async def _fail(self, w: Worker, err: ServerError) -> None:
+        """Under the decision lock: take ``w`` out (state first, then a restart's new URL)."""
         log.warning("rollout server %s failed (%s): taken out of the fleet", w.url, err)
         w.state = "down"
-        self._count("server_failures")
+        self.count("server_failures")
         router = self._router()
         if router is not None:
             try:
@@ -172,14 +212,14 @@ class RolloutFleet:
                 log.warning("could not take %s out of the router %s: %s", w.url, self.router_url, exc)
         if w.name is not None and self.servers is not None and self.restart_embedded:
             w.url = self.servers.restart(w.name)
-            self._count("server_restarts")
+            self.count("server_restarts")
             log.warning("restarting embedded rollout server %s on %s (log %s)", w.name, w.url,
                         self.servers.log_path(w.name))
         elif w.name is not None and self.servers is not None:
             self.servers.kill(w.name)  # not restarted (rollout.restart_servers=false): a hung one is ended
         elif w.name is None and self.restart_command:
             self._run_restart_hook(w.url)
-            self._count("server_restarts")
+            self.count("server_restarts")
 
     def _run_restart_hook(self, url: str) -> None:
         """``rollout.restart_command`` for a failed external server, not waited for: the
@@ -201,24 +241,31 @@ class RolloutFleet:
         (embedded restarts waited for, bounded; external ones asked once); returns the URLs
         the sync goes to (serving and joining)."""
         self._hooks = [p for p in self._hooks if p.poll() is None]
-        down = [w for w in self.workers if w.state == "down"]
-        for w in down:
-            if w.name is not None and not (self.restart_embedded and self.servers is not None
-                                           and w.name in self.servers.procs):
-                w.state = "lost"  # embedded, not restarted (rollout.restart_servers=false)
-            elif w.name is not None:
+        down = [(w, w.url) for w in self.workers if w.state == "down"]
+        ready: dict[str, bool] = {}
+        restarted = self.servers.procs if self.restart_embedded and self.servers is not None else {}
+        for w, url in down:  # waited for without the lock: the producer's failures go on meanwhile
+            if w.name is not None and w.name in restarted:
                 try:
                     self.servers.wait_ready(w.name, timeout_s=self.timeout_s, stop_all=False)
-                    w.state = "joining"
+                    ready[url] = True
                 except RuntimeError as err:
-                    w.state = "lost"
+                    ready[url] = False
                     log.error("rollout server %s did not come back: %s", w.name, err)
-        external = [w for w in down if w.name is None]
+        external = [url for w, url in down if w.name is None]
         if external:
-            errors = asyncio.run(self._health([w.url for w in external], "before the weight sync"))
-            for w in external:
-                if errors[w.url] is None:
+            errors = asyncio.run(self._health(external, "before the weight sync"))
+            ready.update({u: errors[u] is None for u in external})
+        with self._lock:
+            for w, url in down:
+                if w.state != "down" or w.url != url:
+                    continue  # changed meanwhile
+                if w.name is not None and url not in ready:
+                    w.state = "lost"  # embedded, not restarted (rollout.restart_servers=false)
+                elif ready.get(url):
                     w.state = "joining"
+                elif w.name is not None:
+                    w.state = "lost"  # an embedded restart that did not come up
         return self.urls(joining=True)
 
     def finish_sync(self) -> None:
@@ -236,10 +283,13 @@ class RolloutFleet:
                 await router.wait_for(present=[w.url for w in joining], timeout_s=self.timeout_s)
 
             asyncio.run(register())
-        for w in joining:
-            w.state = "up"
-            self._count("servers_rejoined")
-            log.warning("rollout server %s is back (current weights%s)", w.url, ", in the router" if router else "")
+        with self._lock:
+            for w in joining:
+                if w.state != "joining":
+                    continue  # failed during the sync (the producer's calls): not back
+                w.state = "up"
+                self.count("servers_rejoined")
+                log.warning("rollout server %s is back (current weights%s)", w.url, ", in the router" if router else "")
 
     def close(self) -> None:
         for p in self._hooks:

@@ -56,7 +56,7 @@ from ..engine.rl_batch import RLBatch
 from ..retrieval.client import RetrievalClient
 from ..rewards.registry import RewardRegistry
 from ..rollout.agent import AgentConfig, SearchAgent
-from ..rollout.client import RolloutClient, RolloutClientConfig
+from ..rollout.client import PauseClock, RolloutClient, RolloutClientConfig
 from ..rollout.trajectory import Trajectory, collate
 from .config import TrainConfig, dump_config
 from .fleet import RolloutFleet, Worker, start_fleet
@@ -230,6 +230,9 @@ class RLTrainer:
         self._producer: Optional[AsyncProducer] = None
         self.busy = BusyClock()
         self._pause_supported: Optional[bool] = None
+        # paused time does not count against a /generate call's rollout.timeout_s (at most
+        # rollout.weight_sync_timeout_s per call): a turn paused for a slow sync is not timed out
+        self.pause_clock = PauseClock(cfg.rollout.weight_sync_timeout_s)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -341,7 +344,8 @@ class RLTrainer:
             control_retry=RetryPolicy(timeout_s=r.weight_sync_timeout_s, retries=r.retries),
             health_retry=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
             api_key=self.api_keys.get("rollout"), router_url=fleet.router_url,
-            failover_retries=r.failover_retries), on_failure=fleet.on_failure)
+            failover_retries=r.failover_retries), on_failure=fleet.on_failure,
+            serving=fleet.urls, pauses=self.pause_clock)  # a long-lived (async) client follows restarts
 
     def _fleet(self) -> RolloutFleet:
         """The run's fleet; one made of ``rollout_urls`` (external servers, no router) when
@@ -439,6 +443,13 @@ class RLTrainer:
         policy, retriever = self._rollout_client(), self._retrieval_client()
         agent = SearchAgent(policy, retriever, self.tokenizer, self._agent_config())
 
+        counted = [0]  # the client's retries already in the fleet's count
+
+        def count_retries() -> None:  # as they happen: async's client lives across many steps
+            new, counted[0] = policy.retries - counted[0], policy.retries
+            if new:
+                self._fleet().count("retries", new)
+
         async def run_group(gid: int) -> Group:
             prompt = self.group_prompt(gid)
             ids = encode_prompt(self.tokenizer, self.rows[prompt])
@@ -449,10 +460,11 @@ class RLTrainer:
                                              metas=[{"group": gid, "prompt": prompt}])
             finally:
                 self.busy.exit()
+                count_retries()
             return Group(gid, prompt, trajs)
 
         async def close() -> None:
-            self._count_retries(policy)
+            count_retries()
             await policy.close()
             await retriever.close()
 
@@ -460,8 +472,7 @@ class RLTrainer:
 
     def _count_retries(self, policy: RolloutClient) -> None:
         """A rollout client's re-sent /generate calls into the fleet's per-step count."""
-        counts = self._fleet().counts
-        counts["retries"] = counts.get("retries", 0) + policy.retries
+        self._fleet().count("retries", policy.retries)
 
     def _draw_groups(self, count: int) -> list[Group]:
         """The next ``count`` groups from ``next_gid`` on, generated now (sync, one_step_off)."""
@@ -494,13 +505,16 @@ class RLTrainer:
                 group.rewards = torch.where(group.injected, torch.ones_like(group.rewards), group.rewards)
         return touched
 
-    def _collect(self, version: int, draw) -> tuple[list[Group], list[tuple[Group, str]], dict[str, float]]:
+    def _collect(
+        self, version: int, draw, on_drop=None
+    ) -> tuple[list[Group], list[tuple[Group, str]], dict[str, float]]:
         """A batch of ``schedule.batch_size`` groups for a trainer at weight ``version``:
         ``draw(k)`` gives the next k generated groups. A group whose oldest token is more than
         ``rollout.max_staleness`` versions behind is dropped (or kept, ``stale_groups=keep``);
         with dynamic sampling a group whose rewards are all equal is dropped and replaced, at
         most ``dynamic_sampling_max_groups`` drawn, then dropped ones fill the batch. Returns
-        the batch, every group drawn but not trained on with why, and the counts."""
+        the batch, every group drawn but not trained on with why, and the counts. ``on_drop(group)``
+        is told of each drop as it happens (async: the producer reuses its slot at once)."""
         r, b = self.cfg.rollout, self.cfg.schedule.batch_size
         limit = (r.dynamic_sampling_max_groups or 4 * b) if r.dynamic_sampling else None
         accepted: list[Group] = []
@@ -524,12 +538,16 @@ class RLTrainer:
                         counts["rollout/groups_dropped_stale"] += 1
                         counts["rollout/episodes_dropped_stale"] += len(group.trajectories)
                         dropped.append((group, "stale"))
+                        if on_drop is not None:
+                            on_drop(group)
                         continue
                     counts["rollout/groups_kept_stale"] += 1
                 counts["rollout/overlong_episodes"] += self._score_group(group)
                 if r.dynamic_sampling and equal_rewards(group):
                     counts["rollout/groups_dropped_equal_reward"] += 1
                     dropped.append((group, "equal_reward"))
+                    if on_drop is not None:
+                        on_drop(group)
                     continue
                 accepted.append(group)
         if len(accepted) < b:  # dynamic sampling ran out of draws: equal-reward groups fill the batch
@@ -553,7 +571,8 @@ class RLTrainer:
             self._producer = AsyncProducer(self._open_groups, self.settled.unsettled_from(self.settled.frontier),
                                            window=(r.max_staleness + 1) * self.cfg.schedule.batch_size).start()
         timeout = self.cfg.rollout.timeout_s * (self.cfg.rollout.max_turns + 1)
-        return self._collect(version, lambda k: [self._producer.take(timeout) for _ in range(k)])
+        return self._collect(version, lambda k: [self._producer.take(timeout) for _ in range(k)],
+                             on_drop=lambda g: self._producer.release([g.gid]))
 
     def close_rollouts(self) -> None:
         """Stop the one-step-off thread and the async producer (their groups are not settled:
@@ -622,8 +641,12 @@ class RLTrainer:
         if _rank() != 0 or self.cfg.rollout.mode != "async" or mode == "off" or self._pause_supported is False:
             return False
         if not pause:  # a fresh client: it has not seen the pause, so it must be told to continue
-            asyncio.run(self._with_client(lambda c: c.continue_generation(force=True)))
+            try:
+                asyncio.run(self._with_client(lambda c: c.continue_generation(force=True)))
+            finally:
+                self.pause_clock.resume()
             return False
+        self.pause_clock.pause()  # before the call: a server pauses as soon as it is asked
         try:
             self._pause_supported = asyncio.run(self._with_client(lambda c: c.pause_generation(mode)))
         except Exception:
@@ -632,8 +655,10 @@ class RLTrainer:
                 asyncio.run(self._with_client(lambda c: c.continue_generation(force=True)))
             except Exception as err:
                 log.warning("after a failed /pause_generation, /continue_generation failed too: %s", err)
+            self.pause_clock.resume()
             raise
         if not self._pause_supported:
+            self.pause_clock.resume()
             log.info("the rollout servers have no /pause_generation: weight updates land between their requests")
         return self._pause_supported
 
@@ -753,6 +778,8 @@ class RLTrainer:
             metrics["time/trainer_idle_next_batch"] = time.perf_counter() - t0
         with timer("weight_sync"):
             self.sync_weights(step + 1)
+        if self._producer is not None:  # async: this step's groups free their slots for the new weights
+            self._producer.release()
         metrics.update(timer.times)
         if _rank() == 0:
             wall = time.perf_counter() - wall0

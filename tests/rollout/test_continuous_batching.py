@@ -243,3 +243,40 @@ def test_random_joins_leaves_and_prefix_hits_stay_exact(server, moe_model, teach
     with ThreadPoolExecutor(8) as pool:
         cached = list(pool.map(job, range(40)))
     assert sum(c > 0 for c in cached) >= 10  # the cache was really used
+
+
+def test_control_calls_are_bounded_and_say_why_when_the_scheduler_is_busy_or_dead(moe_dir):
+    """/flush_cache, /pause_generation, /continue_generation wait for the scheduler at most
+    --control-timeout-s (504 naming it; the call is then not run late), and answer 503 at once
+    when the scheduler thread is dead (it used to hang them until the client's timeout)."""
+    from sorl_megatron.rollout.server import ServerOptions
+
+    srv = start_rollout_server(EngineConfig(model_path=str(moe_dir)), options=ServerOptions(control_timeout_s=1.0))
+    url, eng = srv.url, srv.engine
+    gate = threading.Event()
+    try:
+        assert eng.alive
+        blocker = eng.call(lambda: gate.wait(60))  # the scheduler is busy inside a control call
+        wait_for(lambda: blocker.running())
+        for path in ("/flush_cache", "/pause_generation", "/continue_generation"):
+            t0 = time.monotonic()
+            status, obj = call(url, "POST", path, {"mode": "in_place"} if path == "/pause_generation" else None,
+                               timeout=30)
+            assert status == 504 and "--control-timeout-s" in str(obj) and path in str(obj), (path, status, obj)
+            assert time.monotonic() - t0 < 10
+        gate.set()
+        blocker.result(30)
+        assert call(url, "GET", "/server_info")[1]["paused"] is None  # the pause that timed out never ran
+        assert len(generate(url, PROMPT, 2)["output_ids"]) == 2  # and the server serves on
+        eng.stop()  # the scheduler thread ends (as after a crash of the thread)
+        assert not eng.alive
+        for path in ("/flush_cache", "/pause_generation", "/continue_generation", "/update_weight_version"):
+            t0 = time.monotonic()
+            status, obj = call(url, "POST", path, {"new_version": "x"} if path == "/update_weight_version" else None,
+                               timeout=30)
+            assert status == 503 and "scheduler thread is not running" in str(obj), (path, status, obj)
+            assert time.monotonic() - t0 < 5
+        assert call(url, "GET", "/health")[0] == 503
+    finally:
+        gate.set()
+        srv.stop()

@@ -37,6 +37,7 @@ FLAGS = [
     "--max-prompts-per-request",
     "--max-tokens-per-request",
     "--weight-group-timeout-s",
+    "--control-timeout-s",
     "--log-level",
 ]
 

@@ -260,6 +260,12 @@ def test_layouts_match_world_size_1(tiny_data, shared_servers, tmp_path):
             ),
         ],
     )
+    # and last, riding along too: an async run at TP2 (rank 0's producer generates across the
+    # weight syncs every rank joins; the batch is broadcast), 2 steps
+    runs.append(["--config", BASE_RECIPE, *run_overrides(
+        tiny_data, tmp_path, "async_tp2", "parallelism.tp=2", "rollout.mode=async", "schedule.total_steps=2",
+        "algorithm.loss.name=grpo", "algorithm.advantage.estimator=grpo", "algorithm.loss.is_correction.mode=tis",
+        *shared_servers)])
     spec.write_text(json.dumps(runs))
     cmd = [os.path.join(VENV_BIN, "torchrun"), "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "trainer" / "e2e_launch.py"), str(spec)]
@@ -274,6 +280,14 @@ def test_layouts_match_world_size_1(tiny_data, shared_servers, tmp_path):
         assert_finite(got, name)
         for key in LAYOUT_KEYS:
             assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, got[key], ref[key])
+
+    async_run = read_metrics(tmp_path / "async_tp2")
+    assert sorted(async_run) == [0, 1, 2]
+    for step in (1, 2):
+        assert_finite(async_run[step], f"async_tp2 step {step}")
+        assert async_run[step]["rollout/version_lag_max"] <= 1 and async_run[step]["rollout/policy_tokens"] > 0
+    episodes = [json.loads(x) for x in (tmp_path / "async_tp2" / "episodes.jsonl").read_text().splitlines()]
+    assert [sum(r["step"] == s and r["status"] == "trained" for r in episodes) for s in (1, 2)] == [2, 2]
 
     sft_run = tmp_path / "sft_tp2"
     assert (sft_run / "sft_model" / "SFT_DONE").is_file() and sorted(read_metrics(sft_run / "sft")) == [1, 2]

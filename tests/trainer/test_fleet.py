@@ -126,9 +126,10 @@ class Saboteur(threading.Thread):
     request is caught inside the stopped server), ``sig`` follows (SIGKILL: a crash; SIGSTOP: it stays
     hung), else it continues it and tries again."""
 
-    def __init__(self, trainer: RLTrainer, sig: int, timeout_s: float = 300.0):
+    def __init__(self, trainer: RLTrainer, sig: int, timeout_s: float = 300.0, when=None):
         super().__init__(daemon=True)
         self.trainer, self.sig, self.timeout_s = trainer, sig, timeout_s
+        self.when = when  # strikes only once this holds (e.g. the background thread is generating)
         self.victim: tuple[str, int] | None = None  # (server name, pid)
         self.error: BaseException | None = None
 
@@ -146,6 +147,9 @@ class Saboteur(threading.Thread):
         fleet = self.trainer.fleet
         admin = RouterAdmin(fleet.router_url, fleet.api_key)
         while time.monotonic() < deadline:
+            if self.when is not None and not self.when():
+                await asyncio.sleep(0.01)
+                continue
             busy = [u for u, w in (await admin.workers()).items() if w.get("load", 0) > 0]
             for w in [w for w in fleet.workers if w.url in busy]:
                 pid = fleet.servers.procs[w.name].pid
@@ -172,9 +176,9 @@ class Saboteur(threading.Thread):
         return True
 
 
-def _run_with(tiny_data, tmp_path, name: str, sig: int, *extra: str):
+def _run_with(tiny_data, tmp_path, name: str, sig: int, *extra: str, when=None):
     trainer = RLTrainer(load_recipe(BASE_RECIPE, [*run_overrides(tiny_data, tmp_path, name), *FLEET, *extra]))
-    saboteur = Saboteur(trainer, sig)
+    saboteur = Saboteur(trainer, sig, when=None if when is None else lambda: when(trainer))
     saboteur.start()
     try:
         trainer.run()
@@ -209,6 +213,34 @@ def _assert_recovered(metrics: dict, run_dir: Path, victim: str) -> None:
 def test_server_killed_mid_rollout(tiny_data, tmp_path):
     metrics, victim = _run_with(tiny_data, tmp_path, "killed", signal.SIGKILL)
     _assert_recovered(metrics, tmp_path / "killed", victim)
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_server_killed_while_a_background_thread_generates(tiny_data, tmp_path, mode):
+    """kill -9 of a rollout server while the one-step-off thread (step 2's batch, during step 1's
+    training) or the async producer generates: the failure is handled from that thread (failover,
+    one restart), the run finishes, the metrics count it, and every step trains a full batch of
+    complete groups (no accepted episode lost, none drawn twice)."""
+    busy = {"one_step_off": lambda t: t._pending is not None, "async": lambda t: t._producer is not None}[mode]
+    metrics, victim = _run_with(tiny_data, tmp_path, mode, signal.SIGKILL, f"rollout.mode={mode}",
+                                "algorithm.loss.is_correction.mode=tis", when=busy)
+    steps = [metrics[s] for s in (1, 2)]
+    total = {k: sum(m[f"rollout/{k}"] for m in steps) for k in
+             ("server_failures", "server_restarts", "servers_rejoined", "retries")}
+    assert total["server_failures"] == 1 and total["server_restarts"] == 1, total
+    assert total["servers_rejoined"] == 1 and total["retries"] >= 1, total
+    assert steps[-1]["rollout/servers_up"] == 2
+    assert all(m.get("rollout/finish_error", 0) == 0 for m in steps)  # every call found a server
+    log = (tmp_path / mode / "servers" / f"{victim}.log").read_text(errors="replace")
+    assert log.count("Running on http://127.0.0.1:") == 2, "the server was not started again"
+    rows = [json.loads(x) for x in (tmp_path / mode / "episodes.jsonl").read_text().splitlines() if x.strip()]
+    for step in (1, 2):
+        trained = [r for r in rows if r["step"] == step and r["status"] == "trained"]
+        assert len(trained) == 2 and all(len(r["turn_versions"]) == 2 for r in trained), (step, trained)
+    groups = [r["group"] for r in rows]
+    assert len(groups) == len(set(groups))
+    if mode == "one_step_off":
+        assert sorted(groups) == list(range(len(groups)))  # none skipped
 
 
 def test_server_hung_mid_rollout(tiny_data, tmp_path):
@@ -274,6 +306,118 @@ def test_external_server_failure_runs_the_operators_hook(tmp_path):
     finally:
         fleet.close()
         alive.stop()
+
+
+def test_two_threads_reporting_one_dead_server_restart_it_once(tmp_path):
+    """Async mode: the producer thread and the main thread (each its own event loop) report the
+    same failed embedded server at once. One health check (never two at once), one restart, one
+    failure counted, both told the same serving list; a late report of the old URL checks
+    nothing. The server hangs on /health (1 s timeout), so both reports arrive during the check
+    (with the old lock per event loop both checked it, and each could restart it)."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
+    from sorl_megatron.common.http import ServerTimeoutError
+    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+    from sorl_megatron.trainer.servers import EmbeddedServers, ServerSpec
+
+    async def hang(request):
+        await asyncio.sleep(3600)
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    hung_app, good_app = web.Application(), web.Application()
+    hung_app.router.add_get("/health", hang)
+    good_app.router.add_get("/health", health)
+    hung = BackgroundServer(hung_app, "127.0.0.1", 0).start()
+    good = BackgroundServer(good_app, "127.0.0.1", 0).start()
+    with EmbeddedServers(tmp_path) as servers:
+        # the restart launches this (a process that exits at once: only the count matters here)
+        servers.launch(ServerSpec(name="rollout-0", module="sorl_megatron.rollout.router", args=["--no-such-flag"]))
+        fleet = RolloutFleet(timeout_s=30, health=RetryPolicy(timeout_s=1, retries=0), run_dir=tmp_path,
+                             workers=[Worker(hung.url, name="rollout-0"), Worker(good.url, name="rollout-1")],
+                             servers=servers)
+        barrier, answers, inside, checks = threading.Barrier(2), [], [0, 0], []
+        health = fleet._health
+
+        async def watched_health(urls, when):  # how many checks overlap, and of what
+            inside[0] += 1
+            inside[1] = max(inside)
+            checks.append(list(urls))
+            try:
+                return await health(urls, when)
+            finally:
+                inside[0] -= 1
+
+        fleet._health = watched_health
+
+        def report():
+            barrier.wait()
+            answers.append(asyncio.run(fleet.on_failure(hung.url, ServerTimeoutError("generate timed out"))))
+
+        threads = [threading.Thread(target=report) for _ in range(2)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert checks == [[hung.url]] and inside[1] == 1  # one check, never two at once
+            assert servers.restarts == {"rollout-0": 1}
+            assert fleet.counts == {"server_failures": 1, "server_restarts": 1}
+            assert answers == [[good.url], [good.url]] and fleet.workers[0].url != hung.url
+            t0 = time.monotonic()  # a late report of the old URL: nothing to check, nothing restarted
+            assert asyncio.run(fleet.on_failure(hung.url, ServerTimeoutError("late"))) == [good.url]
+            assert time.monotonic() - t0 < 0.5 and servers.restarts == {"rollout-0": 1}
+        finally:
+            hung.stop()
+            good.stop()
+
+
+def test_a_long_lived_client_follows_a_restart_to_its_new_port(tmp_path):
+    """The async producer's client lives for the whole run. Its calls go where the fleet says
+    servers serve now: after a server is killed, restarted on a new port, synced and back, the
+    same client's calls reach the new port (with its start-up URLs it never did)."""
+    from sorl_megatron.common.protocol import SamplingParams
+    from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
+    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+    from sorl_megatron.trainer.servers import EmbeddedServers, ServerSpec
+
+    with EmbeddedServers(tmp_path) as servers:
+        workers = [Worker(servers.launch(ServerSpec(name=f"rollout-{i}", module="tests.trainer.stub_rollout_server",
+                                                    args=[], health_timeout_s=60)), name=f"rollout-{i}")
+                   for i in range(2)]
+        for w in workers:
+            servers.wait_ready(w.name)
+        fleet = RolloutFleet(timeout_s=60, health=RetryPolicy(timeout_s=2, retries=0), run_dir=tmp_path,
+                             workers=workers, servers=servers)
+        first = list(fleet.urls())
+        client = RolloutClient(RolloutClientConfig(urls=tuple(first), routing="round_robin", failover_retries=1,
+                                                   generate_retry=RetryPolicy(timeout_s=10, retries=0)),
+                               on_failure=fleet.on_failure, serving=fleet.urls)
+
+        async def ports(n):
+            return [(await client.generate([1, 2, 3], SamplingParams(max_new_tokens=2)))[0].weight_version
+                    for _ in range(n)]
+
+        async def go():
+            try:
+                before = await ports(2)
+                servers.kill("rollout-1")  # a crash: its next call fails over, the fleet restarts it
+                during = await ports(2)
+                await asyncio.to_thread(fleet.prepare_sync)  # the restart is ready and gets the sync ...
+                await asyncio.to_thread(fleet.finish_sync)  # ... then serves
+                return before, during, await ports(4)
+            finally:
+                await client.close()
+
+        before, during, after = asyncio.run(go())
+        new = fleet.workers[1].url
+        port = lambda url: url.rsplit(":", 1)[1]  # noqa: E731
+        assert new not in first and fleet.urls() == [first[0], new]
+        assert sorted(before) == sorted(map(port, first)) and set(during) == {port(first[0])}
+        assert set(after) == {port(first[0]), port(new)}  # the same client now calls the new port
+        assert client.retries == 1 and servers.restarts == {"rollout-1": 1}
 
 
 def test_client_moves_a_call_off_a_hung_server_without_a_router(tmp_path):
