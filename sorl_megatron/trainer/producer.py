@@ -279,6 +279,12 @@ class AsyncProducer:
                 self._held.difference_update(gids)
             self._cv.notify_all()
 
+    def hold(self, gids: Iterable[int]) -> None:
+        """Count released groups against the window again (dropped, then used to fill a batch
+        after all); the producer starts nothing new until the window has room."""
+        with self._cv:
+            self._held.update(gids)
+
     def pending(self) -> tuple[int, int, int]:
         """(groups in flight, finished and not taken, taken and not released)."""
         with self._cv:

@@ -506,15 +506,16 @@ class RLTrainer:
         return touched
 
     def _collect(
-        self, version: int, draw, on_drop=None
+        self, version: int, draw, slots: Optional[AsyncProducer] = None
     ) -> tuple[list[Group], list[tuple[Group, str]], dict[str, float]]:
         """A batch of ``schedule.batch_size`` groups for a trainer at weight ``version``:
         ``draw(k)`` gives the next k generated groups. A group whose oldest token is more than
         ``rollout.max_staleness`` versions behind is dropped (or kept, ``stale_groups=keep``);
         with dynamic sampling a group whose rewards are all equal is dropped and replaced, at
         most ``dynamic_sampling_max_groups`` drawn, then dropped ones fill the batch. Returns
-        the batch, every group drawn but not trained on with why, and the counts. ``on_drop(group)``
-        is told of each drop as it happens (async: the producer reuses its slot at once)."""
+        the batch, every group drawn but not trained on with why, and the counts. ``slots`` (async:
+        the producer) gets a dropped group's window slot back at once, and takes back the slots
+        of dropped groups that fill the batch after all (they train: the window bound holds)."""
         r, b = self.cfg.rollout, self.cfg.schedule.batch_size
         limit = (r.dynamic_sampling_max_groups or 4 * b) if r.dynamic_sampling else None
         accepted: list[Group] = []
@@ -538,16 +539,16 @@ class RLTrainer:
                         counts["rollout/groups_dropped_stale"] += 1
                         counts["rollout/episodes_dropped_stale"] += len(group.trajectories)
                         dropped.append((group, "stale"))
-                        if on_drop is not None:
-                            on_drop(group)
+                        if slots is not None:
+                            slots.release([group.gid])
                         continue
                     counts["rollout/groups_kept_stale"] += 1
                 counts["rollout/overlong_episodes"] += self._score_group(group)
                 if r.dynamic_sampling and equal_rewards(group):
                     counts["rollout/groups_dropped_equal_reward"] += 1
                     dropped.append((group, "equal_reward"))
-                    if on_drop is not None:
-                        on_drop(group)
+                    if slots is not None:
+                        slots.release([group.gid])
                     continue
                 accepted.append(group)
         if len(accepted) < b:  # dynamic sampling ran out of draws: equal-reward groups fill the batch
@@ -555,6 +556,8 @@ class RLTrainer:
             counts["rollout/groups_refilled_equal_reward"] = float(len(fill))
             counts["rollout/groups_dropped_equal_reward"] -= len(fill)  # dropped: not trained on
             accepted += fill
+            if slots is not None:
+                slots.hold([g.gid for g in fill])
             dropped = [(g, why) for g, why in dropped if not any(g is f for f in fill)]
         return accepted, dropped, counts
 
@@ -572,7 +575,7 @@ class RLTrainer:
                                            window=(r.max_staleness + 1) * self.cfg.schedule.batch_size).start()
         timeout = self.cfg.rollout.timeout_s * (self.cfg.rollout.max_turns + 1)
         return self._collect(version, lambda k: [self._producer.take(timeout) for _ in range(k)],
-                             on_drop=lambda g: self._producer.release([g.gid]))
+                             slots=self._producer)
 
     def close_rollouts(self) -> None:
         """Stop the one-step-off thread and the async producer (their groups are not settled:

@@ -285,7 +285,7 @@ def test_async_window_counts_the_groups_a_step_trains_until_released():
     the weight sync that follows the step): with window = (K + 1) x batch, K = 1, batch 2, a
     fast producer has at most 2 groups ahead while a step trains, so the next step's groups were
     started before the previous sync (lag 1), never two syncs back (which the staleness rule
-    would drop). A dropped group's slot is released at once."""
+    would drop). A dropped group's slot is released at once, and taken back if it fills the batch."""
     from sorl_megatron.trainer.producer import AsyncProducer, Group
 
     started: list[int] = []
@@ -315,6 +315,9 @@ def test_async_window_counts_the_groups_a_step_trains_until_released():
         assert settle(4) == [0, 1, 2, 3]  # the step trains: its groups keep their slots
         producer.release([1])  # e.g. dropped (stale, equal rewards): reused at once
         assert settle(5) == [0, 1, 2, 3, 4]
+        producer.hold([1])  # the dropped group fills the batch after all: its slot is taken back
+        producer.release([0])
+        assert settle(5) == [0, 1, 2, 3, 4] and producer.pending() == (0, 3, 1)
         producer.release()  # after the weight sync
         assert settle(6) == [0, 1, 2, 3, 4, 5]
         assert [producer.take(5).gid for _ in range(2)] == [2, 3]
