@@ -12,8 +12,10 @@ through the router.
 Which servers take generation can change while a client lives (the async producer's client
 lives for the whole run): with ``serving`` (the trainer passes its fleet's ``urls``) each call
 picks among the servers serving *now*, so a server restarted on a new port gets calls once it
-is back. With ``pauses`` (a :class:`PauseClock`), the time the servers spend paused for a
-weight sync does not count against a ``/generate`` call's timeout (up to the clock's cap).
+is back. With ``pauses`` (a :class:`PauseClock`; the trainer passes one in async mode, the
+only mode that pauses servers), the time the servers spend paused for a weight sync does not
+count against a ``/generate`` call's timeout (up to the clock's cap); the timeout then bounds
+the call with its HTTP re-sends, not each attempt.
 """
 
 from __future__ import annotations

@@ -345,7 +345,8 @@ class RLTrainer:
             health_retry=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
             api_key=self.api_keys.get("rollout"), router_url=fleet.router_url,
             failover_retries=r.failover_retries), on_failure=fleet.on_failure,
-            serving=fleet.urls, pauses=self.pause_clock)  # a long-lived (async) client follows restarts
+            serving=fleet.urls,  # a long-lived (async) client follows restarts
+            pauses=self.pause_clock if r.mode == "async" and r.pause_mode != "off" else None)  # only async pauses
 
     def _fleet(self) -> RolloutFleet:
         """The run's fleet; one made of ``rollout_urls`` (external servers, no router) when
