@@ -698,7 +698,7 @@ class Engine:
 
     def _run_control(self, fn: Callable[[], Any], fut: cf.Future) -> None:
         if not fut.set_running_or_notify_cancel():
-            return  # its caller gave up (a bound passed, a client left): not run late
+            return  # its caller gave up (--control-timeout-s passed): not run late
         try:
             result = fn()
         except Exception as exc:  # reported to the caller, never kills the thread

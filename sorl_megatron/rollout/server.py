@@ -276,9 +276,11 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
                 raise SchedulerError(f"{what}: the scheduler thread is not running (see the server log)")
             left = 0.5 if deadline is None else min(0.5, deadline - asyncio.get_running_loop().time())
             if left <= 0:
-                wrapped.cancel()
-                raise SchedulerError(f"{what}: the scheduler did not run it within {bound_s:g} s "
-                                     "(--control-timeout-s)", 504)
+                if fut.cancel():  # not started: it never runs, the 504 is the whole truth
+                    raise SchedulerError(f"{what}: the scheduler did not run it within {bound_s:g} s "
+                                         "(--control-timeout-s)", 504)
+                deadline = None  # already running (a quick control call): answer what it did
+                continue
             done, _ = await asyncio.wait({wrapped}, timeout=left)
             if done:
                 return wrapped.result()
