@@ -49,6 +49,8 @@ def run_mode(
         f"logging.dir={out}", f"logging.run_name={name}", f"checkpoint.dir={out / name / 'ckpt'}",
         f"rollout.mode={mode}", "algorithm.loss.is_correction.mode=tis", *extra,
     ]
+    if (out / name).exists():  # a finished run would resume, exit at once and be read back as new
+        raise SystemExit(f"{out / name} exists: give --out a fresh directory (or remove that run)")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     t0 = time.perf_counter()
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)

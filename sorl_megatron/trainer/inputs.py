@@ -71,6 +71,23 @@ def validate_inputs(
     return InputSummary(train, val, passages)
 
 
+def load_tokenizer(path: str):
+    """The model's tokenizer (transformers, never the checkpoint's own code: no
+    ``trust_remote_code``); an InputError naming ``model.path`` when transformers cannot build
+    one, e.g. a tiktoken tokenizer shipped as custom code (Moonlight): convert it to a
+    ``tokenizer.json`` first (docs/conversion.md)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, ImportError) as err:
+        raise InputError(
+            f"model.path: {path} has no tokenizer transformers can load without running the model's own "
+            f"code (this package never sets trust_remote_code); ship a tokenizer.json (fast tokenizer) in that "
+            f"directory ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        ) from err
+
+
 def check_resume_dir(cfg: TrainConfig) -> None:
     """``checkpoint.resume``, when it names a directory, is one (InputError otherwise)."""
     resume = cfg.checkpoint.resume

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from ..algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
 from ..bridge.model import ModelOptions
@@ -60,7 +60,7 @@ from ..rollout.client import PauseClock, RolloutClient, RolloutClientConfig
 from ..rollout.trajectory import Trajectory, collate
 from .config import TrainConfig, dump_config
 from .fleet import RolloutFleet, Worker, start_fleet
-from .inputs import check_resume_dir, validate_inputs
+from .inputs import check_resume_dir, load_tokenizer, validate_inputs
 from .metrics_log import MetricsLogger, open_wandb
 from .producer import (
     AsyncProducer,
@@ -892,7 +892,7 @@ class RLTrainer:
                 log.warning("rollout.mode=%s trains on tokens sampled by older weights; without "
                             "algorithm.loss.is_correction.mode (tis / mis) nothing corrects for it", cfg.rollout.mode)
         self.rows, self.val_rows = inputs.train, inputs.val
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stream.indices = list(range(len(self.rows)))
         with ExitStack() as stack:

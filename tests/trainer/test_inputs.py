@@ -134,3 +134,21 @@ def test_resume_directory_must_exist(inputs, monkeypatch, capsys):
     assert code == 2 and "input error: checkpoint.resume: " in err and "step_4 is not a directory" in err
     (tmp_path / "ckpt" / "step_4").mkdir(parents=True)
     validate_inputs(cfg_of(files, **{"checkpoint.resume": str(tmp_path / "ckpt" / "step_4")}))
+
+
+def test_a_tokenizer_that_needs_the_models_own_code_is_refused_naming_model_path(tmp_path):
+    """Moonlight-style: the tokenizer is custom code (auto_map); transformers would need
+    trust_remote_code, which this package never sets: one clear error naming model.path."""
+    from sorl_megatron.trainer.inputs import load_tokenizer
+
+    model = tmp_path / "custom_tok"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_moonshot.TikTokenTokenizer", None]},
+    }))
+    (model / "tokenization_moonshot.py").write_text("raise SystemExit('remote code ran')\n")
+    with pytest.raises(InputError, match=r"model.path: .*custom_tok has no tokenizer transformers can load "
+                                         r"without running the model's own code .*tokenizer.json"):
+        load_tokenizer(str(model))
