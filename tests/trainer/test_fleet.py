@@ -366,9 +366,9 @@ def test_two_threads_reporting_one_dead_server_restart_it_once(tmp_path):
             assert servers.restarts == {"rollout-0": 1}
             assert fleet.counts == {"server_failures": 1, "server_restarts": 1}
             assert answers == [[good.url], [good.url]] and fleet.workers[0].url != hung.url
-            t0 = time.monotonic()  # a late report of the old URL: nothing to check, nothing restarted
+            # a late report of the old URL: nothing to check, nothing restarted
             assert asyncio.run(fleet.on_failure(hung.url, ServerTimeoutError("late"))) == [good.url]
-            assert time.monotonic() - t0 < 0.5 and servers.restarts == {"rollout-0": 1}
+            assert checks == [[hung.url]] and servers.restarts == {"rollout-0": 1}
         finally:
             hung.stop()
             good.stop()

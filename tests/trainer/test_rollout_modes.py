@@ -543,12 +543,12 @@ def test_a_paused_turn_waits_out_the_sync_within_weight_sync_timeout_s():
         return asyncio.run(go())
 
     try:
-        err, took = turn(None)  # no clock: 0.6 s and out
-        assert isinstance(err, ServerTimeoutError) and took < 1.4
+        err, took = turn(None)  # no clock: 0.6 s and out (the answer would come at 1.5 s)
+        assert isinstance(err, ServerTimeoutError)
         out, took = turn(PauseClock(max_credit_s=30), resume_after=1.2)  # paused 1.2 s of its 1.5 s
         assert out.output_ids == [4] and took >= 1.4
-        err, took = turn(PauseClock(max_credit_s=0.3))  # a pause longer than the cap
-        assert isinstance(err, ServerTimeoutError) and 0.8 <= took < 1.4, took
+        err, took = turn(PauseClock(max_credit_s=0.3))  # a pause longer than the cap: out before the answer
+        assert isinstance(err, ServerTimeoutError) and took >= 0.8, took  # 0.6 s plus the 0.3 s credit
         assert "rollout.timeout_s" in str(err) and "rollout.weight_sync_timeout_s" in str(err)
     finally:
         server.stop()
