@@ -151,9 +151,12 @@ class RolloutClient:
     """``async with RolloutClient(cfg) as c: out = await c.generate(ids, SamplingParams(...))``."""
 
     def __init__(self, cfg: RolloutClientConfig | Sequence[str] | str, on_failure: FailureHook | None = None,
-                 serving: Callable[[], Sequence[str]] | None = None, pauses: PauseClock | None = None):
+                 serving: Callable[[], Sequence[str]] | None = None, pauses: PauseClock | None = None,
+                 on_retry: Callable[[], None] | None = None):
         """``serving()``: the URLs that take generation now (any thread may change them; None:
-        ``cfg.urls`` less those ``on_failure`` dropped). ``pauses``: see :class:`PauseClock`."""
+        ``cfg.urls`` less those ``on_failure`` dropped). ``pauses``: see :class:`PauseClock`.
+        ``on_retry()``: told of each re-sent ``/generate`` call as it happens (any thread's
+        client: the trainer counts them per step)."""
         if not isinstance(cfg, RolloutClientConfig):
             cfg = RolloutClientConfig(urls=(cfg,) if isinstance(cfg, str) else tuple(cfg))
         self.cfg = cfg
@@ -161,6 +164,7 @@ class RolloutClient:
         self.serving = serving
         self.pauses = pauses
         self.retries = 0  # /generate calls sent again after a server failed them (HTTP retries and failover)
+        self.on_retry = on_retry
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
         self._inflight = {u: 0 for u in cfg.urls}
@@ -324,7 +328,7 @@ class RolloutClient:
                         raise ServerUnavailableError("no rollout server reachable: " + "; ".join(errors))
                     self._usable = set(left)
                 failovers += 1
-                self.retries += 1
+                self._count_retry()
 
     async def _generate_on(self, url: str, body: dict[str, Any]) -> Any:
         """One ``/generate`` call on ``url`` (or the router) under ``generate_retry``; with a
@@ -359,6 +363,8 @@ class RolloutClient:
 
     def _count_retry(self) -> None:
         self.retries += 1
+        if self.on_retry is not None:
+            self.on_retry()
 
     # ----- control: every server -----
 

@@ -346,6 +346,7 @@ class RLTrainer:
             api_key=self.api_keys.get("rollout"), router_url=fleet.router_url,
             failover_retries=r.failover_retries), on_failure=fleet.on_failure,
             serving=fleet.urls,  # a long-lived (async) client follows restarts
+            on_retry=lambda: fleet.count("retries"),  # as they happen, from any thread
             pauses=self.pause_clock if r.mode == "async" and r.pause_mode != "off" else None)  # only async pauses
 
     def _fleet(self) -> RolloutFleet:
@@ -419,7 +420,6 @@ class RLTrainer:
                     max_prompt_tokens=self.cfg.data.max_prompt_tokens,
                 )
             finally:
-                self._count_retries(policy)
                 await policy.close()
                 await retriever.close()
 
@@ -444,13 +444,6 @@ class RLTrainer:
         policy, retriever = self._rollout_client(), self._retrieval_client()
         agent = SearchAgent(policy, retriever, self.tokenizer, self._agent_config())
 
-        counted = [0]  # the client's retries already in the fleet's count
-
-        def count_retries() -> None:  # as they happen: async's client lives across many steps
-            new, counted[0] = policy.retries - counted[0], policy.retries
-            if new:
-                self._fleet().count("retries", new)
-
         async def run_group(gid: int) -> Group:
             prompt = self.group_prompt(gid)
             ids = encode_prompt(self.tokenizer, self.rows[prompt])
@@ -461,19 +454,13 @@ class RLTrainer:
                                              metas=[{"group": gid, "prompt": prompt}])
             finally:
                 self.busy.exit()
-                count_retries()
             return Group(gid, prompt, trajs)
 
         async def close() -> None:
-            count_retries()
             await policy.close()
             await retriever.close()
 
         return run_group, close
-
-    def _count_retries(self, policy: RolloutClient) -> None:
-        """A rollout client's re-sent /generate calls into the fleet's per-step count."""
-        self._fleet().count("retries", policy.retries)
 
     def _draw_groups(self, count: int) -> list[Group]:
         """The next ``count`` groups from ``next_gid`` on, generated now (sync, one_step_off)."""
