@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,6 +30,7 @@ from typing import Any, Literal
 import aiohttp
 import torch
 
+from ..common.clock import ActiveClock
 from ..common.http import (
     BadResponseError,
     RequestRejectedError,
@@ -105,7 +105,7 @@ class RolloutClientConfig:
             raise ValueError(f"rollout.failover_retries must be >= 0, got {self.failover_retries}")
 
 
-class PauseClock:
+class PauseClock(ActiveClock):
     """How long the rollout servers have been paused for weight syncs (thread-safe): the
     trainer calls :meth:`pause` before ``/pause_generation`` and :meth:`resume` after
     ``/continue_generation``; a client holding the clock adds the paused seconds that overlap
@@ -115,31 +115,18 @@ class PauseClock:
     def __init__(self, max_credit_s: float):
         if not max_credit_s >= 0:
             raise ValueError(f"rollout.weight_sync_timeout_s must be >= 0, got {max_credit_s}")
+        super().__init__()
         self.max_credit_s = float(max_credit_s)
-        self._lock = threading.Lock()
-        self._total = 0.0  # seconds of finished pauses
-        self._since: float | None = None  # start of the pause in progress
 
     def pause(self) -> None:
-        with self._lock:
-            if self._since is None:
-                self._since = time.monotonic()
+        self.enter(exclusive=True)
 
     def resume(self) -> None:
-        with self._lock:
-            if self._since is not None:
-                self._total += time.monotonic() - self._since
-                self._since = None
+        self.exit()
 
     @property
     def paused(self) -> bool:
-        with self._lock:
-            return self._since is not None
-
-    def seconds(self) -> float:
-        """Paused seconds since the clock was made (the pause in progress included)."""
-        with self._lock:
-            return self._total + (time.monotonic() - self._since if self._since is not None else 0.0)
+        return self.active
 
 
 # What the fleet is told when a /generate call failed on ``url`` (None: through the router,

@@ -94,33 +94,6 @@ class SettledGroups:
         return out
 
 
-class BusyClock:
-    """Seconds during which at least one episode was in flight (thread-safe): the rollout
-    servers' busy time as the trainer sees it; a step's wall time minus it is their idle time."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._active = 0
-        self._since = 0.0
-        self._busy = 0.0
-
-    def enter(self) -> None:
-        with self._lock:
-            if self._active == 0:
-                self._since = time.perf_counter()
-            self._active += 1
-
-    def exit(self) -> None:
-        with self._lock:
-            self._active -= 1
-            if self._active == 0:
-                self._busy += time.perf_counter() - self._since
-
-    def busy_seconds(self) -> float:
-        with self._lock:
-            return self._busy + (time.perf_counter() - self._since if self._active else 0.0)
-
-
 def version_lag_metrics(groups: Sequence[Group], version: int, max_staleness: int) -> dict[str, float]:
     """Per policy token: ``version - token version`` (mean, max and the fraction of tokens at
     each lag 0..max_staleness, ``over`` beyond it); ground-truth rows (no policy) are left out."""

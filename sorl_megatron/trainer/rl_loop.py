@@ -37,6 +37,7 @@ from ..algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantag
 from ..bridge.model import ModelOptions
 from ..bridge.parallel import init_distributed
 from ..bridge.weights import iter_hf_weights, save_hf_checkpoint
+from ..common.clock import ActiveClock
 from ..common.fp8 import quantize_hf_tensor
 from ..common.http import RetryPolicy, ServerError
 from ..common.typed_config import to_dict
@@ -64,7 +65,6 @@ from .inputs import check_resume_dir, load_tokenizer, validate_inputs
 from .metrics_log import MetricsLogger, open_wandb
 from .producer import (
     AsyncProducer,
-    BusyClock,
     Group,
     SettledGroups,
     apply_overlong,
@@ -228,7 +228,7 @@ class RLTrainer:
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pending: Optional[concurrent.futures.Future] = None
         self._producer: Optional[AsyncProducer] = None
-        self.busy = BusyClock()
+        self.busy = ActiveClock()  # episodes in flight: the servers' busy time
         self._pause_supported: Optional[bool] = None
         # paused time does not count against a /generate call's rollout.timeout_s (at most
         # rollout.weight_sync_timeout_s per call): a turn paused for a slow sync is not timed out
@@ -719,7 +719,7 @@ class RLTrainer:
         cfg = self.cfg
         timer = StepTimer()
         metrics: dict[str, float] = {}
-        wall0, busy0 = time.perf_counter(), self.busy.busy_seconds()
+        wall0, busy0 = time.perf_counter(), self.busy.seconds()
         with timer("rollout"):
             payload = None
             if _rank() == 0:
@@ -775,7 +775,7 @@ class RLTrainer:
         if _rank() == 0:
             wall = time.perf_counter() - wall0
             metrics["time/trainer_idle"] = sum(v for k, v in metrics.items() if k.startswith("time/trainer_idle_"))
-            metrics["time/server_idle"] = max(wall - (self.busy.busy_seconds() - busy0), 0.0)
+            metrics["time/server_idle"] = max(wall - (self.busy.seconds() - busy0), 0.0)
             metrics["time/step_wall"] = wall
         if _rank() == 0:
             metrics.update(self._fleet().metrics())  # failures, retries, restarts: this step's and validation's
