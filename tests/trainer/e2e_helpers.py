@@ -1,14 +1,19 @@
-"""Shared pieces of the end-to-end trainer tests: the tiny-run overrides, metrics reading,
-clean environments for subprocess launches, and process liveness checks (no psutil)."""
+"""Shared pieces of the end-to-end trainer tests: the tiny data set, the shared embedded servers,
+the tiny-run overrides, metrics reading, clean environments for subprocess launches, and
+process liveness checks (no psutil)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_RECIPE = str(ROOT / "recipes" / "tiny_search_base.yaml")
@@ -33,6 +38,36 @@ TINY = [
     "logging.progress=none",
     "logging.tensorboard=false",
 ]
+
+
+def make_tiny_data(out: Path) -> Path:
+    """The synthetic QA set, corpus, tokenizer and tiny Qwen3-MoE (vocab 512, tied) in ``out``."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "make_synthetic_data.py"), "--out", str(out), "--num-people", "8",
+         "--make-model", "--vocab-size", "512", "--tie-embeddings"],
+        check=True, capture_output=True, env=subprocess_env(), cwd=ROOT,
+    )
+    return out
+
+
+@contextlib.contextmanager
+def shared_embedded_servers(data: Path, workdir: Path) -> Iterator[dict]:
+    """One rollout server (routed experts on, for R3) and one retrieval server that the trainer
+    did not start: their API keys reach it as a user's would, by environment variable.
+    Yields ``rollout`` / ``retrieval`` URLs, ``keys`` and the ``overrides`` pointing a run at them."""
+    from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
+
+    servers = EmbeddedServers(workdir)
+    with pytest.MonkeyPatch.context() as env:
+        try:
+            retrieval = servers.start(retrieval_server_spec(str(data / "corpus.jsonl"), 2))
+            rollout = servers.start(rollout_server_spec(str(data / "model"), "fp32", True, 1234))
+            env.setenv("SORL_RETRIEVAL_API_KEY", servers.api_keys["retrieval"])
+            env.setenv("SORL_ROLLOUT_API_KEY", servers.api_keys["rollout"])
+            yield {"rollout": rollout, "retrieval": retrieval, "keys": dict(servers.api_keys),
+                   "overrides": [f"rollout.urls=[{rollout}]", f"retrieval.url={retrieval}"]}
+        finally:
+            servers.stop()
 
 
 def data_overrides(data: Path) -> list[str]:

@@ -39,9 +39,11 @@ from .e2e_helpers import (
     assert_finite,
     children,
     comparable,
+    make_tiny_data,
     read_metrics,
     run_overrides,
     server_children,
+    shared_embedded_servers,
     subprocess_env,
     wait_dead,
 )
@@ -51,25 +53,7 @@ from .e2e_helpers import (
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("e2e_data")
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "make_synthetic_data.py"),
-            "--out",
-            str(out),
-            "--num-people",
-            "8",
-            "--make-model",
-            "--vocab-size",
-            "512",
-            "--tie-embeddings",
-        ],
-        check=True,
-        capture_output=True,
-        env=subprocess_env(),
-        cwd=ROOT,
-    )
+    out = make_tiny_data(tmp_path_factory.mktemp("e2e_data"))
     assert json.loads((out / "model" / "config.json").read_text())["vocab_size"] % 2 == 0
     return out
 
@@ -77,19 +61,8 @@ def tiny_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def shared_servers(tiny_data, tmp_path_factory):
     """One rollout server (routed experts enabled, for R3 runs) and one retrieval server."""
-    from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
-
-    servers = EmbeddedServers(tmp_path_factory.mktemp("shared_servers"))
-    with pytest.MonkeyPatch.context() as env:
-        try:
-            retrieval = servers.start(retrieval_server_spec(str(tiny_data / "corpus.jsonl"), 2))
-            rollout = servers.start(rollout_server_spec(str(tiny_data / "model"), "fp32", True, 1234))
-            # servers the trainer did not start: their keys reach it as a user's would, by variable
-            env.setenv("SORL_RETRIEVAL_API_KEY", servers.api_keys["retrieval"])
-            env.setenv("SORL_ROLLOUT_API_KEY", servers.api_keys["rollout"])
-            yield [f"rollout.urls=[{rollout}]", f"retrieval.url={retrieval}"]
-        finally:
-            servers.stop()
+    with shared_embedded_servers(tiny_data, tmp_path_factory.mktemp("shared_servers")) as servers:
+        yield servers["overrides"]
 
 
 class LengthReward(RewardRegistry):

@@ -25,36 +25,28 @@ import torch
 from sorl_megatron.rewards.registry import RewardRegistry
 from tests.http_calls import call
 
-from .e2e_helpers import BASE_RECIPE, ROOT, assert_finite, read_metrics, run_overrides, subprocess_env
+from .e2e_helpers import (
+    BASE_RECIPE,
+    ROOT,
+    assert_finite,
+    make_tiny_data,
+    read_metrics,
+    run_overrides,
+    shared_embedded_servers,
+    subprocess_env,
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("modes_data")
-    subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "make_synthetic_data.py"), "--out", str(out), "--num-people", "8",
-         "--make-model", "--vocab-size", "512", "--tie-embeddings"],
-        check=True, capture_output=True, env=subprocess_env(), cwd=ROOT,
-    )
-    return out
+    return make_tiny_data(tmp_path_factory.mktemp("modes_data"))
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_data, tmp_path_factory):
     """One rollout server (routed experts on, for R3) and one retrieval server."""
-    from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
-
-    embedded = EmbeddedServers(tmp_path_factory.mktemp("modes_servers"))
-    with pytest.MonkeyPatch.context() as env:
-        try:
-            retrieval = embedded.start(retrieval_server_spec(str(tiny_data / "corpus.jsonl"), 2))
-            rollout = embedded.start(rollout_server_spec(str(tiny_data / "model"), "fp32", True, 1234))
-            env.setenv("SORL_RETRIEVAL_API_KEY", embedded.api_keys["retrieval"])
-            env.setenv("SORL_ROLLOUT_API_KEY", embedded.api_keys["rollout"])
-            yield {"rollout": rollout, "retrieval": retrieval, "keys": dict(embedded.api_keys),
-                   "overrides": [f"rollout.urls=[{rollout}]", f"retrieval.url={retrieval}"]}
-        finally:
-            embedded.stop()
+    with shared_embedded_servers(tiny_data, tmp_path_factory.mktemp("modes_servers")) as servers:
+        yield servers
 
 
 class HalfConstantReward(RewardRegistry):
