@@ -115,7 +115,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if _rank0():
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(args.hf, dtype=model.dtype)
+        from ..common.hf_build import HF_BUILD_LOCK
+
+        with HF_BUILD_LOCK:
+            hf = AutoModelForCausalLM.from_pretrained(args.hf, dtype=model.dtype)
         hf.eval()
         with torch.no_grad():
             ref = hf(tokens).logits.float()

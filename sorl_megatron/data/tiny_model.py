@@ -13,6 +13,8 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+from ..common.hf_build import HF_BUILD_LOCK
+
 Arch = Literal["qwen3_moe", "qwen2", "qwen3", "mixtral"]
 
 
@@ -80,7 +82,8 @@ def hf_config(
 def build_tiny_model(cfg: TinyModelConfig, eos_token_id: int | None = None, pad_token_id: int | None = None):
     """A float32 random model in eval mode."""
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(hf_config(cfg, eos_token_id, pad_token_id), dtype=torch.float32)
+    with HF_BUILD_LOCK:
+        model = AutoModelForCausalLM.from_config(hf_config(cfg, eos_token_id, pad_token_id), dtype=torch.float32)
     with torch.no_grad():
         for name, module in model.named_modules():
             if type(module).__name__.endswith("TopKRouter"):

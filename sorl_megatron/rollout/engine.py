@@ -69,6 +69,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..bridge.hf_config import require_hf_dir
+from ..common.hf_build import HF_BUILD_LOCK
 from ..common.protocol import GenRequest, encode_routed_experts
 from .precision import Precision, apply_precision
 from .weights import WeightError, check_bucket, check_compatible, dequantize_fp8_pairs, read_checkpoint
@@ -394,7 +395,8 @@ class Engine:
 
     def _build_model(self) -> None:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(self.hf_config)]
-        model = cls.from_pretrained(None, config=self.hf_config, state_dict=self.state, dtype=torch.float32)
+        with HF_BUILD_LOCK:
+            model = cls.from_pretrained(None, config=self.hf_config, state_dict=self.state, dtype=torch.float32)
         model = apply_precision(model.eval(), self.cfg.precision, self.cfg.fp8_block_size)
         self.model = model
         self.tap = _RouterTap(model, int(self.hf_config.num_hidden_layers))

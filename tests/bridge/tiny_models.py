@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 
+from sorl_megatron.common.hf_build import HF_BUILD_LOCK
+
 VOCAB = 128
 
 
@@ -191,7 +193,8 @@ def save_tiny_model(kind: str, out_dir: str, seed: int = 0, with_tokenizer: bool
 
     torch.manual_seed(seed)
     config = CONFIGS[kind]()
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with HF_BUILD_LOCK:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random (not default-initialized) norms, so a norm loaded into the wrong slot shows up.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -249,7 +252,8 @@ def _write_tokenizer(out_dir: str) -> None:
 def hf_logits(model_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with HF_BUILD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     with torch.no_grad():
         return model(tokens).logits.float()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from sorl_megatron.common.hf_build import HF_BUILD_LOCK
 from sorl_megatron.data.tiny_model import TinyModelConfig, save_tiny_model
 from sorl_megatron.data.tokenizer import train_tokenizer
 from sorl_megatron.rollout.engine import EngineConfig
@@ -36,7 +37,8 @@ def dense_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def moe_model(moe_dir):
-    return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    with HF_BUILD_LOCK:
+        return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from sorl_megatron.common.hf_build import HF_BUILD_LOCK
 from sorl_megatron.common.http import RequestRejectedError
 from sorl_megatron.common.protocol import SamplingParams, decode_routed_experts
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
@@ -206,7 +207,8 @@ def test_precision_mismatch_is_real_and_reported(moe_dir, moe_model, teacher_for
 
 def test_dense_model_logprobs_and_no_routing(dense_dir, teacher_forced):
     srv = start_rollout_server(EngineConfig(model_path=str(dense_dir), enable_return_routed_experts=True))
-    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
+    with HF_BUILD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
     try:
         outs = run(
             _generate_all(srv.url, PROMPTS[:2], SamplingParams(max_new_tokens=12, sampling_seed=1, ignore_eos=True))

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from sorl_megatron.common.fp8 import dequantize_block_fp8, quantize_block_fp8, quantize_hf_tensor
+from sorl_megatron.common.hf_build import HF_BUILD_LOCK
 from sorl_megatron.common.http import RequestRejectedError
 from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.common.weight_group import WeightGroupError
@@ -87,7 +88,8 @@ def test_distributed_sync_both_servers_follow(servers, moe_dir, teacher_forced):
     sent = run(sync(servers, list(state.items()), "step-7", bucket_bytes=64 * 1024))
     assert sent == sum(t.numel() * 4 for t in state.values())
     base = servers[0].engine.model  # the served class, rebuilt from the sent state (as the tests of tensors do)
-    model = type(base).from_pretrained(None, config=base.config, state_dict=state, dtype=torch.float32).eval()
+    with HF_BUILD_LOCK:
+        model = type(base).from_pretrained(None, config=base.config, state_dict=state, dtype=torch.float32).eval()
     for s in servers:
         assert all(torch.equal(s.engine.state[k], v) for k, v in state.items())
         out = run(logprobs(s.url))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from sorl_megatron.common.hf_build import HF_BUILD_LOCK
 from sorl_megatron.common.http import RequestRejectedError
 from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
@@ -79,7 +80,8 @@ def test_update_from_tensor_partial_in_buckets(server, tmp_path, teacher_forced)
     ]
     update = {n: state[n] + 0.1 * torch.randn(state[n].shape, generator=g) for n in names}
     state.update(update)
-    expected = type(base).from_pretrained(None, config=base.config, state_dict=state, dtype=torch.float32).eval()
+    with HF_BUILD_LOCK:
+        expected = type(base).from_pretrained(None, config=base.config, state_dict=state, dtype=torch.float32).eval()
 
     async def go():
         async with RolloutClient(server.url) as c:
@@ -159,3 +161,30 @@ def test_update_weight_version_and_flush(server):
 
     health, info = run(go())
     assert health == {server.url: True} and info["weight_version"] == "v42"
+
+
+def test_rebuilds_beside_a_callers_load_keep_lm_heads_tied(tmp_path, tokenizer):
+    """transformers swaps process-wide functions (``tie_weights`` among them) while it builds a
+    model. An embedded server rebuilding after weight updates while its caller loads a model
+    interleaved those swaps and left every later model of the process with a random untied LM
+    head (a flaky full-suite failure): both sides hold ``HF_BUILD_LOCK``."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    from sorl_megatron.data.tiny_model import TinyModelConfig, save_tiny_model
+    from sorl_megatron.rollout.engine import Engine
+
+    tie_weights = PreTrainedModel.tie_weights
+    tied = save_tiny_model(TinyModelConfig(arch="qwen3_moe", seed=3, tie_embeddings=True), tmp_path / "tied", tokenizer)
+    engine = Engine(EngineConfig(model_path=str(tied))).start()
+    try:
+        rebuilds = [engine.call(lambda: engine.update_from_disk(str(tied), None)) for _ in range(16)]
+        for _ in range(16):
+            with HF_BUILD_LOCK:
+                model = AutoModelForCausalLM.from_pretrained(tied, dtype=torch.float32)
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+        for done in rebuilds:
+            done.result(timeout=120)
+        assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    finally:
+        engine.stop()
+    assert PreTrainedModel.tie_weights is tie_weights
