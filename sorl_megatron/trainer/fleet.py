@@ -203,13 +203,7 @@ class RolloutFleet:
         log.warning("rollout server %s failed (%s): taken out of the fleet", w.url, err)
         w.state = "down"
         self.count("server_failures")
-        router = self._router()
-        if router is not None:
-            try:
-                if await router.remove(w.url):
-                    await router.wait_for(absent=[w.url], timeout_s=self.health.timeout_s)
-            except ServerError as exc:  # the router's own health checks skip it anyway
-                log.warning("could not take %s out of the router %s: %s", w.url, self.router_url, exc)
+        await self._take_out_of_router([w.url])
         if w.name is not None and self.servers is not None and self.restart_embedded:
             w.url = self.servers.restart(w.name)
             self.count("server_restarts")
@@ -220,6 +214,17 @@ class RolloutFleet:
         elif w.name is None and self.restart_command:
             self._run_restart_hook(w.url)
             self.count("server_restarts")
+
+    async def _take_out_of_router(self, urls: list[str]) -> None:
+        router = self._router()
+        if router is None:
+            return
+        for url in urls:
+            try:
+                if await router.remove(url):
+                    await router.wait_for(absent=[url], timeout_s=self.health.timeout_s)
+            except ServerError as exc:  # the router's own health checks skip it anyway
+                log.warning("could not take %s out of the router %s: %s", url, self.router_url, exc)
 
     def _run_restart_hook(self, url: str) -> None:
         """``rollout.restart_command`` for a failed external server, not waited for: the
@@ -271,25 +276,28 @@ class RolloutFleet:
     def finish_sync(self) -> None:
         """After a weight sync that reached them: the joining workers serve again (router
         registration waited for, bounded)."""
-        joining = [w for w in self.workers if w.state == "joining"]
+        joining = [(w, w.url) for w in self.workers if w.state == "joining"]
         if not joining:
             return
         router = self._router()
         if router is not None:
 
             async def register():
-                for w in joining:
-                    await router.add(w.url)
-                await router.wait_for(present=[w.url for w in joining], timeout_s=self.timeout_s)
+                for _, url in joining:
+                    await router.add(url)
+                await router.wait_for(present=[url for _, url in joining], timeout_s=self.timeout_s)
 
             asyncio.run(register())
         with self._lock:
-            for w in joining:
-                if w.state != "joining":
-                    continue  # failed during the sync (the producer's calls): not back
+            for w, url in joining:
+                if w.state != "joining" or w.url != url:
+                    continue  # failed during the sync or the registration (the producer's calls): not back
                 w.state = "up"
                 self.count("servers_rejoined")
                 log.warning("rollout server %s is back (current weights%s)", w.url, ", in the router" if router else "")
+            failed = [url for w, url in joining if w.state != "up" or w.url != url]
+        if failed:  # a failure handled before its registration found nothing to take out of the router
+            asyncio.run(self._take_out_of_router(failed))
 
     def close(self) -> None:
         for p in self._hooks:

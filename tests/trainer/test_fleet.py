@@ -374,6 +374,62 @@ def test_two_threads_reporting_one_dead_server_restart_it_once(tmp_path):
             good.stop()
 
 
+def test_a_server_failing_while_it_is_registered_is_taken_back_out_of_the_router(tmp_path):
+    """After a weight sync the joining servers are registered with the router. If one fails
+    while that runs (the async producer's calls), its failure is handled before the router
+    lists it, so taking it out finds nothing: the registration must take it back out. The
+    router here is a stub of sglang-router's worker API (``GET``/``POST /workers``,
+    ``DELETE /workers/{id}``; the real router's API is exercised by the tests above); the
+    failure is the fleet's own ``on_failure`` from another thread, while the router is being
+    asked to add the server."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
+    from sorl_megatron.common.http import ServerTimeoutError
+    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+
+    alive = {"value": True}
+
+    async def health(request):
+        return web.Response(text="ok", status=200 if alive["value"] else 500)
+
+    listed: dict[str, dict] = {}
+
+    async def workers(request):
+        return web.json_response({"workers": list(listed.values())})
+
+    async def add(request):
+        url = (await request.json())["url"].rstrip("/")
+        if url == flaky.url and alive["value"]:  # it dies now, and the producer reports it
+            alive["value"] = False
+            await asyncio.to_thread(lambda: asyncio.run(fleet.on_failure(url, ServerTimeoutError("generate"))))
+        listed[url] = {"url": url, "id": f"w{len(listed)}", "is_healthy": True}
+        return web.json_response({"status": "queued"}, status=202)
+
+    async def remove(request):
+        for url, record in list(listed.items()):
+            if record["id"] == request.match_info["id"]:
+                del listed[url]
+        return web.json_response({"status": "queued"}, status=202)
+
+    worker_app, router_app = web.Application(), web.Application()
+    worker_app.router.add_get("/health", health)
+    router_app.router.add_get("/workers", workers)
+    router_app.router.add_post("/workers", add)
+    router_app.router.add_delete("/workers/{id}", remove)
+    flaky = BackgroundServer(worker_app, "127.0.0.1", 0).start()
+    router = BackgroundServer(router_app, "127.0.0.1", 0).start()
+    try:
+        fleet = RolloutFleet(timeout_s=30, health=RetryPolicy(timeout_s=5, retries=0), run_dir=tmp_path,
+                             workers=[Worker(flaky.url, state="joining")], router_url=router.url)
+        fleet.finish_sync()
+        assert fleet.workers[0].state == "down" and fleet.counts == {"server_failures": 1}
+        assert listed == {}  # not left in the router
+    finally:
+        flaky.stop()
+        router.stop()
+
+
 def test_a_long_lived_client_follows_a_restart_to_its_new_port(tmp_path):
     """The async producer's client lives for the whole run. Its calls go where the fleet says
     servers serve now: after a server is killed, restarted on a new port, synced and back, the
