@@ -67,10 +67,14 @@ class ParallelLayout:
         if not self.uneven:
             return [num_layers // self.pp] * self.pp
         first, last = self.first_stage_layers, self.last_stage_layers
-        middle_ranks = self.pp - (first is not None) - (last is not None)
-        rest = num_layers - (first or 0) - (last or 0)
+        middle_ranks, rest = self.middle_stages(num_layers)
         each = rest // middle_ranks if middle_ranks > 0 else 0
         return ([first] if first is not None else []) + [each] * middle_ranks + ([last] if last is not None else [])
+
+    def middle_stages(self, num_layers: int) -> tuple[int, int]:
+        """Pipeline ranks between the sized first / last stages, and the layers left for them."""
+        first, last = self.first_stage_layers, self.last_stage_layers
+        return self.pp - (first is not None) - (last is not None), num_layers - (first or 0) - (last or 0)
 
     @property
     def expert_tp(self) -> int:
@@ -160,8 +164,7 @@ def check_pipeline_split(layout: ParallelLayout, layers: int, name: str = "the m
     if layout.pp == 1:
         raise LayoutError(f"{' / '.join(given)} need PP > 1 (they size the first / last pipeline stage)",
                           (*given, "pp"))
-    middle_ranks = layout.pp - len(given)
-    rest = layers - (first or 0) - (last or 0)
+    middle_ranks, rest = layout.middle_stages(layers)
     split = f"{layers} layers = " + " + ".join(
         [f"first {first}"] * (first is not None) + [f"{rest} over {middle_ranks} middle ranks"]
         + [f"last {last}"] * (last is not None)
