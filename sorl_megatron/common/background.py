@@ -15,8 +15,9 @@ from aiohttp import web
 class BackgroundServer:
     """Runs an aiohttp app on its own event loop in a daemon thread (tests, demos)."""
 
-    def __init__(self, app: web.Application, host: str, port: int):
+    def __init__(self, app: web.Application, host: str, port: int, handler_cancellation: bool = False):
         self.host, self.port = host, port
+        self._handler_cancellation = handler_cancellation
         self._app = app
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -29,7 +30,8 @@ class BackgroundServer:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=1.0)
+        runner = web.AppRunner(self._app, access_log=None, shutdown_timeout=1.0,
+                               handler_cancellation=self._handler_cancellation)
         try:
             self._loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, self.host, self.port)

@@ -463,6 +463,12 @@ class Engine:
     def num_tracked_aborts(self) -> int:
         return len(self._aborted)
 
+    @property
+    def num_live_requests(self) -> int:
+        """Requests queued or running (a request of ``n`` samples counts once)."""
+        with self._lock:
+            return sum(self._live.values())
+
     def _finish(self, req: GenRequest, result: Any) -> None:
         """Drop ``req``'s abort bookkeeping, then resolve it (a result list or an exception):
         in that order, so whoever reads the answer sees the bookkeeping already gone."""

@@ -43,6 +43,11 @@ if TYPE_CHECKING:  # torch/transformers load lazily so that --help answers at on
 
 log = logging.getLogger("sorl_megatron.rollout.server")
 
+# A client that disconnects (it timed out, or gave up on this server) cancels its handler, so
+# its sequences leave the batch instead of decoding to max_new_tokens for nobody (aiohttp
+# leaves handlers running by default); a control call that has not started is dropped.
+CANCEL_ON_DISCONNECT = True
+
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
     if isinstance(value, list):
@@ -478,6 +483,7 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
                 "num_decode_steps": engine.num_steps,
                 "max_running_batch": engine.max_batch,
                 "num_tracked_aborts": engine.num_tracked_aborts,
+                "num_live_requests": engine.num_live_requests,  # queued or running
             }
         )
 
@@ -555,7 +561,8 @@ def start_rollout_server(
     from .engine import Engine
 
     engine = Engine(cfg).start()
-    return RolloutServer(engine, BackgroundServer(build_app(engine, options), host, port).start())
+    http = BackgroundServer(build_app(engine, options), host, port, handler_cancellation=CANCEL_ON_DISCONNECT)
+    return RolloutServer(engine, http.start())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -722,7 +729,8 @@ def main(argv: list[str] | None = None) -> None:
         args.port, "API key required" if opts.api_key else "no API key: anyone who can connect may update weights",
     )
     try:
-        web.run_app(build_app(engine, opts), host=args.host, port=args.port, print=lambda s: log.info("%s", s))
+        web.run_app(build_app(engine, opts), host=args.host, port=args.port, print=lambda s: log.info("%s", s),
+                    handler_cancellation=CANCEL_ON_DISCONNECT)
     finally:
         engine.stop()
 

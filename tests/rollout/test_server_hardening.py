@@ -294,6 +294,40 @@ def test_abort_bookkeeping_is_bounded_and_rids_can_be_reused(server):
     assert server.engine.num_tracked_aborts == 0 and "long" not in server.engine._live
 
 
+def disconnect_mid_generation(url: str, headers: dict | None = None) -> None:
+    """A client sends a long ``/generate``, waits until the server holds it, and disconnects:
+    the server must drop its sequence (aiohttp leaves a handler running when its client goes,
+    so the sequence decoded to ``max_new_tokens`` for nobody, a timed-out call holding its
+    server's batch), and go back to no live request."""
+    headers = headers or {}
+    info = lambda: call(url, "GET", "/server_info", headers=headers)[1]  # noqa: E731
+    steps_before, budget = info()["num_decode_steps"], 3000
+    body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}})
+    u = urlparse(url)
+    sock = socket.create_connection((u.hostname, u.port), timeout=30)
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\n{head}Content-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    deadline = time.monotonic() + 60
+    while info()["num_live_requests"] == 0:
+        assert time.monotonic() < deadline, "the request never reached the server"
+        time.sleep(0.01)
+    sock.close()
+    deadline = time.monotonic() + 120
+    while (now := info())["num_live_requests"]:
+        assert time.monotonic() < deadline, f"the server kept the request of a client that left: {now}"
+        time.sleep(0.05)
+    # cut short, not decoded to the end (kept, it took budget - 1 steps after its prefill)
+    assert now["num_decode_steps"] - steps_before < budget // 2, now["num_decode_steps"] - steps_before
+
+
+def test_a_client_that_disconnects_stops_its_sequences(server):
+    disconnect_mid_generation(server.url)
+    status, obj = call(server.url, "POST", "/generate",  # and the server serves the next one
+                       {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+    assert status == 200 and len(obj["output_ids"]) == 4
+
+
 # ----- a subprocess server: body limits, RSS, event loop, --api-key -----
 
 
@@ -433,3 +467,9 @@ def test_pickled_tensor_payload_is_refused_and_never_run(proc_server, tmp_path):
                        {"serialized_named_tensors": [evil], "load_format": "torch"}, AUTH)
     assert status == 400 and "cannot decode torch payload" in obj["message"]
     assert not marker.exists()
+
+
+def test_a_client_that_disconnects_stops_its_sequences_in_the_cli_server(proc_server):
+    """The same through ``python -m sorl_megatron.rollout.server`` (``web.run_app``)."""
+    url, _ = proc_server
+    disconnect_mid_generation(url, AUTH)
