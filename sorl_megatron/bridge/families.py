@@ -1,4 +1,4 @@
-"""What each supported HF MoE family needs beyond mbridge's defaults, and what it refuses.
+"""What each supported HF family needs beyond mbridge's defaults, and what it refuses.
 
 Pure Python (no megatron import), so `validate_layout` can run these checks before any process
 group exists. `family_config_overrides` returns TransformerConfig fields that make megatron
@@ -16,6 +16,10 @@ What mbridge 0.15.1's bridges leave out, fixed here:
   top-k never set. (`partial_rotary_factor`: hf_config.py.)
 - qwen2_moe: the shared expert's sigmoid gate (`moe_shared_expert_gate`) is never set; top-k
   renormalization always on (`norm_topk_prob` ignored).
+
+Refused for every family (mbridge builds the model but its logits differ from transformers'):
+a sliding attention window; `attention_bias=True` for qwen3 / qwen3_moe / llama (transformers
+also biases o_proj); `mlp_bias=True` for llama.
 """
 
 from __future__ import annotations
@@ -56,9 +60,33 @@ def shared_expert_size(hf_config: Any) -> int:
     return 0
 
 
+def sliding_window_in_use(hf_config: Any) -> Optional[int]:
+    """The attention window transformers applies to some layer, or None (full causal attention
+    everywhere). A window of at least max_position_embeddings never drops a position."""
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return None
+    max_pos = getattr(hf_config, "max_position_embeddings", None)
+    return None if max_pos is not None and int(window) >= int(max_pos) else int(window)
+
+
 def check_family(hf_config: Any) -> None:
     """Raise FamilyConfigError for family features the Megatron model would compute differently."""
     mt = getattr(hf_config, "model_type", None)
+    window = sliding_window_in_use(hf_config)
+    if window is not None:
+        raise FamilyConfigError(
+            f"{mt} with sliding-window attention (sliding_window={window}, use_sliding_window / layer_types): "
+            "mbridge 0.15.1 builds full causal attention on every layer"
+        )
+    if mt in ("qwen3", "qwen3_moe", "llama") and bool(_get(hf_config, "attention_bias", False)):
+        raise FamilyConfigError(
+            f"{mt} with attention_bias=True: transformers then biases the output projection (o_proj) too, "
+            "which megatron can bias only together with the MLP (add_bias_linear)"
+        )
+    if mt == "llama" and bool(_get(hf_config, "mlp_bias", False)):
+        raise FamilyConfigError("llama with mlp_bias=True: mbridge 0.15.1 builds and maps no MLP biases")
     if mt == "qwen2_moe":
         dense = list(_get(hf_config, "mlp_only_layers", []) or [])
         step = int(_get(hf_config, "decoder_sparse_step", 1))

@@ -2,6 +2,8 @@
 
 LOGIT_TOL = 1e-5  # float32; observed ~2e-7
 
+DENSE_FAMILIES = ["qwen3", "llama"]
+
 MP_CASES = [
     # logits vs transformers
     {"id": "logits/qwen2/tp2sp", "op": "logits", "model": "qwen2", "layout": "tp=2"},
@@ -54,6 +56,15 @@ MP_CASES = [
     {"id": "roundtrip/deepseek_v3/tp2", "op": "roundtrip", "model": "deepseek_v3", "layout": "tp=2"},
     {"id": "roundtrip/glm4_moe/ep2", "op": "roundtrip", "model": "glm4_moe", "layout": "ep=2"},
     {"id": "roundtrip/qwen2_moe/tp2", "op": "roundtrip", "model": "qwen2_moe", "layout": "tp=2"},
+    # dense qwen3 (q/k norms, head_dim != hidden / heads) and llama
+    *[
+        case
+        for k in DENSE_FAMILIES
+        for case in (
+            {"id": f"logits/{k}/tp2sp", "op": "logits", "model": k, "layout": "tp=2"},
+            {"id": f"roundtrip/{k}/tp2", "op": "roundtrip", "model": k, "layout": "tp=2"},
+        )
+    ],
     # uneven pipeline stages (parallelism.first_stage_layers / last_stage_layers): 3 layers = 1 + 2
     {"id": "logits/deepseek_v3_3l/pp2-first1", "op": "uneven_logits", "model": "deepseek_v3_3l",
      "layout": "pp=2,first_stage_layers=1", "expect_layers": [[[0]], [[1, 2]]]},
@@ -76,7 +87,7 @@ MP_CASES = [
 
 NEW_FAMILIES = ["deepseek_v3", "qwen2_moe", "glm4_moe"]
 
-KINDS = ["qwen2", "qwen2_tied", "qwen3_moe", "mixtral", "qwen2_4l", *NEW_FAMILIES]
+KINDS = ["qwen2", "qwen2_tied", "qwen3_moe", "mixtral", "qwen2_4l", *NEW_FAMILIES, *DENSE_FAMILIES]
 
 SINGLE_CASES = (
     [{"id": f"logits/{k}/ws1", "op": "logits", "model": k, "layout": ""} for k in KINDS]

@@ -45,7 +45,7 @@ def _check_roundtrip(r: dict, model: str) -> None:
     assert r["n_tensors"] > 10
     want_dtype = r["case"].get("dtype") or r["case"].get("expect_dtype", "float32")
     assert r["config_dtype"] == want_dtype
-    same = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe", "glm4_moe")
+    same = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe", "glm4_moe", "qwen3", "llama")
     expected_type = model if model in same else "qwen2"
     assert r["config_model_type"] == expected_type
     # DeepSeek-V3 / GLM-4.5's MTP module (stored as layer num_hidden_layers) is skipped on load, not exported

@@ -35,6 +35,29 @@ def qwen2_config(tied: bool = False, layers: int = 2):
     )
 
 
+def qwen3_config():
+    """Dense Qwen3: q/k RMS norms, no q/k/v biases, and head_dim=32 given explicitly (not
+    hidden_size / num_attention_heads = 16, as Qwen3-0.6B / 1.7B / 4B: heads x head_dim != hidden)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_common(intermediate_size=96, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0))
+
+
+def llama_config():
+    """Llama: no q/k/v or MLP biases, no q/k norms, untied, a non-default rope_theta."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **_common(
+            intermediate_size=96,
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+        )
+    )
+
+
 def qwen3_moe_config():
     from transformers import Qwen3MoeConfig
 
@@ -179,6 +202,9 @@ CONFIGS: dict[str, Callable] = {
     "deepseek_v3_3l": deepseek_v3_3l_config,  # uneven PP
     "qwen2_moe": qwen2_moe_config,
     "glm4_moe": glm4_moe_config,
+    # appended last: conftest seeds each model by its position here
+    "qwen3": qwen3_config,
+    "llama": llama_config,
 }
 
 
