@@ -1,6 +1,6 @@
 """Validation EM of the rollout modes, paired by seed, from the runs ``bench_rollout_modes.py --out`` kept.
 
-    python benchmarks/summarize_rollout_modes.py runs/bench_modes runs/bench_modes_s23 ...
+    python benchmarks/summarize_rollout_modes.py runs/bench_modes_async runs/bench_modes runs/bench_modes_s23 ...
 
 Each directory holds runs named ``<mode>_r<round>_s<seed>`` (``metrics.jsonl``,
 ``episodes.jsonl``, ``config.yaml``); a mode and seed found twice is taken from the first
@@ -31,7 +31,11 @@ def read_runs(dirs: list[Path]) -> dict[tuple[str, int], Path]:
         for run in sorted(p for p in d.iterdir() if p.is_dir()):
             m = RUN_NAME.match(run.name)
             if m and (run / "metrics.jsonl").exists():
-                runs.setdefault((m["mode"], int(m["seed"])), run)
+                key = (m["mode"], int(m["seed"]))
+                if key in runs:
+                    print(f"note: {run} skipped: {runs[key]} (listed first) is {key[0]} at seed {key[1]}")
+                    continue
+                runs[key] = run
     return runs
 
 
@@ -54,7 +58,8 @@ def out_of_order(run: Path) -> dict[str, list[float]]:
     turns: dict[str, list[float]] = {"earlier": [], "later": [], "in order": []}
     with open(run / "episodes.jsonl") as f:
         for g in map(json.loads, f):
-            if g["status"] != "trained":
+            if g["status"] != "trained":  # a dropped group shifts draw order: this count is then approximate
+                print(f"note: {run.name}: group {g['group']} {g['status']}")
                 continue
             drawn_for = g["group"] // per_step + 1
             where = "earlier" if g["step"] < drawn_for else "later" if g["step"] > drawn_for else "in order"
@@ -80,6 +85,10 @@ def main() -> None:
     if "sync" not in modes or not seeds:
         raise SystemExit("need sync and the other modes at the same seeds")
     curves = {(m, s): val_em(runs[m, s]) for m in modes for s in seeds}
+    for s in seeds:  # the same evaluation steps in every mode, step 0 first
+        if len({len(curves[m, s]) for m in modes}) != 1 or len(curves["sync", s]) < 2:
+            raise SystemExit(f"seed {s}: the modes' runs have different evaluations: "
+                             + ", ".join(f"{m} {len(curves[m, s])}" for m in modes))
     print(f"seeds {seeds}; validation EM at each evaluation:")
     for s in seeds:
         for m in modes:

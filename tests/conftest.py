@@ -8,6 +8,8 @@ modules are imported here, first, with the variable set; it is restored at once,
 else runs interpreted (the kernels' fixture sets it around each of their tests). When this ran
 only at the collection of tests/kernels, a module collected before it imported Triton
 (transformers' ``LlamaConfig`` does) and every interpreted kernel calling ``tl.zeros`` failed.
+On a machine with a GPU, a test that compiles a Triton kernel of its own in this session would
+find those helpers interpreted: run it in its own process (none does now).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ KERNEL_MODULES = ("triton.language", "sorl_kernels.segment", "sorl_kernels.logpr
 
 
 def _import_interpreted() -> None:
+    if "triton.language" in sys.modules:  # a plugin imported it: its helpers cannot be re-decorated
+        raise RuntimeError("triton.language was imported before tests/conftest.py: the kernel tests need it "
+                           "imported with TRITON_INTERPRET=1 first")
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         for name in KERNEL_MODULES:
-            if name in sys.modules:  # imported without the interpreter: decorate again
-                importlib.reload(sys.modules[name])
-            else:
-                importlib.import_module(name)
+            importlib.import_module(name)
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]

@@ -60,11 +60,20 @@ def shared_expert_size(hf_config: Any) -> int:
     return 0
 
 
+# transformers' attention of these families reads `sliding_window`: per layer (`layer_types`) for
+# the first three, on every layer whenever it is set for the last two; the other families ignore it.
+WINDOW_BY_LAYER_TYPE = ("qwen2", "qwen3", "qwen2_moe")
+WINDOW_ON_EVERY_LAYER = ("qwen3_moe", "mixtral")
+
+
 def sliding_window_in_use(hf_config: Any) -> Optional[int]:
     """The attention window transformers applies to some layer, or None (full causal attention
     everywhere). A window of at least max_position_embeddings never drops a position."""
+    mt = getattr(hf_config, "model_type", None)
+    if mt not in WINDOW_BY_LAYER_TYPE + WINDOW_ON_EVERY_LAYER:
+        return None
     window = getattr(hf_config, "sliding_window", None)
-    types = getattr(hf_config, "layer_types", None)
+    types = getattr(hf_config, "layer_types", None) if mt in WINDOW_BY_LAYER_TYPE else None
     if not window or (types is not None and "sliding_attention" not in types):
         return None
     max_pos = getattr(hf_config, "max_position_embeddings", None)

@@ -465,7 +465,7 @@ class Engine:
 
     @property
     def num_live_requests(self) -> int:
-        """Requests queued or running (a request of ``n`` samples counts once)."""
+        """Requests queued or running (each prompt of a batch, and each part of a split ``n``, is one)."""
         with self._lock:
             return sum(self._live.values())
 

@@ -45,7 +45,9 @@ log = logging.getLogger("sorl_megatron.rollout.server")
 
 # A client that disconnects (it timed out, or gave up on this server) cancels its handler, so
 # its sequences leave the batch instead of decoding to max_new_tokens for nobody (aiohttp
-# leaves handlers running by default); a control call that has not started is dropped.
+# leaves handlers running by default). A control call or weight update already queued on the
+# scheduler still runs (its answer goes nowhere); a distributed bucket whose broadcast started
+# is received and applied.
 CANCEL_ON_DISCONNECT = True
 
 
@@ -393,7 +395,17 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
     def group_handler(parse, work, apply=None):
         """A distributed-update endpoint: ``parse(body)`` checks the request (400 on a bad one),
         ``work(parsed)`` runs in a thread of its own (it waits on the other group members), then
-        ``apply(parsed, result)``, if given, on the scheduler thread between waves."""
+        ``apply(parsed, result)``, if given, on the scheduler thread between waves. Once ``work``
+        has started, both run to the end even if the client leaves: the collective finishes
+        anyway, and a bucket received but not applied would tear the weights."""
+
+        async def work_then_apply(parsed) -> Any:
+            result = await asyncio.to_thread(work, parsed)
+            return result if apply is None else await run_control(lambda: apply(parsed, result))
+
+        def log_if_abandoned(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("a distributed weight-update call whose client left failed: %s", task.exception())
 
         async def handler(request: web.Request) -> web.Response:
             try:
@@ -401,9 +413,12 @@ def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Applicat
                 if not isinstance(body, dict):
                     raise ProtocolError("body must be a JSON object")
                 parsed = parse(body)
-                msg = result = await asyncio.to_thread(work, parsed)
-                if apply is not None:
-                    msg = await run_control(lambda: apply(parsed, result))
+                task = asyncio.ensure_future(work_then_apply(parsed))
+                try:
+                    msg = await asyncio.shield(task)
+                except asyncio.CancelledError:  # the client left: the task goes on, unawaited
+                    task.add_done_callback(log_if_abandoned)
+                    raise
             except BodyError as exc:
                 return _result(False, str(exc), exc.status)
             except (ProtocolError, WeightError, WeightGroupError) as exc:

@@ -63,7 +63,8 @@ def test_unreproducible_family_configs_are_refused(config, needle):
         llama_config(),
         _with(qwen3_config(), sliding_window=4, layer_types=["full_attention"] * 2),  # no layer uses it
         _with(mixtral_config(), sliding_window=128),  # the window holds max_position_embeddings
-        _with(qwen2_config(), use_sliding_window=False, sliding_window=4096),  # as Qwen2.5's config.json
+        qwen2_config(use_sliding_window=False, sliding_window=4),  # as Qwen2.5's config.json (window off)
+        _with(llama_config(), sliding_window=4),  # a stray key: transformers' Llama attention never reads it
     ],
 )
 def test_windows_that_drop_nothing_are_accepted(config):

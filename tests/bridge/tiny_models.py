@@ -27,11 +27,11 @@ def _common(**kw):
     return base
 
 
-def qwen2_config(tied: bool = False, layers: int = 2):
+def qwen2_config(tied: bool = False, layers: int = 2, **kw):
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        **_common(intermediate_size=96, tie_word_embeddings=tied, rope_theta=10000.0, num_hidden_layers=layers)
+        **_common(intermediate_size=96, tie_word_embeddings=tied, rope_theta=10000.0, num_hidden_layers=layers, **kw)
     )
 
 

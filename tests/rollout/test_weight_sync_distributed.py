@@ -8,6 +8,7 @@ multi-rank trainer side (TP2, EP2, PP2 senders) is tested in tests/trainer.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -187,3 +188,39 @@ def test_group_init_is_bounded_by_its_timeout(moe_dir):
     finally:
         srv.stop()
     assert WeightGroupError  # the error type the sender raises for the same failure
+
+
+def test_a_bucket_whose_client_left_mid_broadcast_is_still_applied(moe_dir):
+    """The server cancels a handler whose client disconnects. A bucket's broadcast, once its
+    server thread waits in it, finishes anyway, so its tensors must also be applied: a bucket
+    received and dropped would leave the weights torn at /end_weight_update. The client here
+    gives up (1 s) before the trainer side broadcasts; the broadcast then completes."""
+    from sorl_megatron.common.weight_group import BucketSpec
+
+    srv = start_rollout_server(EngineConfig(model_path=str(moe_dir)), options=ServerOptions(weight_group_timeout_s=60))
+    name = "model.norm.weight"
+    new = srv.engine.state[name] + 1.0
+
+    async def go():
+        async with client_of([srv]) as c:
+            sender = DistributedSender(c, "g_left", init_timeout_s=30)
+            await sender.connect()
+            await begin_update(c)
+            spec = BucketSpec.of([(name, new)], "g_left", flush_cache=False)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as s:
+                with pytest.raises(asyncio.TimeoutError):
+                    await s.post(f"{srv.url}/update_weights_from_distributed", json=spec.to_json())
+            await asyncio.sleep(1.0)  # the server has seen the client go (its handler is cancelled)
+            await asyncio.to_thread(sender.group.broadcast, [new])
+            deadline = time.monotonic() + 60
+            while not torch.equal(srv.engine.state[name], new) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await end_update(c, "after-left", True)
+            await sender.close()
+
+    try:
+        run(go())
+        assert torch.equal(srv.engine.state[name], new), "the received bucket was dropped"
+        assert srv.engine.weight_version == "after-left"
+    finally:
+        srv.stop()
