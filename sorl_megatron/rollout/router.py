@@ -56,13 +56,18 @@ class RouterAdmin:
         await self._call("DELETE", f"/workers/{record['id']}")
         return True
 
+    async def not_serving(self, urls: Sequence[str], listed: dict[str, dict] | None = None) -> list[str]:
+        """The URLs of ``urls`` the router does not list as healthy (``listed``: a list just read)."""
+        listed = await self.workers() if listed is None else listed
+        return [u for u in urls if not listed.get(u.rstrip("/"), {}).get("is_healthy")]
+
     async def wait_for(self, present: Sequence[str] = (), absent: Sequence[str] = (), timeout_s: float = 60.0) -> None:
         """Poll until every URL of ``present`` is listed healthy and none of ``absent`` is
         listed; ``ServerError`` naming what is missing after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             listed = await self.workers()
-            missing = [u for u in present if not listed.get(u.rstrip("/"), {}).get("is_healthy")]
+            missing = await self.not_serving(present, listed)
             left = [u for u in absent if u.rstrip("/") in listed]
             if not missing and not left:
                 return

@@ -68,6 +68,7 @@ class Worker:
     url: str
     name: Optional[str] = None  # the embedded server's name; None: external
     state: str = "up"
+    failures: int = 0  # failures handled so far: tells a later state apart from the one a caller saw
 
 
 @dataclass
@@ -202,6 +203,7 @@ class RolloutFleet:
         """Under the decision lock: take ``w`` out (state first, then a restart's new URL)."""
         log.warning("rollout server %s failed (%s): taken out of the fleet", w.url, err)
         w.state = "down"
+        w.failures += 1
         self.count("server_failures")
         await self._take_out_of_router([w.url])
         if w.name is not None and self.servers is not None and self.restart_embedded:
@@ -246,10 +248,10 @@ class RolloutFleet:
         (embedded restarts waited for, bounded; external ones asked once); returns the URLs
         the sync goes to (serving and joining)."""
         self._hooks = [p for p in self._hooks if p.poll() is None]
-        down = [(w, w.url) for w in self.workers if w.state == "down"]
+        down = [(w, w.url, w.failures) for w in self.workers if w.state == "down"]
         ready: dict[str, bool] = {}
         restarted = self.servers.procs if self.restart_embedded and self.servers is not None else {}
-        for w, url in down:  # waited for without the lock: the producer's failures go on meanwhile
+        for w, url, _ in down:  # waited for without the lock: the producer's failures go on meanwhile
             if w.name is not None and w.name in restarted:
                 try:
                     self.servers.wait_ready(w.name, timeout_s=self.timeout_s, stop_all=False)
@@ -257,13 +259,13 @@ class RolloutFleet:
                 except RuntimeError as err:
                     ready[url] = False
                     log.error("rollout server %s did not come back: %s", w.name, err)
-        external = [url for w, url in down if w.name is None]
+        external = [url for w, url, _ in down if w.name is None]
         if external:
             errors = asyncio.run(self._health(external, "before the weight sync"))
             ready.update({u: errors[u] is None for u in external})
         with self._lock:
-            for w, url in down:
-                if w.state != "down" or w.url != url:
+            for w, url, failures in down:
+                if w.state != "down" or w.url != url or w.failures != failures:
                     continue  # changed meanwhile
                 if w.name is not None and url not in ready:
                     w.state = "lost"  # embedded, not restarted (rollout.restart_servers=false)
@@ -276,26 +278,43 @@ class RolloutFleet:
     def finish_sync(self) -> None:
         """After a weight sync that reached them: the joining workers serve again (router
         registration waited for, bounded)."""
-        joining = [(w, w.url) for w in self.workers if w.state == "joining"]
+        joining = [(w, w.url, w.failures) for w in self.workers if w.state == "joining"]
         if not joining:
             return
+
+        def still_joining() -> list[tuple[Worker, str, int]]:  # not failed since (the producer's calls)
+            return [j for j in joining if (j[0].state, j[0].url, j[0].failures) == ("joining", j[1], j[2])]
+
         router = self._router()
         if router is not None:
 
             async def register():
-                for _, url in joining:
+                for _, url, _ in still_joining():
                     await router.add(url)
-                await router.wait_for(present=[url for _, url in joining], timeout_s=self.timeout_s)
+                deadline = time.monotonic() + self.timeout_s
+                while True:
+                    pending = still_joining()
+                    missing = set(await router.not_serving([url for _, url, _ in pending]))
+                    waiting = [j for j in pending if j[1] in missing]
+                    if not waiting:
+                        return
+                    if time.monotonic() >= deadline:  # it answered /health before the sync, not now
+                        async with self._deciding():
+                            for w, url, _ in [j for j in waiting if j in still_joining()]:
+                                await self._fail(w, ServerError(
+                                    f"{url} is not serving in the router {self.router_url} {self.timeout_s:g} s "
+                                    "after it was added (rollout.start_timeout_s)"))
+                        return
+                    await asyncio.sleep(0.1)
 
             asyncio.run(register())
         with self._lock:
-            for w, url in joining:
-                if w.state != "joining" or w.url != url:
-                    continue  # failed during the sync or the registration (the producer's calls): not back
+            back = still_joining()
+            for w, _, _ in back:
                 w.state = "up"
                 self.count("servers_rejoined")
                 log.warning("rollout server %s is back (current weights%s)", w.url, ", in the router" if router else "")
-            failed = [url for w, url in joining if w.state != "up" or w.url != url]
+            failed = [url for w, url, _ in joining if w.state != "up" or w.url != url]
         if failed:  # a failure handled before its registration found nothing to take out of the router
             asyncio.run(self._take_out_of_router(failed))
 

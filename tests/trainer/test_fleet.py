@@ -374,60 +374,133 @@ def test_two_threads_reporting_one_dead_server_restart_it_once(tmp_path):
             good.stop()
 
 
+class StubRouter:
+    """sglang-router's worker API (``GET``/``POST /workers``, ``DELETE /workers/{id}``) over a
+    dict, a worker's health read from its own ``/health`` as the router's checks would (the
+    real router's API is exercised by the tests above), and one worker whose ``/health`` answers
+    500 once ``alive`` is False. ``on_add(url)`` runs while the router is asked to add a worker."""
+
+    def __init__(self, on_add=None):
+        from aiohttp import web
+
+        from sorl_megatron.common.background import BackgroundServer
+
+        self.alive, self.listed, self.on_add = True, {}, on_add
+
+        async def health(request):
+            return web.Response(text="ok", status=200 if self.alive else 500)
+
+        async def workers(request):
+            out = []
+            for url, record in self.listed.items():
+                async with aiohttp.ClientSession() as s, s.get(f"{url}/health") as r:
+                    out.append({**record, "is_healthy": r.status == 200})
+            return web.json_response({"workers": out})
+
+        async def add(request):
+            url = (await request.json())["url"].rstrip("/")
+            if self.on_add is not None:
+                await asyncio.to_thread(self.on_add, url)
+            self.listed[url] = {"url": url, "id": f"w{len(self.listed)}"}
+            return web.json_response({"status": "queued"}, status=202)
+
+        async def remove(request):
+            for url, record in list(self.listed.items()):
+                if record["id"] == request.match_info["id"]:
+                    del self.listed[url]
+            return web.json_response({"status": "queued"}, status=202)
+
+        worker_app, router_app = web.Application(), web.Application()
+        worker_app.router.add_get("/health", health)
+        router_app.router.add_get("/workers", workers)
+        router_app.router.add_post("/workers", add)
+        router_app.router.add_delete("/workers/{id}", remove)
+        self.worker = BackgroundServer(worker_app, "127.0.0.1", 0).start()
+        self.router = BackgroundServer(router_app, "127.0.0.1", 0).start()
+
+    def stop(self):
+        self.worker.stop()
+        self.router.stop()
+
+
 def test_a_server_failing_while_it_is_registered_is_taken_back_out_of_the_router(tmp_path):
     """After a weight sync the joining servers are registered with the router. If one fails
     while that runs (the async producer's calls), its failure is handled before the router
-    lists it, so taking it out finds nothing: the registration must take it back out. The
-    router here is a stub of sglang-router's worker API (``GET``/``POST /workers``,
-    ``DELETE /workers/{id}``; the real router's API is exercised by the tests above); the
-    failure is the fleet's own ``on_failure`` from another thread, while the router is being
-    asked to add the server."""
-    from aiohttp import web
-
-    from sorl_megatron.common.background import BackgroundServer
+    lists it, so taking it out finds nothing: the registration must take it back out, and not
+    wait for the router to call it healthy. The failure is the fleet's own ``on_failure``, from
+    another thread, while the router is being asked to add the server."""
     from sorl_megatron.common.http import ServerTimeoutError
     from sorl_megatron.trainer.fleet import RolloutFleet, Worker
 
-    alive = {"value": True}
+    def dies_and_is_reported(url):
+        stub.alive = False
+        asyncio.run(fleet.on_failure(url, ServerTimeoutError("generate")))
+
+    stub = StubRouter(on_add=dies_and_is_reported)
+    try:
+        fleet = RolloutFleet(timeout_s=600, health=RetryPolicy(timeout_s=5, retries=0), run_dir=tmp_path,
+                             workers=[Worker(stub.worker.url, state="joining")], router_url=stub.router.url)
+        fleet.finish_sync()  # returns at once: nothing left to wait for (the bound is 600 s)
+        assert fleet.workers[0].state == "down" and fleet.counts == {"server_failures": 1}
+        assert stub.listed == {}  # not left in the router
+    finally:
+        stub.stop()
+
+
+def test_a_server_that_failed_and_came_back_during_its_registration_waits_for_the_next_sync(tmp_path):
+    """An external server fails while it is registered and its operator's hook brings it back
+    on the same URL (with its initial weights) before the registration ends; a health check
+    makes it *joining* again. Same URL, same state as before: only its count of failures tells
+    that it missed this sync. It must not serve now: it stays joining (the next sync brings it
+    back) and out of the router."""
+    from sorl_megatron.common.http import ServerTimeoutError
+    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+
+    def fails_and_comes_back(url):
+        stub.alive = False
+        asyncio.run(fleet.on_failure(url, ServerTimeoutError("generate")))
+        stub.alive = True
+        asyncio.run(fleet.check("before validation"))
+
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
 
     async def health(request):
-        return web.Response(text="ok", status=200 if alive["value"] else 500)
+        return web.Response(text="ok")
 
-    listed: dict[str, dict] = {}
-
-    async def workers(request):
-        return web.json_response({"workers": list(listed.values())})
-
-    async def add(request):
-        url = (await request.json())["url"].rstrip("/")
-        if url == flaky.url and alive["value"]:  # it dies now, and the producer reports it
-            alive["value"] = False
-            await asyncio.to_thread(lambda: asyncio.run(fleet.on_failure(url, ServerTimeoutError("generate"))))
-        listed[url] = {"url": url, "id": f"w{len(listed)}", "is_healthy": True}
-        return web.json_response({"status": "queued"}, status=202)
-
-    async def remove(request):
-        for url, record in list(listed.items()):
-            if record["id"] == request.match_info["id"]:
-                del listed[url]
-        return web.json_response({"status": "queued"}, status=202)
-
-    worker_app, router_app = web.Application(), web.Application()
-    worker_app.router.add_get("/health", health)
-    router_app.router.add_get("/workers", workers)
-    router_app.router.add_post("/workers", add)
-    router_app.router.add_delete("/workers/{id}", remove)
-    flaky = BackgroundServer(worker_app, "127.0.0.1", 0).start()
-    router = BackgroundServer(router_app, "127.0.0.1", 0).start()
+    serving_app = web.Application()
+    serving_app.router.add_get("/health", health)
+    serving = BackgroundServer(serving_app, "127.0.0.1", 0).start()  # the fleet's other server, serving
+    stub = StubRouter(on_add=fails_and_comes_back)
     try:
-        fleet = RolloutFleet(timeout_s=30, health=RetryPolicy(timeout_s=5, retries=0), run_dir=tmp_path,
-                             workers=[Worker(flaky.url, state="joining")], router_url=router.url)
+        fleet = RolloutFleet(timeout_s=600, health=RetryPolicy(timeout_s=5, retries=0), run_dir=tmp_path,
+                             workers=[Worker(stub.worker.url, state="joining"), Worker(serving.url)],
+                             router_url=stub.router.url)
+        fleet.finish_sync()
+        assert [w.state for w in fleet.workers] == ["joining", "up"]
+        assert fleet.counts == {"server_failures": 1} and stub.listed == {}
+    finally:
+        stub.stop()
+        serving.stop()
+
+
+def test_a_joining_server_the_router_never_calls_healthy_fails_instead_of_the_sync(tmp_path):
+    """A joining server that dies after the sync, with nobody's call to report it: the router
+    never lists it healthy. Past ``rollout.start_timeout_s`` the fleet takes it out as failed
+    (the run goes on; it was a ServerError that ended the weight sync)."""
+    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+
+    stub = StubRouter()
+    stub.alive = False
+    try:
+        fleet = RolloutFleet(timeout_s=1, health=RetryPolicy(timeout_s=5, retries=0), run_dir=tmp_path,
+                             workers=[Worker(stub.worker.url, state="joining")], router_url=stub.router.url)
         fleet.finish_sync()
         assert fleet.workers[0].state == "down" and fleet.counts == {"server_failures": 1}
-        assert listed == {}  # not left in the router
+        assert stub.listed == {}
     finally:
-        flaky.stop()
-        router.stop()
+        stub.stop()
 
 
 def test_a_long_lived_client_follows_a_restart_to_its_new_port(tmp_path):
