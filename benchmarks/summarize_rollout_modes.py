@@ -45,11 +45,10 @@ def val_em(run: Path) -> list[float]:
 
 
 def groups_per_step(run: Path) -> int:
-    text = (run / "config.yaml").read_text()
-    m = re.search(r"^schedule:\n(?:  .*\n)*?  batch_size: (\d+)$", text, re.M)
-    if m is None:
-        raise SystemExit(f"{run / 'config.yaml'}: no schedule.batch_size")
-    return int(m[1])
+    """``schedule.batch_size`` of the run's resolved recipe (prompts, i.e. groups, per step)."""
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(run / "config.yaml").schedule.batch_size)
 
 
 def out_of_order(run: Path) -> dict[str, list[float]]:
