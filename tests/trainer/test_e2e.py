@@ -170,7 +170,7 @@ def test_every_loss_trains(tiny_data, shared_servers, length_reward, tmp_path):
         if "optimizer.critic_warmup_steps=0" in extra:
             assert (trainer.actor.scheduler.lr_warmup_steps, trainer.critic.scheduler.lr_warmup_steps) == (3, 0), name
         if estimator == "pvpo":
-            assert trainer.pvpo is not None and set(trainer.stream.indices) <= set(trainer.pvpo.accuracy)
+            assert trainer.pvpo is not None and set(trainer.stream.indices) <= set(trainer.pvpo.state.accuracy)
         assert (tmp_path / name / "ckpt" / "step_1" / "trainer.json").is_file(), name
         assert m["time/checkpoint"] > 0 and m["time/weight_sync"] > 0, name
         assert not (tmp_path / name / "servers").exists(), f"{name} started embedded servers despite URLs"
@@ -514,27 +514,36 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
 
     seen = {"passes": [], "steps": []}
 
-    class Spy(RLTrainer):
-        def pvpo_reference_pass(self, step=0):
-            metrics = super().pvpo_reference_pass(step)
-            seen["passes"].append((step, copy.deepcopy(self.pvpo), list(self.stream.indices)))
-            return metrics
+    from sorl_megatron.trainer.batch_source import RolloutSource
+    from sorl_megatron.trainer.connections import Connections
+    from sorl_megatron.trainer.stages import PVPOStage
 
+    class Spy(RLTrainer):
         def advantages(self, batch, rewards, values):
             adv, returns = super().advantages(batch, rewards, values)
             seen["steps"].append((batch, rewards.clone(), adv))
             return adv, returns
 
-        def rollouts(self, indices, n, seed, greedy=False, rows=None, rewards=None):  # the PVPO passes
-            res = super().rollouts(indices, n, seed, greedy, rows, rewards)
-            seen.setdefault("versions", []).append({v for t in res.trajectories for v in t.weight_versions})
-            return res
+    reference_pass, rollouts, draw_groups = PVPOStage.reference_pass, Connections.rollouts, RolloutSource.draw_groups
 
-        def _draw_groups(self, count):  # a training step's rollouts
-            groups = super()._draw_groups(count)
-            seen.setdefault("versions", []).append(
-                {v for g in groups for t in g.trajectories for v in t.weight_versions})
-            return groups
+    def spy_reference_pass(self, step=0):
+        metrics = reference_pass(self, step)
+        seen["passes"].append((step, copy.deepcopy(self.state), list(self.stream.indices)))
+        return metrics
+
+    def spy_rollouts(self, *args, **kw):  # the PVPO passes
+        res = rollouts(self, *args, **kw)
+        seen.setdefault("versions", []).append({v for t in res.trajectories for v in t.weight_versions})
+        return res
+
+    def spy_draw_groups(self, count):  # a training step's rollouts
+        groups = draw_groups(self, count)
+        seen.setdefault("versions", []).append({v for g in groups for t in g.trajectories for v in t.weight_versions})
+        return groups
+
+    monkeypatch.setattr(PVPOStage, "reference_pass", spy_reference_pass)
+    monkeypatch.setattr(Connections, "rollouts", spy_rollouts)
+    monkeypatch.setattr(RolloutSource, "draw_groups", spy_draw_groups)
 
     overrides = run_overrides(tiny_data, tmp_path, "pvpo", f"data.train={tmp_path / 'crafted.parquet'}",
                               "algorithm.loss.name=grpo", "algorithm.advantage.estimator=pvpo",
@@ -584,9 +593,9 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
             assert torch.allclose(adv[i][on], torch.full_like(adv[i][on], rewards[i].item() - v[g])), (k, i)
     assert_finite(metrics[2], "pvpo")
     # a gold plan cut by the budgets is not a correct trajectory: it is not injected
-    assert set(trainer.gold_trajectories([1], complete_only=True)) == {1}
+    assert set(trainer.conn.gold_trajectories([1], complete_only=True)) == {1}
     trainer.cfg.rollout.max_turn_tokens = 12
-    assert trainer.gold_trajectories([1], complete_only=True) == {}
+    assert trainer.conn.gold_trajectories([1], complete_only=True) == {}
     saved = json.loads((tmp_path / "pvpo" / "ckpt" / "step_2" / "trainer.json").read_text())["extra"]["pvpo"]
     assert saved["keep"] == [1, 2] and saved["refreshed_at_step"] == 1
 
@@ -594,7 +603,7 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
 # ------------------------------------------------------------------- 6. SFT cold start
 
 
-def test_sft_cold_start_writes_the_policy_rl_starts_from(tiny_data, shared_servers, tmp_path):
+def test_sft_cold_start_writes_the_policy_rl_starts_from(tiny_data, shared_servers, tmp_path, monkeypatch):
     """The SFT stage trains on every training row's gold trajectory played through the agent
     loop, saves the HF checkpoint RL starts from, and a rerun of the finished run skips it."""
     from safetensors.torch import load_file
@@ -602,20 +611,22 @@ def test_sft_cold_start_writes_the_policy_rl_starts_from(tiny_data, shared_serve
     from sorl_megatron.data.gold import cold_start_plans
     from sorl_megatron.data.qa import read_parquet
     from sorl_megatron.trainer.config import load_recipe
-    from sorl_megatron.trainer.rl_loop import RLTrainer
+    from sorl_megatron.trainer.connections import Connections
 
     calls = []
+    gold_trajectories = Connections.gold_trajectories
 
-    class Spy(RLTrainer):
-        def gold_trajectories(self, indices, complete_only=False, plans=None):
-            out = super().gold_trajectories(indices, complete_only, plans)
-            calls.append(out)
-            return out
+    def spy(self, indices, complete_only=False, plans=None):
+        out = gold_trajectories(self, indices, complete_only, plans)
+        calls.append(out)
+        return out
+
+    monkeypatch.setattr(Connections, "gold_trajectories", spy)
 
     overrides = run_overrides(tiny_data, tmp_path, "sft", "sft.enabled=true", "sft.steps=2", "sft.batch_size=2",
                               "sft.direct_answer_fraction=0.5", "schedule.total_steps=1", *shared_servers,
                               "rollout.max_turns=3", "rollout.max_turn_tokens=32", "rollout.max_total_tokens=420")
-    _trainer(overrides, Spy).run()
+    _trainer(overrides).run()
     rows = read_parquet(tiny_data / "train.parquet")
     (gold,) = calls
     plans = cold_start_plans(rows, 0.5, load_recipe(BASE_RECIPE, overrides).schedule.seed)
@@ -637,7 +648,7 @@ def test_sft_cold_start_writes_the_policy_rl_starts_from(tiny_data, shared_serve
     init, sft = load_file(tiny_data / "model" / "model.safetensors"), load_file(sft_dir / "model.safetensors")
     assert any(not torch.equal(init[k], sft[k]) for k in init)  # SFT changed the weights RL starts from
     assert read_metrics(tmp_path / "sft")[1]["actor/policy_tokens"] > 0
-    _trainer(overrides, Spy).run()  # the finished run: SFT is not redone
+    _trainer(overrides).run()  # the finished run: SFT is not redone
     assert len(calls) == 1
 
 

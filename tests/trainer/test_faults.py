@@ -30,6 +30,7 @@ from sorl_megatron.data.tiny_model import TinyModelConfig, save_tiny_model
 from sorl_megatron.data.tokenizer import train_tokenizer
 from sorl_megatron.trainer.config import ConfigError, load_recipe
 from sorl_megatron.trainer.rl_loop import RLTrainer
+from sorl_megatron.trainer.stages import PVPOStage
 from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
 
 from .e2e_helpers import BASE_RECIPE
@@ -59,10 +60,10 @@ def trainer_for(model_dir: Path, *overrides: str, rollout_url: str = "", retriev
     cfg = load_recipe(BASE_RECIPE, [f"model.path={model_dir}", "data.train=unused.parquet",
                                     f"retrieval.url={retrieval_url or 'http://127.0.0.1:9'}", *overrides])
     trainer = RLTrainer(cfg)
-    trainer.rollout_urls = [rollout_url] if rollout_url else []
-    trainer.retrieval_url = retrieval_url or None
-    trainer.api_keys = dict(api_keys or {})
-    trainer.stream.indices = [0]  # step() picks its prompts before the health check
+    trainer.attach([None], [], None)  # one prompt: step() picks it before the health check
+    trainer.conn.rollout_urls = [rollout_url] if rollout_url else []
+    trainer.conn.retrieval_url = retrieval_url or None
+    trainer.conn.api_keys = dict(api_keys or {})
     return trainer
 
 
@@ -113,7 +114,7 @@ def test_rollout_server_hung_during_weight_sync(tmp_path, model_dir):
                 yield item
 
         async def sync():
-            client = trainer._rollout_client()
+            client = trainer.conn.rollout_client()
             try:
                 await client.update_weights_from_tensor(stop_after_first(), weight_version="step_1", bucket_bytes=1)
             finally:
@@ -141,7 +142,7 @@ def test_rollout_server_killed(tmp_path, model_dir):
         trainer = trainer_for(model_dir, "rollout.timeout_s=30", "rollout.retries=1", rollout_url=url, api_keys=keys)
 
         async def generate():
-            client = trainer._rollout_client()
+            client = trainer.conn.rollout_client()
             try:
                 return await client.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
             finally:
@@ -169,7 +170,7 @@ def test_retrieval_server_hung(tmp_path, model_dir, corpus):
                               retrieval_url=url, api_keys=keys)
 
         async def retrieve():
-            client = trainer._retrieval_client()
+            client = trainer.conn.retrieval_client()
             try:
                 return await client.retrieve(["town3"])
             finally:
@@ -200,7 +201,8 @@ def test_retrieval_server_killed_is_noticed_before_every_phase(tmp_path, model_d
         for phase, call in [
             ("the rollout phase of step 1", lambda: trainer.step(0)),
             ("validation", trainer.validate),
-            ("the PVPO reference pass before step 1", trainer.pvpo_reference_pass),
+            ("the PVPO reference pass before step 1",
+             PVPOStage(trainer.cfg, trainer.stream, trainer.rewards, trainer.conn).reference_pass),
         ]:
             took = timed_raises(ServerUnavailableError, rf"retrieval server {url} is unreachable before {phase} \(",
                                 call)
@@ -276,10 +278,10 @@ def test_recipe_values_reach_every_client(model_dir):
                           "rollout.health_timeout_s=9", "rollout.retries=4", "retrieval.timeout_s=3",
                           "retrieval.health_timeout_s=2", "retrieval.retries=0",
                           rollout_url=f"http://127.0.0.1:{port}", retrieval_url=f"http://127.0.0.1:{port}")
-    c = trainer._rollout_client().cfg
+    c = trainer.conn.rollout_client().cfg
     assert (c.generate_retry.timeout_s, c.control_retry.timeout_s, c.health_retry.timeout_s) == (7, 8, 9)
     assert {c.generate_retry.retries, c.control_retry.retries, c.health_retry.retries} == {4}
     assert not (c.generate_retry.retry_on_timeout or c.control_retry.retry_on_timeout)
-    r = trainer._retrieval_client()
+    r = trainer.conn.retrieval_client()
     assert (r.policy.timeout_s, r.health_policy.timeout_s, r.policy.retries, r.health_policy.retries) == (3, 2, 0, 0)
     assert not r.policy.retry_on_timeout  # a hung server fails after retrieval.timeout_s

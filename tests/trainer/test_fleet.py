@@ -141,10 +141,14 @@ class Saboteur(threading.Thread):
 
     async def _run(self) -> None:
         deadline = time.monotonic() + self.timeout_s
-        while self.trainer.fleet is None or self.trainer.fleet.router_url is None:
+        def fleet():
+            conn = self.trainer.conn
+            return conn.fleet if conn is not None else None
+
+        while fleet() is None or fleet().router_url is None:
             assert time.monotonic() < deadline, "the trainer never started its fleet"
             await asyncio.sleep(0.05)
-        fleet = self.trainer.fleet
+        fleet = fleet()
         admin = RouterAdmin(fleet.router_url, fleet.api_key)
         while time.monotonic() < deadline:
             if self.when is not None and not self.when():
@@ -221,7 +225,8 @@ def test_server_killed_while_a_background_thread_generates(tiny_data, tmp_path, 
     training) or the async producer generates: the failure is handled from that thread (failover,
     one restart), the run finishes, the metrics count it, and every step trains a full batch of
     complete groups (no accepted episode lost, none drawn twice)."""
-    busy = {"one_step_off": lambda t: t._pending is not None, "async": lambda t: t._producer is not None}[mode]
+    busy = {"one_step_off": lambda t: getattr(t.source, "_pending", None) is not None,
+            "async": lambda t: getattr(t.source, "_producer", None) is not None}[mode]
     metrics, victim = _run_with(tiny_data, tmp_path, mode, signal.SIGKILL, f"rollout.mode={mode}",
                                 "algorithm.loss.is_correction.mode=tis", when=busy)
     steps = [metrics[s] for s in (1, 2)]

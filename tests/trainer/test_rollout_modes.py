@@ -334,20 +334,21 @@ def _fake_group(gid: int, versions: list[int], rewards: list[float]):
 
 
 def _collect_with(overrides, groups, version):
+    from sorl_megatron.trainer.batch_source import make_rollout_source
     from sorl_megatron.trainer.config import load_recipe
-    from sorl_megatron.trainer.rl_loop import RLTrainer
+    from sorl_megatron.trainer.runtime import DataStream
 
     cfg = load_recipe(BASE_RECIPE, [*overrides, "model.path=x", "data.train=x", "retrieval.url=http://127.0.0.1:1"])
-    trainer = RLTrainer(cfg)
-    trainer.rows = [None] * 3
+    source = make_rollout_source(cfg, DataStream([0, 1, 2], cfg.schedule.batch_size, 0), [None] * 3, None,
+                                 conn=None, pvpo=None, run_dir=None)
 
     def score(group):
         group.rewards = torch.tensor([t.meta["reward"] for t in group.trajectories])
         return 0
 
-    trainer._score_group = score
+    source.score_group = score
     feed = iter(groups)
-    return trainer._collect(version, lambda k: [next(feed) for _ in range(k)])
+    return source.collect(version, lambda k: [next(feed) for _ in range(k)])
 
 
 def test_batch_rules_staleness_and_dynamic_sampling():
@@ -476,7 +477,7 @@ def test_pause_and_continue_around_updates_or_the_404_fallback():
         # the trainer: a pause one server refuses raises, and the one that paused is told to go on
         from types import SimpleNamespace
 
-        from sorl_megatron.trainer.rl_loop import RLTrainer
+        from sorl_megatron.trainer.connections import Connections
 
         async def with_client(fn):
             client = RolloutClient([servers[0].url, servers[3].url])
@@ -485,15 +486,14 @@ def test_pause_and_continue_around_updates_or_the_404_fallback():
             finally:
                 await client.close()
 
-        from sorl_megatron.rollout.client import PauseClock
-
-        trainer = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(mode="async", pause_mode="retract")),
-                                  _pause_supported=None, _with_client=with_client, pause_clock=PauseClock(60))
+        conn = Connections(SimpleNamespace(rollout=SimpleNamespace(weight_sync_timeout_s=60, pause_mode="retract"),
+                                           retrieval=SimpleNamespace(url=None)), None, [], None, pauses=True)
+        conn.with_client = with_client
         seen.clear()
         with pytest.raises(RequestRejectedError, match="/pause_generation rejected"):
-            RLTrainer._pause(trainer, True)
+            conn.pause()
         assert [(i, p) for i, p, _ in seen if i == 0] == [(0, "/pause_generation"), (0, "/continue_generation")]
-        assert not trainer.pause_clock.paused  # the clock runs again with the servers
+        assert not conn.pause_clock.paused  # the clock runs again with the servers
     finally:
         for s in servers:
             s.stop()

@@ -1,0 +1,145 @@
+"""What runs before or beside the RL steps: the SFT cold start and PVPO's reference pass.
+
+Both play episodes on rank 0 (through :class:`~.connections.Connections`) and hand every rank
+the result; the engines they train or read are the trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..bridge.model import ModelOptions
+from ..common import comm
+from ..data.gold import cold_start_plans
+from ..data.qa import QARow
+from ..engine.actor import ActorConfig, PolicyEngine
+from ..engine.config import BatchingConfig, OptimConfig
+from ..rewards.registry import RewardRegistry
+from .config import TrainConfig
+from .connections import Connections
+from .metrics_log import MetricsLogger
+from .producer import Group
+from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
+from .runtime import DataStream, StepTimer
+from .sft import run_sft
+
+log = logging.getLogger("sorl_megatron.trainer")
+
+
+def sft_stage(cfg: TrainConfig, run_dir: Path, rows: list[QARow], conn: Optional[Connections], pad_id: int,
+              model_options: ModelOptions, wandb_run: Any = None) -> str:
+    """Cold-start SFT on gold trajectories; returns the HF directory RL starts from (already
+    there when a finished SFT left ``SFT_DONE``)."""
+    sft = cfg.sft
+    out = run_dir / "sft_model"
+    if (out / "SFT_DONE").is_file():
+        return str(out)
+    payload = None
+    if conn is not None:
+        plans = cold_start_plans(rows, sft.direct_answer_fraction, cfg.schedule.seed)
+        gold = conn.gold_trajectories(sorted(plans), plans=plans)
+        payload = [gold[i] for i in sorted(gold)]
+    trajs = comm.broadcast_object(payload)
+    engine = PolicyEngine(cfg.model.path, cfg.parallelism, ActorConfig(
+        loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
+        batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size,
+                                pack_sequences=cfg.schedule.pack_sequences,
+                                max_tokens_per_micro_batch=cfg.schedule.max_tokens_per_micro_batch)),
+        model_options=model_options)
+    engine.config_prefix = "schedule"
+    sft_log = MetricsLogger(run_dir / "sft", sft.steps, cfg.logging.tensorboard, cfg.logging.progress,
+                            enabled=comm.rank() == 0, name="sft", wandb_run=wandb_run)
+    try:
+        run_sft(engine, trajs, sft.steps, sft.batch_size, cfg.schedule.seed, pad_id, out,
+                on_step=lambda step, m: sft_log.log(
+                    step, {f"sft/{k}" if not k.startswith("sft/") else k: v for k, v in m.items()}))
+    finally:
+        sft_log.close()
+    del engine
+    return str(out)
+
+
+class PVPOStage:
+    """PVPO's static value baseline: the reference pass (M rollouts per prompt with the policy
+    the servers hold), group sampling at step 0, its refreshes, and ground-truth injection."""
+
+    def __init__(self, cfg: TrainConfig, stream: DataStream, rewards: RewardRegistry,
+                 conn: Optional[Connections]):
+        self.cfg = cfg
+        self.stream = stream  # group sampling keeps only the prompts it trains on
+        self.rewards = rewards
+        self.conn = conn
+        self.state: Optional[PVPOState] = None
+
+    def refresh_due(self, step: int) -> bool:
+        return (self.state is not None and self.cfg.algorithm.pvpo.refresh_due(step)
+                and self.state.refreshed_at_step < step)
+
+    def reference_pass(self, step: int = 0) -> dict[str, float]:
+        """Static V and, at step 0 (the initial policy), group sampling. Later calls
+        (``pvpo.refresh_every`` / ``refresh_at``) refresh static V and accuracy of the kept
+        prompts without re-filtering them. Returns the ``pvpo/*`` metrics of the pass."""
+        p = self.cfg.algorithm.pvpo
+        timer = StepTimer()
+        payload = None
+        with timer("pvpo_reference"):
+            if self.conn is not None:
+                self.conn.check_servers(f"the PVPO reference pass before step {step + 1}")
+                res = self.conn.rollouts(self.stream.indices, p.num_ref_rollouts,
+                                         seed=self.cfg.schedule.seed + 7 + 1_000_033 * step, rewards=self.rewards)
+                payload = reference_statistics(res.rewards, res.group_ids, step=step)
+            self.state = comm.broadcast_object(payload)
+        v = list(self.state.static_v.values())
+        metrics = {"pvpo/static_v_mean": sum(v) / max(len(v), 1)}
+        if step > 0:
+            log.info("PVPO: static V refreshed at step %d (mean %.3f)", step, metrics["pvpo/static_v_mean"])
+            return {**metrics, **timer.times}
+        split = group_sampling(self.state, p.drop_solved)
+        self.stream.indices = split.keep
+        metrics.update({"pvpo/kept": len(split.keep), "pvpo/dropped": len(split.dropped),
+                        "pvpo/unsolved": len(split.unsolved)})
+        log.info("PVPO: %d prompts kept, %d dropped as solved, %d unsolved",
+                 len(split.keep), len(split.dropped), len(split.unsolved))
+        if p.inject_ground_truth:
+            have = comm.broadcast_object(len(self.conn.gold_for(split.unsolved)) if self.conn is not None else None)
+            metrics["pvpo/ground_truth_available"] = have
+            if split.unsolved and not have:
+                log.warning(
+                    "PVPO: algorithm.pvpo.inject_ground_truth is on but none of the %d unsolved prompts has a complete "
+                    "ground-truth trajectory (rows need extra_info.gold_searches that fit the rollout budgets): "
+                    "nothing will be injected",
+                    len(split.unsolved),
+                )
+        return {**metrics, **timer.times}
+
+    def inject(self, group: Group) -> None:
+        """Ground truth into an unsolved prompt's scored group (rank 0), in place."""
+        if self.state is None or not self.cfg.algorithm.pvpo.inject_ground_truth:
+            return
+        unsolved = group_sampling(self.state).unsolved
+        if group.prompt in set(unsolved):
+            n = len(group.trajectories)
+            gids = torch.full((n,), group.prompt, dtype=torch.long)
+            group.trajectories, group.injected = inject_ground_truth(
+                group.trajectories, gids, group.rewards, self.conn.gold_for([group.prompt]), unsolved)
+            group.rewards = torch.where(group.injected, torch.ones_like(group.rewards), group.rewards)
+
+    def values_for(self, group_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        return self.state.values_for(group_ids) if self.state is not None else None
+
+    def to_json(self) -> Optional[dict[str, Any]]:
+        if self.state is None:
+            return None
+        s = self.state
+        return {"static_v": s.static_v, "accuracy": s.accuracy, "refreshed_at_step": s.refreshed_at_step,
+                "keep": self.stream.indices}
+
+    def load_json(self, p: dict[str, Any]) -> None:
+        self.state = PVPOState({int(k): v for k, v in p["static_v"].items()},
+                               {int(k): v for k, v in p["accuracy"].items()}, p["refreshed_at_step"])
+        self.stream.indices = list(p["keep"])
+
