@@ -149,6 +149,112 @@ def test_the_checker_sees_a_lazy_circle(tmp_path, monkeypatch):
     assert _strongly_connected(import_graph()) == [["sorl_megatron.common.a", "sorl_megatron.common.b"]]
 
 
+MAX_MODULE_LINES = 700
+MAX_CLASS_LINES = 450
+REPO = PACKAGE.parent
+
+
+def test_no_module_or_class_is_a_hub():
+    """A module over 700 lines or a class over 450 mixes owners: cut it by who owns the state."""
+    big = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            big.append(f"{path.relative_to(REPO)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                big.append(f"{path.relative_to(REPO)}::{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert big == []
+
+
+def _attribute_reads(path: pathlib.Path, names: set[str]) -> list[int]:
+    """Lines of ``path`` that read ``<anything>.rollout.<name>`` for a name in ``names``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "rollout"):
+            out.append(node.lineno)
+    return out
+
+
+def test_the_trainer_never_branches_on_the_rollout_mode_or_the_sync_transport():
+    """``rollout.mode`` is read by the one function that picks the rollout source and
+    ``rollout.weight_sync`` by the one that picks the transport; nothing else in the trainer."""
+    pickers = {"batch_source.py": "source_class", "weight_sync.py": None}
+    for path in sorted((PACKAGE / "trainer").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        allowed: set[int] = set()
+        picker = pickers.get(path.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == picker:
+                allowed.update(range(node.lineno, node.end_lineno + 1))
+        reads = [n for n in _attribute_reads(path, {"mode", "weight_sync"}) if n not in allowed]
+        assert reads == [], f"{path.relative_to(REPO)} reads rollout.mode / rollout.weight_sync at lines {reads}"
+
+
+def test_the_checker_sees_a_mode_branch(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text("def f(cfg):\n    return cfg.rollout.mode == 'async'\n")
+    assert _attribute_reads(path, {"mode"}) == [2]
+
+
+def _tracked_files() -> list[pathlib.Path]:
+    import subprocess
+
+    out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [REPO / line for line in out.splitlines() if line and (REPO / line).is_file()]
+
+
+def test_no_file_points_outside_the_repository():
+    """Papers are cited by title and arXiv id: a user of this repository has none of the files outside it."""
+    needle = "shared" + "/"
+    found = []
+    for path in _tracked_files():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            if needle in line and "/dev/shm" not in line:
+                found.append(f"{path.relative_to(REPO)}:{i}")
+    assert found == []
+
+
+COLLECTIVES = {
+    "all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list", "barrier",
+    "reduce_scatter", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+    "gather", "scatter", "reduce", "send", "recv", "isend", "irecv", "gather_object", "scatter_object_list",
+}
+
+
+def _direct_collectives(path: pathlib.Path) -> list[str]:
+    """``torch.distributed.<collective>(...)`` / ``dist.<collective>(...)`` calls in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in COLLECTIVES:
+            continue
+        owner = ast.unparse(node.func.value)
+        if owner in ("torch.distributed", "dist"):
+            found.append(f"{path.name}:{node.lineno} {owner}.{node.func.attr}")
+    return found
+
+
+def test_every_collective_goes_through_the_comm_module():
+    """NCCL takes CUDA tensors only; ``common/comm.py`` puts each collective's tensors on the
+    group's device, so no other module calls a ``torch.distributed`` collective itself."""
+    found = [c for path in PACKAGE.rglob("*.py") if path.name != "comm.py" or path.parent.name != "common"
+             for c in _direct_collectives(path)]
+    assert found == []
+
+
+def test_the_checker_sees_a_direct_collective(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text("import torch\ndef f(t):\n    torch.distributed.all_reduce(t)\n")
+    assert _direct_collectives(path) == ["x.py:3 torch.distributed.all_reduce"]
+
+
 if __name__ == "__main__":  # pragma: no cover - a quick look at the graph
     for module, targets in sorted(import_graph().items()):
         print(module, "->", ", ".join(sorted(targets)))

@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..common import comm
+
 
 def _uneven_gather(original: Callable) -> Callable:
     @functools.wraps(original)
@@ -28,8 +30,7 @@ def _uneven_gather(original: Callable) -> Callable:
         sizes = [int(s) for s in output_split_sizes]
         padded = input_.new_zeros((max(sizes),) + tuple(input_.shape[1:]))
         padded[: input_.shape[0]] = input_
-        parts = [torch.empty_like(padded) for _ in sizes]
-        torch.distributed.all_gather(parts, padded, group=group)
+        parts = comm.all_gather(padded, group)
         return torch.cat([part[:n] for part, n in zip(parts, sizes)], dim=0)
 
     gather.__wrapped_for_cpu__ = original  # type: ignore[attr-defined]

@@ -21,8 +21,7 @@ import os
 import shutil
 from typing import Any, Optional
 
-import torch
-
+from ..common import comm
 from .build import build_model
 from .hf_config import CheckpointFileError
 from .layout import ParallelLayout
@@ -41,10 +40,6 @@ META_FILE = "sorl_megatron.json"
 FORMAT_VERSION = 1
 
 
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
 def _sharded_state_dict(model: MegatronModel) -> dict[str, Any]:
     chunks = model.unwrapped()
     if len(chunks) == 1:
@@ -60,13 +55,13 @@ def save_megatron_checkpoint(
     from megatron.core import dist_checkpointing
 
     model_dir = os.path.join(ckpt_dir, "model")
-    if _rank() == 0:
+    if comm.rank() == 0:
         if os.path.isdir(model_dir) and os.listdir(model_dir):
             shutil.rmtree(model_dir)  # dist_checkpointing would mix old and new shards
         os.makedirs(model_dir, exist_ok=True)
-    torch.distributed.barrier()
+    comm.barrier()
     dist_checkpointing.save(_sharded_state_dict(model), model_dir)
-    if _rank() == 0:
+    if comm.rank() == 0:
         hf_dir = os.path.join(ckpt_dir, "hf")
         os.makedirs(hf_dir, exist_ok=True)
         _write_config(model, hf_dir)
@@ -76,17 +71,17 @@ def save_megatron_checkpoint(
             "format_version": FORMAT_VERSION,
             "model_type": model.hf_config.model_type,
             "saved_layout": dataclasses.asdict(model.layout),
-            "world_size": torch.distributed.get_world_size(),
+            "world_size": comm.world_size(),
             "value_head": model.options.value_head,
             "dtype": str(model.dtype).replace("torch.", ""),
             "extra": extra or {},
         }
         with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
-    torch.distributed.barrier()
+    comm.barrier()
     if manifest:
         write_manifest(ckpt_dir)
-        torch.distributed.barrier()
+        comm.barrier()
 
 
 def _write_config(model: MegatronModel, hf_dir: str) -> None:

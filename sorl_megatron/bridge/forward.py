@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from ..common import comm
 from .model import MegatronModel
 
 
@@ -86,12 +87,8 @@ def _broadcast_from_last_stage(tensor: Optional[torch.Tensor]) -> torch.Tensor:
 
     group = mpu.get_pipeline_model_parallel_group()
     last = mpu.get_pipeline_model_parallel_last_rank()
-    meta = [None]
-    if tensor is not None:
-        meta = [(tuple(tensor.shape), tensor.dtype)]
-    torch.distributed.broadcast_object_list(meta, src=last, group=group)
-    shape, dtype = meta[0]
+    shape, dtype = comm.broadcast_object((tuple(tensor.shape), tensor.dtype) if tensor is not None else None,
+                                         src=last, group=group)
     if tensor is None:
         tensor = torch.empty(shape, dtype=dtype, device=model_device())
-    torch.distributed.broadcast(tensor.contiguous(), src=last, group=group)
-    return tensor
+    return comm.broadcast(tensor, src=last, group=group)

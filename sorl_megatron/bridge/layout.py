@@ -90,9 +90,6 @@ class ParallelLayout:
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
 
-    def data_parallel_size(self, world_size: int) -> int:
-        return world_size // self.model_parallel_size
-
     def describe(self) -> str:
         parts = [f"TP={self.tp}", f"PP={self.pp}"]
         if self.uneven:

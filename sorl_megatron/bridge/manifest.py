@@ -16,10 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Optional
+from typing import Optional
 
-import torch
-
+from ..common import comm
 from .hf_config import CheckpointFileError
 
 MANIFEST_FILE = "MANIFEST.json"
@@ -36,35 +35,9 @@ class CheckpointDamagedError(CheckpointFileError):
         self.path = path
 
 
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size), (0, 1) without a process group."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
-    rank, world = rank_and_world()
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (itself without a process group)."""
-    if rank_and_world()[1] == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _share(files: list[str], sizes: dict[str, int]) -> list[str]:
     """This rank's files: largest first, dealt round-robin (deterministic on every rank)."""
-    rank, world = rank_and_world()
+    rank, world = comm.rank(), comm.world_size()
     ordered = sorted(files, key=lambda f: (-sizes.get(f, 0), f))
     return ordered[rank::world]
 
@@ -99,25 +72,25 @@ def write_manifest(root: str) -> None:
 
     All ranks call it, after all of them finished writing into ``root``."""
     root = os.path.abspath(root)
-    listing = broadcast_object(list_files(root) if rank_and_world()[0] == 0 else None)
+    listing = comm.broadcast_object(list_files(root) if comm.rank() == 0 else None)
     files, odd = listing
     if odd:
         raise CheckpointFileError(f"{os.path.join(root, odd[0])}: links and special files are not checkpointed")
-    sizes = {f: os.path.getsize(os.path.join(root, f)) for f in files} if rank_and_world()[0] == 0 else {}
-    sizes = broadcast_object(sizes)
+    sizes = {f: os.path.getsize(os.path.join(root, f)) for f in files} if comm.rank() == 0 else {}
+    sizes = comm.broadcast_object(sizes)
     mine, error = {}, None
     try:
         mine = {f: sha256_file(os.path.join(root, f)) for f in _share(files, sizes)}
     except OSError as e:  # reported on every rank below, so that no rank waits for this one
         error = f"{e.filename}: cannot hash ({e.strerror})"
-    parts = all_gather_object((mine, error))
+    parts = comm.all_gather_object((mine, error))
     errors = [err for _, err in parts if err]
     if errors:
         raise CheckpointFileError(errors[0])
     entries: dict[str, dict] = {}
     for part, _ in parts:
         entries.update({f: {"size": n, "sha256": digest} for f, (digest, n) in part.items()})
-    if rank_and_world()[0] != 0:
+    if comm.rank() != 0:
         return
     body = json.dumps({"format": MANIFEST_FORMAT, "files": dict(sorted(entries.items()))}, indent=1)
     tmp = os.path.join(root, MANIFEST_FILE + ".tmp")
@@ -211,10 +184,10 @@ def verify_manifest(root: str) -> None:
     (inode, size, mtime, ctime) are unchanged on every rank is not hashed again."""
     root = os.path.abspath(root)
     sig = _signature(root)
-    if all(all_gather_object(sig is not None and _verified.get(root) == sig)):
+    if all(comm.all_gather_object(sig is not None and _verified.get(root) == sig)):
         return
     _verified.pop(root, None)
-    problems = sorted({p for part in all_gather_object(_local_problems(root)) for p in part})
+    problems = sorted({p for part in comm.all_gather_object(_local_problems(root)) for p in part})
     if problems:
         rel, what = problems[0]
         raise CheckpointDamagedError(os.path.join(root, rel), what, others=len({r for r, _ in problems}) - 1)

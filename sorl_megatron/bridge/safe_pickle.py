@@ -190,11 +190,6 @@ def check_pickle(
             raise UnsafeCheckpointError(where, f"the pickle references {module}.{name}, which is not on the allow-list")
 
 
-def check_pickle_file(path: Union[str, os.PathLike], allowed: AbstractSet[tuple[str, str]]) -> None:
-    with open(path, "rb") as f:
-        check_pickle(f.read(), allowed, os.fspath(path))
-
-
 def check_torch_save(data: bytes, where: str, allowed: AbstractSet[tuple[str, str]] = TORCH_SAVE_GLOBALS) -> None:
     """Check a ``torch.save`` archive's ``data.pkl``, read with the zip reader torch.load uses
     (so no zip-parser difference can show this check one pickle and torch.load another).

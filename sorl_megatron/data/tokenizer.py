@@ -8,7 +8,6 @@ template, saved in HuggingFace format so ``AutoTokenizer.from_pretrained(dir)`` 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -56,10 +55,3 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequency: 
     fast.add_tokens(ACTION_TAGS)
     fast.chat_template = CHATML_TEMPLATE
     return fast
-
-
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(out)
-    return out

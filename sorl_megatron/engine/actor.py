@@ -32,6 +32,7 @@ from ..algorithms.diagnostics import ABS_LOG_RATIO_EDGES, Histogram, abs_log_rat
 from ..algorithms.loss_registry import POLICY_LOSSES
 from ..bridge.layout import ParallelLayout
 from ..bridge.model import ModelOptions
+from ..common import comm
 from .base import EngineBase, accumulate_metrics, device, factor_scales, reduce_metrics
 from .config import BatchingConfig, OptimConfig
 from .rl_batch import RLBatch, validate_batch
@@ -185,7 +186,7 @@ class PolicyEngine(EngineBase):
             ent = self._gather_rows([(d["rows"], d["entropy"]) for d in store], shape, torch.float32)[:b0, :s0]
         routed = None
         if record is not None:
-            torch.distributed.all_reduce(record)  # each (row, position, layer) written by one rank
+            comm.all_reduce(record)  # each (row, position, layer) written by one rank
             routed = (record - 1)[:b0, :s0]
             routed = torch.where(batch.attention_mask[:b0, :s0, None, None].bool(), routed, torch.full_like(routed, -1))
         return LogprobOutput(lp, ent, routed, {**self._replay_metrics(), **self.batching_metrics()})
@@ -204,8 +205,8 @@ class PolicyEngine(EngineBase):
             h = h.merge(part)
         sums = torch.cat([h.counts, h.total.view(1), h.total_squares.view(1)])
         extremes = torch.stack([-h.minimum, h.maximum])
-        torch.distributed.all_reduce(sums)
-        torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
+        comm.all_reduce(sums)
+        comm.all_reduce(extremes, "max")
         k = len(h.counts)
         merged = Histogram(h.edges, sums[:k], sums[k], sums[k + 1], -extremes[0], extremes[1])
         self._abs_log_ratio = (self._abs_log_ratio or Histogram.empty(h.edges)).merge(merged.to("cpu"))
@@ -274,7 +275,7 @@ class PolicyEngine(EngineBase):
         some rank (``S``'s gradient is exactly 0 on the others, so a mini-batch that clipped
         nothing, like the on-policy first one, costs no pass), reduced like the gradient. The
         loss gradient is set aside meanwhile and put back unchanged."""
-        torch.distributed.all_reduce(clipping, op=torch.distributed.ReduceOp.MAX)  # last stages decide for all
+        comm.all_reduce(clipping, "max")  # last stages decide for all
         chosen = [mb for mb, c in zip(micro, clipping.tolist()) if c > 0]
         if not chosen:
             return 0.0

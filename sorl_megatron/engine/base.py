@@ -27,6 +27,7 @@ from ..bridge.forward import causal_attention_mask
 from ..bridge.hf_config import load_hf_config
 from ..bridge.layout import ParallelLayout, num_experts_of
 from ..bridge.model import MegatronModel, ModelOptions
+from ..common import comm
 from .config import BatchingConfig, OptimConfig, check
 from .packing import DUMMY, MicroBatchPlan, PackedRow, make_plan
 from .rl_batch import BatchError, RLBatch
@@ -109,8 +110,7 @@ def accumulate_metrics(acc: dict[str, list[float]], metrics: dict[str, torch.Ten
 
 def reduce_metrics(acc: dict[str, list[float]], contributes: bool) -> dict[str, float]:
     """Combine the partials of all ranks (only `contributes` ranks count: last stage, TP rank 0)."""
-    parts = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(parts, acc if contributes else {})
+    parts = comm.all_gather_object(acc if contributes else {})
     merged: dict[str, list[float]] = {}
     for part in parts:
         for name, (v, w) in (part or {}).items():
@@ -421,7 +421,7 @@ class EngineBase:
     def _replay_metrics(self) -> dict[str, float]:
         """Fraction of replayed (token, layer) pairs whose live routing differs (all ranks)."""
         stats = self._replay_stats.clone()
-        torch.distributed.all_reduce(stats)  # disjoint tokens/layers per rank (DP rows, SP slices, PP layers)
+        comm.all_reduce(stats)  # disjoint tokens/layers per rank (DP rows, SP slices, PP layers)
         if stats[0] <= 0:
             return {}
         return {"routing/replayed_pairs": float(stats[0]), "routing/replay_mismatch_frac": float(stats[1] / stats[0])}
@@ -432,7 +432,7 @@ class EngineBase:
         if self.contributes:
             for rows, values in parts:
                 full[rows.to(full.device)] = values.to(dtype)
-        torch.distributed.all_reduce(full)
+        comm.all_reduce(full)
         return full.cpu()
 
     def _logits_scaled(self, logits: torch.Tensor) -> torch.Tensor:

@@ -51,24 +51,15 @@ from ..bridge.hf_config import CheckpointFileError
 from ..bridge.manifest import (
     MANIFEST_FILE,
     CheckpointDamagedError,
-    broadcast_object,
-    rank_and_world,
     verify_manifest,
     write_manifest,
 )
+from ..common import comm
 from .base import EngineBase
 
 FORMAT_VERSION = 2  # 1: pickled engine.pt / rng/rank*.pt, no manifest
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank()
-
-
-def _barrier() -> None:
-    torch.distributed.barrier()
 
 
 def _tracker():
@@ -85,19 +76,19 @@ def _save_rng(rng_dir: str) -> None:
     if torch.cuda.is_available():
         tensors["cuda"] = torch.cuda.get_rng_state()
     tensors.update({f"tracker/{name}": state for name, state in _tracker().get_states().items()})
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(rng_dir, f"rank{_rank()}.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(rng_dir, f"rank{comm.rank()}.safetensors"))
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
     }
-    with open(os.path.join(rng_dir, f"rank{_rank()}.json"), "w") as f:
+    with open(os.path.join(rng_dir, f"rank{comm.rank()}.json"), "w") as f:
         json.dump(state, f)
 
 
 def _load_rng(rng_dir: str) -> None:
-    path = os.path.join(rng_dir, f"rank{_rank()}.safetensors")
+    path = os.path.join(rng_dir, f"rank{comm.rank()}.safetensors")
     try:
         tensors = load_file(path)
     except (SafetensorError, OSError) as e:
@@ -108,7 +99,7 @@ def _load_rng(rng_dir: str) -> None:
         raise CheckpointFileError(f"{path}: RNG states {sorted(tensors)}, expected torch and tracker/{sorted(current)}")
     if any(t.dtype != torch.uint8 or t.dim() != 1 for t in tensors.values()):
         raise CheckpointFileError(f"{path}: RNG states must be 1-D uint8 tensors")
-    json_path = os.path.join(rng_dir, f"rank{_rank()}.json")
+    json_path = os.path.join(rng_dir, f"rank{comm.rank()}.json")
     try:
         with open(json_path) as f:
             state = json.load(f)
@@ -146,13 +137,13 @@ def _save_engine(engine: EngineBase, path: str) -> None:
     if engine.optimizer is None:
         return
     optim_dir = os.path.join(path, "optim")
-    if _rank() == 0:
+    if comm.rank() == 0:
         os.makedirs(optim_dir, exist_ok=True)
-    _barrier()
+    comm.barrier()
     model_sd = _sharded_state_dict(engine.model)
     optimizer_sd = engine.optimizer.sharded_state_dict(model_sd, metadata=OPTIMIZER_METADATA)
     dist_checkpointing.save({"optimizer": optimizer_sd}, optim_dir)
-    if _rank() == 0:
+    if comm.rank() == 0:
         with open(os.path.join(path, "engine.json"), "w") as f:
             state = {"scheduler": engine.scheduler.state_dict(), "step": engine.step, "engine": engine.extra_state()}
             json.dump(state, f, indent=1)
@@ -192,25 +183,25 @@ def save_engine_checkpoint(
     """
     ckpt_dir = os.path.abspath(ckpt_dir)
     tmp = ckpt_dir + ".tmp"
-    meta = {"format_version": FORMAT_VERSION, "world_size": torch.distributed.get_world_size(),
+    meta = {"format_version": FORMAT_VERSION, "world_size": comm.world_size(),
             "has_critic": critic is not None, "actor_step": actor.step, "extra": extra or {}}
     body = json.dumps(meta, indent=2)  # fails here, before anything is written, if extra is not JSON
-    if _rank() == 0:
+    if comm.rank() == 0:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
         os.makedirs(os.path.join(tmp, "rng"))
-    _barrier()
+    comm.barrier()
     _save_engine(actor, os.path.join(tmp, "actor"))
     if critic is not None:
         _save_engine(critic, os.path.join(tmp, "critic"))
     _save_rng(os.path.join(tmp, "rng"))
-    if _rank() == 0:
+    if comm.rank() == 0:
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
             f.write(body)
-    _barrier()
+    comm.barrier()
     write_manifest(tmp)  # last: every rank has finished writing
-    _barrier()
-    if _rank() == 0:
+    comm.barrier()
+    if comm.rank() == 0:
         old = ckpt_dir + ".old"
         if os.path.exists(ckpt_dir):
             if os.path.exists(old):
@@ -219,7 +210,7 @@ def save_engine_checkpoint(
         os.rename(tmp, ckpt_dir)
         if os.path.exists(old):
             shutil.rmtree(old)
-    _barrier()
+    comm.barrier()
 
 
 def _refuse_old_format(ckpt_dir: str) -> None:
@@ -267,9 +258,9 @@ def load_engine_checkpoint(ckpt_dir: str, actor: EngineBase, critic: Optional[En
         if not has_critic:
             raise CheckpointFileError(f"{ckpt_dir!r} has no critic")
         _load_engine(critic, os.path.join(ckpt_dir, "critic"))
-    if world_size == torch.distributed.get_world_size():
+    if world_size == comm.world_size():
         _load_rng(os.path.join(ckpt_dir, "rng"))
-    _barrier()
+    comm.barrier()
     return extra
 
 
@@ -299,14 +290,14 @@ def newest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
     are ``step_<k>`` directories but none verifies, raises CheckpointDamagedError: starting
     over would silently discard the run (``checkpoint.resume=none`` does that on purpose).
     """
-    candidates = broadcast_object([str(p) for p in _step_dirs(root)] if rank_and_world()[0] == 0 else None)
+    candidates = comm.broadcast_object([str(p) for p in _step_dirs(root)] if comm.rank() == 0 else None)
     skipped: list[CheckpointDamagedError] = []
     for path in reversed(candidates):
         try:
             verify_manifest(path)
             return Path(path)
         except CheckpointDamagedError as e:
-            if rank_and_world()[0] == 0:
+            if comm.rank() == 0:
                 log.warning("checkpoint %s is damaged, falling back to an older one: %s", path, e)
             skipped.append(e)
     if skipped:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -220,11 +220,6 @@ def split_rows(n_rows: int, parts: int, what: str) -> list[slice]:
         raise BatchError(f"{what}: {n_rows} rows do not split into {parts} equal parts")
     size = n_rows // parts
     return [slice(i * size, (i + 1) * size) for i in range(parts)]
-
-
-def iter_micro_batches(batch: RLBatch, micro_batch_size: int) -> Iterator[RLBatch]:
-    for sl in split_rows(batch.batch_size, batch.batch_size // micro_batch_size, "micro_batch_size"):
-        yield batch.select(sl)
 
 
 def routed_experts_from_sglang(

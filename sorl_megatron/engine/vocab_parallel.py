@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..algorithms import dispatch
+from ..common import comm
 
 
 def _tp():
@@ -30,8 +31,7 @@ def _tp():
 def _tp_all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
     group, size, _ = _tp()
     if size > 1:
-        red = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
-        torch.distributed.all_reduce(t, op=red, group=group)
+        comm.all_reduce(t, "max" if op == "max" else "sum", group)
     return t
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..bridge.weights import save_hf_checkpoint
+from ..common import comm
 from ..engine.rl_batch import RLBatch
 from ..rollout.trajectory import Trajectory, collate
 
@@ -55,8 +56,7 @@ def run_sft(
         if on_step is not None:
             on_step(step, metrics)
     save_hf_checkpoint(engine.model, str(out_dir))
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    if comm.rank() == 0:
         (out_dir / "SFT_DONE").write_text(json.dumps({"steps": steps}))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    comm.barrier()
     return out_dir

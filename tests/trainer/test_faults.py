@@ -30,8 +30,8 @@ from sorl_megatron.data.tiny_model import TinyModelConfig, save_tiny_model
 from sorl_megatron.data.tokenizer import train_tokenizer
 from sorl_megatron.trainer.config import ConfigError, load_recipe
 from sorl_megatron.trainer.rl_loop import RLTrainer
-from sorl_megatron.trainer.stages import PVPOStage
 from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
+from sorl_megatron.trainer.stages import PVPOStage
 
 from .e2e_helpers import BASE_RECIPE
 
