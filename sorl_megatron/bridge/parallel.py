@@ -1,4 +1,5 @@
-"""Process groups for a ParallelLayout: gloo on CPU, nccl on GPU.
+"""Process groups for a ParallelLayout: gloo on CPU; on GPU, NCCL for CUDA tensors beside gloo
+for CPU ones.
 
 Works single-process (no torchrun: a world of one on a free local port) and under torchrun
 (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment). Megatron's groups can
@@ -25,8 +26,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: int = 600) -> None:
-    """Create the default process group once (idempotent)."""
+# On GPU the default group takes both devices: NCCL alone has no backend for CPU tensors
+# ("No backend type associated with device type cpu"), and the object collectives of rank-0
+# phases and small CPU statistics are cheaper on gloo than staged through GPU memory.
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 600) -> None:
+    """Create the default process group once (idempotent). ``timeout_s`` bounds every
+    collective (the recipe's ``parallelism.collective_timeout_s``)."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:  # plain `python ...`: a world of one
@@ -36,8 +44,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: int = 600) -> Non
         os.environ["WORLD_SIZE"] = "1"
         os.environ.setdefault("LOCAL_RANK", "0")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+        backend = GPU_BACKEND if torch.cuda.is_available() else "gloo"
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 

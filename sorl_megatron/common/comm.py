@@ -120,3 +120,51 @@ def all_gather_object(obj: Any, group: Optional[Any] = None) -> list[Any]:
     out: list[Any] = [None] * n
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+class RankZeroPhaseError(RuntimeError):
+    """Another rank gave up waiting for rank 0's phase, or rank 0 failed in it."""
+
+
+_phase_seq = 0  # every rank counts the rank-0 phases in the same order
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def on_rank0(fn, phase: str, timeout_s: float) -> Any:
+    """``fn()`` on rank 0 and its result on every rank (pickled: this run's own ranks only).
+
+    The other ranks wait on the process group's store, polling, at most ``timeout_s`` seconds,
+    not inside a collective: an NCCL collective that waits longer than the group's timeout is
+    killed by the watchdog with a message that names neither the phase nor the setting. A rank
+    that gives up raises :class:`RankZeroPhaseError` naming ``phase``; so does every other rank
+    when ``fn`` raises on rank 0 (which raises its own error)."""
+    global _phase_seq
+    if world_size() == 1:
+        return fn()
+    _phase_seq += 1
+    key = f"sorl_megatron/rank0_phase/{_phase_seq}"
+    store = _store()
+    if rank() == 0:
+        try:
+            result = fn()
+        except BaseException as err:
+            store.set(key, f"failed: {type(err).__name__}: {err}"[:2000])
+            raise
+        store.set(key, "ok")
+    else:
+        from datetime import timedelta
+
+        try:
+            store.wait([key], timedelta(seconds=timeout_s))
+        except Exception:  # DistStoreError on timeout (its message names only the key)
+            raise RankZeroPhaseError(
+                f"rank {rank()} waited {timeout_s:g} s for rank 0 to finish {phase} "
+                "(parallelism.rank0_phase_timeout_s)") from None
+        status = store.get(key).decode()
+        if status != "ok":
+            raise RankZeroPhaseError(f"rank 0 {status.replace('failed: ', 'failed in ' + phase + ': ', 1)}")
+        result = None
+    return broadcast_object(result)
