@@ -36,9 +36,7 @@ from transformers import PreTrainedTokenizerBase
 from ..algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
 from ..bridge.model import ModelOptions
 from ..bridge.parallel import init_distributed
-from ..bridge.weights import iter_hf_weights, save_hf_checkpoint
 from ..common.clock import ActiveClock
-from ..common.fp8 import quantize_hf_tensor
 from ..common.http import RetryPolicy, ServerError
 from ..common.typed_config import to_dict
 from ..data.gold import cold_start_plans, gold_plan, gold_trajectory
@@ -59,6 +57,8 @@ from ..rewards.registry import RewardRegistry
 from ..rollout.agent import AgentConfig, SearchAgent
 from ..rollout.client import PauseClock, RolloutClient, RolloutClientConfig
 from ..rollout.trajectory import Trajectory, collate
+from ..weight_sync.base import SyncTargets
+from ..weight_sync.factory import make_weight_sync
 from .config import TrainConfig, dump_config
 from .fleet import RolloutFleet, Worker, start_fleet
 from .inputs import check_resume_dir, load_tokenizer, validate_inputs
@@ -81,7 +81,6 @@ from .rollout_phase import (
 )
 from .servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
 from .sft import run_sft
-from .weight_sync import DistributedWeightSync
 
 log = logging.getLogger("sorl_megatron.trainer")
 
@@ -218,8 +217,8 @@ class RLTrainer:
         self.pvpo: Optional[PVPOState] = None
         self._gold_cache: dict[int, Optional[Trajectory]] = {}  # ground truth by prompt index (None: none usable)
         self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
-        self._wsync = DistributedWeightSync(cfg.rollout)  # rollout.weight_sync=distributed: groups, senders
-        self.weight_sync_bytes = 0  # sent by this rank in the last distributed sync
+        self._wsync = make_weight_sync(cfg.rollout, self.run_dir)  # rollout.weight_sync's transport
+        self.weight_sync_bytes = 0  # sent by this rank in the last sync
         # rollout modes (rank 0; producer.py): the groups finished steps trained on or dropped,
         # the next group a sync / one-step-off batch draws, one_step_off's batch in the making,
         # async's producer, the servers' busy clock and whether they pause for weight updates
@@ -654,27 +653,11 @@ class RLTrainer:
         return self._pause_supported
 
     def _push_weights(self, version: str) -> None:
-        """The sync itself, to ``rollout_urls`` (every rank joins the export)."""
-        if self.cfg.rollout.weight_sync == "distributed":
-            self.weight_sync_bytes = self._wsync.sync(
-                self.actor.model, self.rollout_urls, self.api_keys.get("rollout"), version)
-            return
-        # external servers get FP8 weights; the embedded ones quantize what they receive themselves
-        fp8 = self.cfg.rollout.precision == "fp8" and bool(self.cfg.rollout.urls)
-        if self.cfg.rollout.weight_sync == "disk":
-            out = str((self.run_dir / "weights_sync").resolve())  # the servers resolve it, not us: absolute
-            save_hf_checkpoint(self.actor.model, out, fp8=fp8)
-            if _rank() == 0:
-                asyncio.run(self._with_client(lambda c: c.update_weights_from_disk(out, weight_version=version)))
-            return
-        tensors = iter_hf_weights(self.actor.model)
-        if fp8:
-            tensors = (pair for name, t in tensors for pair in quantize_hf_tensor(name, t))
-        if _rank() == 0:
-            asyncio.run(self._with_client(lambda c: c.update_weights_from_tensor(tensors, weight_version=version)))
-        else:
-            for _ in tensors:  # every rank joins the gathers inside the export
-                pass
+        """The sync itself, to ``rollout_urls`` as they are now (every rank joins the export)."""
+        fleet = self._fleet() if _rank() == 0 else None
+        targets = SyncTargets(tuple(self.rollout_urls), self.api_keys.get("rollout"),
+                              on_failure=fleet.on_failure if fleet is not None else None)
+        self.weight_sync_bytes = self._wsync.sync(self.actor.model, targets, version).bytes_sent
 
     async def _with_client(self, fn):
         client = self._rollout_client()
