@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -173,3 +176,15 @@ def test_a_failed_tensor_sync_closes_the_update_and_raises(recorders, tmp_path):
         asyncio.run(go())
     assert recorders[0].paths() == ["/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]
     assert recorders[0].calls[1][1]["weight_version"] is None  # the version never came
+
+
+def test_the_server_side_modules_pull_in_no_trainer_code():
+    """The rollout server imports ``weight_sync.group`` and ``weight_sync.wire``: neither (nor
+    the package's ``__init__``) may load megatron, the bridge's models or the transports."""
+    code = ("import sys; import sorl_megatron.weight_sync.group, sorl_megatron.weight_sync.wire; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'mbridge') or m in ("
+            "'sorl_megatron.bridge.model', 'sorl_megatron.rollout.client', 'sorl_megatron.weight_sync.base')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
