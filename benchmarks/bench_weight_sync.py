@@ -33,7 +33,8 @@ from sorl_megatron.data.tiny_model import TinyModelConfig, build_tiny_model  # n
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig  # noqa: E402
 from sorl_megatron.rollout.engine import EngineConfig  # noqa: E402
 from sorl_megatron.rollout.server import ServerOptions, start_rollout_server  # noqa: E402
-from sorl_megatron.rollout.weight_sync import DistributedSender, begin_update, end_update  # noqa: E402
+from sorl_megatron.weight_sync.distributed import DistributedSender, begin_update, end_update  # noqa: E402
+from sorl_megatron.weight_sync.tensor import send_tensors  # noqa: E402
 
 SIZES = {
     "tiny": TinyModelConfig(),
@@ -88,8 +89,7 @@ def run_size(size: str, root: Path, repeats: int) -> None:
     def tensor() -> None:
         async def go():
             async with client() as c:
-                await c.update_weights_from_tensor(state.items(), weight_version=f"v{next(counter)}",
-                                                   bucket_bytes=BUCKET)
+                await send_tensors(c, state.items(), f"v{next(counter)}", bucket_bytes=BUCKET)
         asyncio.run(go())
 
     def distributed() -> None:

@@ -24,13 +24,20 @@ LAYERS = {
     "retrieval": 4,
     "rewards": 4,
     "rollout": 4,
-    "trainer": 5,
-    "demo": 5,  # the toy demo: the algorithm core alone
-    "train": 6,
-    "cluster": 6,  # the Slurm launcher (TorchX)
-    "study": 6,
-    "": 6,  # sorl_megatron/__init__.py
+    "weight_sync": 5,  # trainer -> server weight sync; the server side uses its group and wire
+    "sglang_cpu": 5,  # the embedded CPU SGLang server
+    "trainer": 6,
+    "demo": 6,  # the toy demo: the algorithm core alone
+    "train": 7,
+    "cluster": 7,  # the Slurm launcher (TorchX)
+    "study": 7,
+    "": 7,  # sorl_megatron/__init__.py
 }
+
+# Modules that import a higher layer only until they move to theirs: the embedded server
+# (rollout/server.py, rollout/engine.py) becomes sglang_cpu, beside weight_sync. Drop each
+# entry with its move; the test fails on any other upward import.
+MOVING_UP = {"sorl_megatron.rollout.engine": "sglang_cpu", "sorl_megatron.rollout.server": "sglang_cpu"}
 
 
 def _module_name(path: pathlib.Path) -> tuple[str, bool]:
@@ -105,6 +112,11 @@ def _top(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+def _package(module: str) -> str:
+    """The package ``module`` belongs to (for one in ``MOVING_UP``, the one it moves to)."""
+    return MOVING_UP.get(module, _top(module))
+
+
 def test_no_import_circle_between_modules():
     assert _strongly_connected(import_graph()) == []
 
@@ -112,7 +124,8 @@ def test_no_import_circle_between_modules():
 def test_no_import_circle_between_packages():
     packages: dict[str, set[str]] = {}
     for module, targets in import_graph().items():
-        packages.setdefault(_top(module), set()).update(_top(t) for t in targets if _top(t) != _top(module))
+        packages.setdefault(_package(module), set()).update(
+            _package(t) for t in targets if _package(t) != _package(module))
     assert _strongly_connected(packages) == []
 
 
@@ -121,7 +134,7 @@ def test_every_import_points_down_the_layers():
     unknown = sorted({_top(m) for m in graph} - set(LAYERS))
     assert not unknown, f"packages without a layer in tests/test_layout.py: {unknown}"
     upward = sorted(
-        f"{m} -> {t}" for m, targets in graph.items() for t in targets if LAYERS[_top(t)] > LAYERS[_top(m)]
+        f"{m} -> {t}" for m, targets in graph.items() for t in targets if LAYERS[_package(t)] > LAYERS[_package(m)]
     )
     assert upward == []
 

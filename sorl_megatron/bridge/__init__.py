@@ -7,7 +7,7 @@ Public API (what the RL training engine and the conversion CLI build on):
                                                  # build_model initializes when needed)
     model = build_model("/path/to/hf", layout)   # MegatronModel: .chunks, .bridge, .config
     logits = forward_logits(model, tokens)       # [b, s, V], any layout
-    for bucket in iter_hf_weight_buckets(model, bucket_bytes=...): ...   # weight sync
+    for bucket in iter_hf_weight_buckets(model, bucket_bytes=...): ...   # HF tensors in buckets
     save_hf_checkpoint(model, out_dir, fp8=False)
     save_megatron_checkpoint(model, ckpt_dir); load_megatron_checkpoint(ckpt_dir, other_layout)
 
@@ -49,7 +49,6 @@ _EXPORTS = {
     "init_parallel": "parallel",
     "iter_hf_weight_buckets": "weights",
     "iter_hf_weights": "weights",
-    "iter_owned_hf_weights": "weights",
     "load_hf_weights": "weights",
     "save_hf_checkpoint": "weights",
 }

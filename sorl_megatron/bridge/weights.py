@@ -1,5 +1,6 @@
 """HF weights in and out of Megatron chunks: load safetensors, stream (hf_name, tensor)
-buckets for weight sync, and write a complete HF directory from any layout."""
+buckets, and write a complete HF directory from any layout. What each rank sends in a
+distributed weight sync is ``weight_sync.export``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Iterator, Optional
 import torch
 from safetensors.torch import save_file
 
+from ..common.buckets import buckets
 from ..common.fp8 import FP8_BLOCK, fp8_quantization_config, quantize_hf_tensor
 from .hf_config import CheckpointFileError, check_hf_dir_has_weights, tokenizer_and_generation_files
 from .model import MegatronModel, detached_value_heads
@@ -63,82 +65,14 @@ def iter_hf_weights(model: MegatronModel, dtype: Optional[torch.dtype] = None) -
             yield name, out.contiguous()
 
 
-def weight_sync_roles() -> tuple[bool, bool]:
-    """(sends dense tensors, sends expert tensors) for this rank in a distributed weight sync:
-    a stage's dense layers go from its tensor-parallel rank 0 of data-parallel rank 0, each
-    expert from its expert-parallel owner's expert-tensor-parallel rank 0 of expert-data-parallel
-    rank 0. Together the senders hold every tensor exactly once."""
-    from megatron.core import parallel_state as mpu
-
-    dense = mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank(with_context_parallel=True) == 0
-    expert = mpu.get_expert_tensor_parallel_rank() == 0 and mpu.get_expert_data_parallel_rank() == 0
-    return dense, expert
-
-
-def iter_owned_hf_weights(
-    model: MegatronModel, dtype: Optional[torch.dtype] = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF tensors this rank sends in a distributed weight sync (``weight_sync_roles``):
-    its local parameters, gathered over tensor (or expert-tensor) parallelism only, never across
-    pipeline stages or expert owners, so no rank holds more than its shard plus one full tensor.
-
-    Every rank must consume the whole iterator, senders or not: the tensor-parallel gathers run
-    inside, in the same order on every rank of a group. The output layer of tied embeddings is
-    skipped at PP > 1 (the first stage sends the embedding).
-    """
-    bridge, mpu = model.bridge, model.bridge.mpu
-    dense_owner, expert_owner = weight_sync_roles()
-    tied = bool(getattr(model.config, "share_embeddings_and_output_weights", False))
-    with detached_value_heads(model), torch.no_grad():
-        for chunk in model.unwrapped():
-            local_to_global = bridge._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=True)
-            params = dict(chunk.named_parameters())
-            extra = {k: v for k, v in chunk.state_dict().items()
-                     if "_extra_state" not in k and "expert_bias" in k and k not in params}
-            for local, param in [*params.items(), *extra.items()]:
-                if local not in local_to_global:
-                    continue
-                name = local_to_global[local]
-                if tied and name == "output_layer.weight":
-                    continue
-                expert = ".mlp.experts.linear_fc" in name
-                if expert:
-                    size, group, mine = mpu.etp_size, mpu.etp_group, expert_owner
-                else:
-                    size, group, mine = mpu.tp_size, mpu.tp_group, dense_owner
-                if size > 1 and (expert or getattr(param, "tensor_model_parallel", False)):
-                    parts = [torch.empty_like(param) for _ in range(size)]
-                    torch.distributed.all_gather(parts, param.detach().contiguous(), group=group)
-                    merged = bridge._weight_merge_across_tp(name, parts, param)
-                else:
-                    merged = param.detach()
-                if not mine:
-                    continue
-                hf_names, hf_tensors = bridge._weight_to_hf_format(name, merged)
-                for hf_name, t in zip(hf_names, hf_tensors):
-                    t = t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
-                    yield hf_name, t.contiguous()
-
-
 def iter_hf_weight_buckets(
     model: MegatronModel,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: Optional[torch.dtype] = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group `iter_hf_weights` into lists of at most `bucket_bytes` (a larger tensor is
-    sent alone), e.g. for trainer -> rollout weight sync."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in iter_hf_weights(model, dtype):
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
+    sent alone; ``common.buckets``, the loop every weight sync uses)."""
+    for bucket, _ in buckets(iter_hf_weights(model, dtype), bucket_bytes):
         yield bucket
 
 

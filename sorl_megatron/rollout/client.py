@@ -23,12 +23,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import aiohttp
-import torch
 
 from ..common.clock import ActiveClock
 from ..common.http import (
@@ -49,7 +48,6 @@ from ..common.protocol import (
     bearer_headers,
     parse_generate_output,
 )
-from .weights import serialize_named_tensors
 
 
 @dataclass(frozen=True)
@@ -173,6 +171,11 @@ class RolloutClient:
             )
             self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
         return self._session
+
+    def session(self) -> aiohttp.ClientSession:
+        """The client's HTTP session (its auth header), for protocol code that posts to each
+        server itself (``weight_sync.distributed``)."""
+        return self._sess()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -421,55 +424,49 @@ class RolloutClient:
         )
         return version
 
+    async def begin_weight_update(self) -> None:
+        """Open a sync on every server (SGLang 0.5.x takes distributed updates between begin and end)."""
+        await self._all("POST", "/begin_weight_update", {"selector": "all"})
+
     async def update_weights_from_tensor(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        weight_version: str | None = None,
-        bucket_bytes: int = 256 * 1024**2,
+        serialized: str,
         load_format: str = "safetensors",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
         tp_size: int = 1,
-    ) -> str:
-        """Send HF-named tensors in buckets between ``/begin_weight_update`` and ``/end_weight_update``.
+    ) -> None:
+        """One bucket, already serialized in ``load_format`` (one POST to every server): the
+        payload and its bucketing are the sender's (``weight_sync.tensor``), not this client's.
+        The last bucket of a sync carries ``weight_version`` and ``flush_cache``.
 
         ``load_format`` is a safe format the embedded server reads (``safetensors`` or
         ``torch``). Real SGLang decodes these payloads with its own (CUDA IPC) serializer, so
         against SGLang use ``update_weights_from_disk`` or the distributed NCCL path.
         """
-        version = self._next_version(weight_version)
-        await self._all("POST", "/begin_weight_update", {"selector": "all"})
+        body = {
+            "serialized_named_tensors": [serialized] * tp_size,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+        }
+        await self._all("POST", "/update_weights_from_tensor", body)
+
+    async def update_weight_version(self, version: str) -> None:
+        """Label the open sync ``version`` (the servers switch weights and version together)."""
+        await self._all("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
+
+    async def end_weight_update(self, failed: bool = False) -> None:
+        """Close the sync. After a failed one (``failed``) close it on the servers that still
+        answer, waiting on a hung server only the health policy: the sync's own error is the
+        one worth reporting."""
+        if not failed:
+            await self._all("POST", "/end_weight_update", {})
+            return
         try:
-            bucket: list[tuple[str, torch.Tensor]] = []
-            size = 0
-
-            async def flush(last: bool) -> None:
-                payload = serialize_named_tensors(bucket, load_format)
-                body = {
-                    "serialized_named_tensors": [payload] * tp_size,
-                    "load_format": load_format,
-                    "flush_cache": last,
-                    "weight_version": version if last else None,
-                }
-                await self._all("POST", "/update_weights_from_tensor", body)
-
-            for name, t in named_tensors:
-                nbytes = t.numel() * t.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    await flush(last=False)
-                    bucket, size = [], 0
-                bucket.append((name, t))
-                size += nbytes
-            if bucket:
-                await flush(last=True)
-        except Exception:
-            # Leave the update state on the servers that still answer, but wait for a hung one
-            # only the short health timeout: the sync's own error is the one worth reporting.
-            try:
-                await self._all("POST", "/end_weight_update", {}, policy=self.cfg.health_retry)
-            except ServerError:
-                pass
-            raise
-        await self._all("POST", "/end_weight_update", {})
-        return version
+            await self._all("POST", "/end_weight_update", {}, policy=self.cfg.health_retry)
+        except ServerError:
+            pass
 
     async def pause_generation(self, mode: str = "retract") -> bool:
         """SGLang's ``/pause_generation`` on every server (``mode``: ``retract`` puts running

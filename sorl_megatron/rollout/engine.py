@@ -71,8 +71,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from ..bridge.hf_config import require_hf_dir
 from ..common.hf_build import HF_BUILD_LOCK
 from ..common.protocol import GenRequest, encode_routed_experts
+from ..weight_sync.wire import WeightError, check_bucket, check_compatible, dequantize_fp8_pairs, read_checkpoint
 from .precision import Precision, apply_precision
-from .weights import WeightError, check_bucket, check_compatible, dequantize_fp8_pairs, read_checkpoint
 
 log = logging.getLogger("sorl_megatron.rollout.engine")
 transformers.utils.logging.disable_progress_bar()
@@ -571,7 +571,7 @@ class Engine:
 
     def init_weights_group(self, spec: Any, timeout_s: float) -> str:
         """Join ``spec`` (a ``GroupSpec``) as rank ``rank_offset``; returns once every member has."""
-        from ..common.weight_group import WeightGroup
+        from ..weight_sync.group import WeightGroup
 
         with self._groups_lock:
             if spec.group_name in self._groups:

@@ -262,9 +262,9 @@ def _result(ok: bool, msg: str, status: int | None = None) -> web.Response:
 
 
 def build_app(engine: Engine, opts: ServerOptions | None = None) -> web.Application:
-    from ..common.weight_group import BucketSpec, GroupSpec, WeightGroupError, parse_group_name
+    from ..weight_sync.group import BucketSpec, GroupSpec, WeightGroupError, parse_group_name
+    from ..weight_sync.wire import WeightError, deserialize_named_tensors  # torch: after --help, like the engine
     from .engine import PAUSE_MODES
-    from .weights import WeightError, deserialize_named_tensors  # torch: after --help, like the engine
 
     opts = opts or ServerOptions()
     body_limit = opts.max_body_mb * MiB

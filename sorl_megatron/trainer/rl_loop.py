@@ -17,7 +17,6 @@ Where a step's groups come from (``rollout.mode``) is the rollout source's busin
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import shutil
@@ -31,9 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
 from ..bridge.parallel import init_distributed
-from ..bridge.weights import iter_hf_weights, save_hf_checkpoint
 from ..common import comm
-from ..common.fp8 import quantize_hf_tensor
 from ..common.typed_config import to_dict
 from ..data.qa import QARow
 from ..engine.actor import ActorConfig, PolicyEngine
@@ -49,6 +46,8 @@ from ..engine.critic import CriticConfig, ValueEngine
 from ..engine.rl_batch import RLBatch
 from ..rewards.registry import RewardRegistry
 from ..rollout.trajectory import collate
+from ..weight_sync.base import SyncTargets
+from ..weight_sync.factory import make_weight_sync
 from .batch_source import RolloutSource, make_rollout_source, source_class
 from .config import TrainConfig, dump_config
 from .connections import Connections
@@ -58,7 +57,6 @@ from .rollout_phase import RolloutResult, rollout_metrics
 from .runtime import DataStream, StepTimer, model_options, tokens_per_second, truncate_jsonl
 from .servers import EmbeddedServers
 from .stages import PVPOStage, sft_stage
-from .weight_sync import DistributedWeightSync
 
 log = logging.getLogger("sorl_megatron.trainer")
 
@@ -114,8 +112,8 @@ class RLTrainer:
         self.source: Optional[RolloutSource] = None
         self.pvpo: Optional[PVPOStage] = None  # only with the pvpo estimator
         self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
-        self._wsync = DistributedWeightSync(cfg.rollout)  # rollout.weight_sync=distributed: groups, senders
-        self.weight_sync_bytes = 0  # sent by this rank in the last distributed sync
+        self._wsync = make_weight_sync(cfg.rollout, self.run_dir)  # rollout.weight_sync's transport
+        self.weight_sync_bytes = 0  # sent by this rank in the last sync
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -228,27 +226,11 @@ class RLTrainer:
             conn.finish_sync()
 
     def _push_weights(self, version: str) -> None:
-        """The sync itself, to ``rollout_urls`` (every rank joins the export)."""
-        if self.cfg.rollout.weight_sync == "distributed":
-            urls, key = (self.conn.rollout_urls, self.conn.api_keys.get("rollout")) if self.conn else ([], None)
-            self.weight_sync_bytes = self._wsync.sync(self.actor.model, urls, key, version)
-            return
-        # external servers get FP8 weights; the embedded ones quantize what they receive themselves
-        fp8 = self.cfg.rollout.precision == "fp8" and bool(self.cfg.rollout.urls)
-        if self.cfg.rollout.weight_sync == "disk":
-            out = str((self.run_dir / "weights_sync").resolve())  # the servers resolve it, not us: absolute
-            save_hf_checkpoint(self.actor.model, out, fp8=fp8)
-            if self.conn is not None:
-                asyncio.run(self.conn.with_client(lambda c: c.update_weights_from_disk(out, weight_version=version)))
-            return
-        tensors = iter_hf_weights(self.actor.model)
-        if fp8:
-            tensors = (pair for name, t in tensors for pair in quantize_hf_tensor(name, t))
-        if self.conn is not None:
-            asyncio.run(self.conn.with_client(lambda c: c.update_weights_from_tensor(tensors, weight_version=version)))
-        else:
-            for _ in tensors:  # every rank joins the gathers inside the export
-                pass
+        """The sync itself, to the servers serving now (every rank joins the export)."""
+        conn = self.conn
+        targets = SyncTargets(tuple(conn.rollout_urls), conn.api_keys.get("rollout"),
+                              on_failure=conn.get_fleet().on_failure) if conn is not None else SyncTargets()
+        self.weight_sync_bytes = self._wsync.sync(self.actor.model, targets, version).bytes_sent
 
     # -- the step ----------------------------------------------------------------------
 

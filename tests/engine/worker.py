@@ -874,13 +874,14 @@ def op_wsync(case: dict, models: str, work: str) -> dict:
     is the quantizer's output of the trainer's weight; bytes sent per rank."""
     import asyncio
 
-    from sorl_megatron.bridge.weights import weight_sync_roles
     from sorl_megatron.common.fp8 import dequantize_hf_state_dict, quantize_hf_tensor
     from sorl_megatron.rollout.client import RolloutClient
     from sorl_megatron.rollout.engine import EngineConfig
     from sorl_megatron.rollout.server import ServerOptions, start_rollout_server
     from sorl_megatron.trainer.config import RolloutConfig
-    from sorl_megatron.trainer.weight_sync import DistributedWeightSync
+    from sorl_megatron.weight_sync.base import SyncTargets
+    from sorl_megatron.weight_sync.distributed import DistributedWeightSync
+    from sorl_megatron.weight_sync.export import weight_sync_roles
 
     precision = case.get("precision", "fp32")
     path = os.path.join(models, case["model"])
@@ -898,7 +899,7 @@ def op_wsync(case: dict, models: str, work: str) -> dict:
     sync = DistributedWeightSync(RolloutConfig(precision=precision, weight_sync_bucket_mb=1,
                                                weight_sync_init_timeout_s=60))
     try:
-        sent = sync.sync(actor.model, [s.url for s in servers], None, "step_1")
+        sent = sync.sync(actor.model, SyncTargets(tuple(s.url for s in servers)), "step_1").bytes_sent
         sent_by_rank = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(sent_by_rank, (sent, weight_sync_roles()))
         full = params_of(actor)  # the trainer's whole model, for the checks only

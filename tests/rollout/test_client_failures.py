@@ -19,6 +19,7 @@ from sorl_megatron.common.http import (
 )
 from sorl_megatron.common.protocol import ProtocolError, SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
+from sorl_megatron.weight_sync.tensor import send_tensors
 
 FAST = RetryPolicy(timeout_s=2.0, connect_timeout_s=1.0, retries=2, backoff_s=0.05)
 SP = SamplingParams(max_new_tokens=2)
@@ -236,7 +237,7 @@ def test_weight_sync_bounded_by_control_policy_and_closed_with_health_policy():
 
         async def go():
             async with RolloutClient(cfg) as c:
-                await c.update_weights_from_tensor([("w", torch.zeros(2))], weight_version="v1")
+                await send_tensors(c, [("w", torch.zeros(2))], "v1")
 
         t0 = time.monotonic()
         with pytest.raises(

@@ -239,7 +239,7 @@ def test_weight_version_between_begin_and_end_is_the_old_one(server, tmp_path):
     _, before = call(server.url, "POST", "/generate", gen)
     name = "lm_head.weight"
     new = server.engine.state[name] + 0.5 * torch.randn(server.engine.state[name].shape)
-    from sorl_megatron.rollout.weights import serialize_named_tensors
+    from sorl_megatron.weight_sync.wire import serialize_named_tensors
 
     payload = serialize_named_tensors([(name, new)])
     assert call(server.url, "POST", "/begin_weight_update", {"selector": "all"})[0] == 200

@@ -1,14 +1,15 @@
 """SGLang's distributed weight update against two embedded servers, in one process.
 
-The test is the trainer's sending rank (``DistributedSender``); both servers join its gloo
-group through ``/init_weights_update_group`` and receive every bucket by broadcast. The
-multi-rank trainer side (TP2, EP2, PP2 senders) is tested in tests/trainer.
+The test is the trainer's sending rank (``weight_sync.distributed.DistributedSender``); both
+servers join its gloo group through ``/init_weights_update_group`` and receive every bucket by
+broadcast. The multi-rank trainer side (TP2, EP2, PP2 senders) is tests/engine/test_weight_sync.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -19,11 +20,11 @@ from sorl_megatron.common.fp8 import dequantize_block_fp8, quantize_block_fp8, q
 from sorl_megatron.common.hf_build import HF_BUILD_LOCK
 from sorl_megatron.common.http import RequestRejectedError
 from sorl_megatron.common.protocol import SamplingParams
-from sorl_megatron.common.weight_group import WeightGroupError
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.rollout.engine import EngineConfig
 from sorl_megatron.rollout.server import ServerOptions, start_rollout_server
-from sorl_megatron.rollout.weight_sync import DistributedSender, begin_update, buckets, end_update
+from sorl_megatron.weight_sync.distributed import DistributedSender, begin_update, end_update
+from sorl_megatron.weight_sync.group import WeightGroupError
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -72,18 +73,6 @@ async def logprobs(url: str):
     return out
 
 
-def test_buckets_keep_fp8_pairs_and_bound_size():
-    w = torch.ones(256, 256)
-    named = [*quantize_hf_tensor("model.layers.0.self_attn.q_proj.weight", w), ("model.norm.weight", torch.ones(8))]
-    out = list(buckets(named, bucket_bytes=256 * 256))  # the fp8 weight alone fills a bucket; its scale joins it
-    assert [[n for n, _ in b] for b in out] == [
-        ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight_scale_inv"],
-        ["model.norm.weight"],
-    ]
-    many = [(f"t{i}", torch.ones(10)) for i in range(7)]
-    assert [len(b) for b in buckets(many, bucket_bytes=120)] == [3, 3, 1]
-
-
 def test_distributed_sync_both_servers_follow(servers, moe_dir, teacher_forced):
     state = perturbed(moe_dir, 0.05, seed=11)
     sent = run(sync(servers, list(state.items()), "step-7", bucket_bytes=64 * 1024))
@@ -98,6 +87,41 @@ def test_distributed_sync_both_servers_follow(servers, moe_dir, teacher_forced):
         ref, _ = teacher_forced(model, PROMPT + out.output_ids)
         assert (ref[len(PROMPT) - 1:] - torch.tensor(out.output_logprobs)).abs().max().item() <= 1e-5
         assert s.engine._groups == {}  # destroyed at the end
+
+
+def settings(**kw) -> SimpleNamespace:
+    """The rollout settings a transport reads (duck-typed like the recipe's rollout section)."""
+    base = dict(weight_sync="distributed", precision="fp32", urls=[], retries=0, health_timeout_s=5.0,
+                weight_sync_timeout_s=30.0, weight_sync_init_timeout_s=20.0, weight_sync_bucket_mb=1,
+                weight_sync_master_address=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_each_sync_goes_to_the_servers_it_is_given(servers, moe_dir, monkeypatch):
+    """The transport takes the servers from every call, not the first: a second sync to more
+    servers (as after a restart on a new URL) leaves the old group and forms one with them all.
+    The model is a state dict here; the export (every rank's own part) is tests/engine's."""
+    from sorl_megatron.weight_sync import distributed
+    from sorl_megatron.weight_sync.base import SyncTargets
+
+    monkeypatch.setattr(distributed, "weight_sync_roles", lambda: (True, True))
+    monkeypatch.setattr(distributed, "iter_owned_hf_weights", lambda model: iter(list(model.items())))
+    wsync = distributed.DistributedWeightSync(settings())
+    try:
+        first = perturbed(moe_dir, 0.05, seed=21)
+        stats = wsync.sync(first, SyncTargets((servers[0].url,)), "one-server")
+        assert stats.bytes_sent == sum(t.numel() * 4 for t in first.values())
+        assert servers[0].engine.weight_version == "one-server" != servers[1].engine.weight_version
+        assert list(servers[0].engine._groups) == ["sorl_wsync_r0"] and servers[1].engine._groups == {}
+        second = perturbed(moe_dir, 0.05, seed=22)
+        wsync.sync(second, SyncTargets(tuple(s.url for s in servers)), "two-servers")
+        for s in servers:
+            assert s.engine.weight_version == "two-servers"
+            assert all(torch.equal(s.engine.state[k], v) for k, v in second.items())
+            assert list(s.engine._groups) == ["sorl_wsync_r0"]
+    finally:
+        wsync.close()
+    assert all(s.engine._groups == {} for s in servers)  # close left the group on both
 
 
 def test_fp8_buckets_are_the_quantizers_output(servers, moe_dir):
@@ -195,7 +219,7 @@ def test_a_bucket_whose_client_left_mid_broadcast_is_still_applied(moe_dir):
     server thread waits in it, finishes anyway, so its tensors must also be applied: a bucket
     received and dropped would leave the weights torn at /end_weight_update. The client here
     gives up (1 s) before the trainer side broadcasts; the broadcast then completes."""
-    from sorl_megatron.common.weight_group import BucketSpec
+    from sorl_megatron.weight_sync.group import BucketSpec
 
     srv = start_rollout_server(EngineConfig(model_path=str(moe_dir)), options=ServerOptions(weight_group_timeout_s=60))
     name = "model.norm.weight"

@@ -17,6 +17,7 @@ from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.rollout.engine import EngineConfig
 from sorl_megatron.rollout.server import start_rollout_server
+from sorl_megatron.weight_sync.tensor import send_tensors
 from tests.hf_checkpoints import perturbed_checkpoint
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -86,9 +87,9 @@ def test_update_from_tensor_partial_in_buckets(server, tmp_path, teacher_forced)
     async def go():
         async with RolloutClient(server.url) as c:
             # tiny buckets: one tensor per /update_weights_from_tensor call
-            return await c.update_weights_from_tensor(update.items(), weight_version="step-2", bucket_bytes=1)
+            return await send_tensors(c, update.items(), "step-2", bucket_bytes=1)
 
-    assert run(go()) == "step-2"
+    assert run(go()) == sum(t.numel() * 4 for t in update.values())
     out = run(sample(server.url))
     assert out.weight_version == "step-2"
     diff_new, routing = max_diff(expected, out, teacher_forced)
@@ -103,12 +104,11 @@ def test_torch_weights_only_format(server):
 
     async def go():
         async with RolloutClient(server.url) as c:
-            return await c.update_weights_from_tensor(
-                [(name, state[name] * 1.5)], weight_version="step-3", load_format="torch"
-            )
+            return await send_tensors(c, [(name, state[name] * 1.5)], "step-3", load_format="torch")
 
     old = state[name].clone()
-    assert run(go()) == "step-3"
+    run(go())
+    assert server.engine.weight_version == "step-3"
     assert torch.allclose(server.engine.state[name], old * 1.5)
     assert torch.allclose(server.engine.model.model.norm.weight, old * 1.5)
 
@@ -134,7 +134,7 @@ def test_bad_updates_rejected_and_server_keeps_serving(server, tmp_path):
 
     async def wrong(named, fmt="safetensors"):
         async with RolloutClient(server.url) as c:
-            await c.update_weights_from_tensor(named, load_format=fmt)
+            await send_tensors(c, named, "never", load_format=fmt)
 
     with pytest.raises(RequestRejectedError, match="model.layers.9.nope"):
         run(wrong([("model.layers.9.nope", torch.ones(3))]))

@@ -32,6 +32,7 @@ from sorl_megatron.trainer.config import ConfigError, load_recipe
 from sorl_megatron.trainer.rl_loop import RLTrainer
 from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
 from sorl_megatron.trainer.stages import PVPOStage
+from sorl_megatron.weight_sync.tensor import send_tensors
 
 from .e2e_helpers import BASE_RECIPE
 
@@ -116,7 +117,7 @@ def test_rollout_server_hung_during_weight_sync(tmp_path, model_dir):
         async def sync():
             client = trainer.conn.rollout_client()
             try:
-                await client.update_weights_from_tensor(stop_after_first(), weight_version="step_1", bucket_bytes=1)
+                await send_tensors(client, stop_after_first(), "step_1", bucket_bytes=1)
             finally:
                 await client.close()
 

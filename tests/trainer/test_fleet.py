@@ -614,6 +614,7 @@ def test_server_killed_during_a_weight_sync(tiny_data, tmp_path):
     from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
     from sorl_megatron.trainer.fleet import start_fleet
     from sorl_megatron.trainer.servers import EmbeddedServers, rollout_server_spec
+    from sorl_megatron.weight_sync.tensor import send_tensors
 
     cfg = load_recipe(BASE_RECIPE, [*run_overrides(tiny_data, tmp_path, "sync"), "rollout.num_servers=2",
                                     "rollout.start_timeout_s=240", "rollout.health_timeout_s=2"])
@@ -638,7 +639,7 @@ def test_server_killed_during_a_weight_sync(tiny_data, tmp_path):
 
         async def sync(urls, items, version):
             async with client(urls) as c:
-                await c.update_weights_from_tensor(items, weight_version=version, bucket_bytes=1)
+                await send_tensors(c, items, version, bucket_bytes=1)
 
         async def versions(urls):
             async with client(urls) as c:

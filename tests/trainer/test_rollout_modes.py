@@ -93,6 +93,7 @@ def test_partial_rollout_across_a_weight_update(tiny_data, servers, tmp_path):
     from sorl_megatron.retrieval.client import RetrievalClient
     from sorl_megatron.rollout.agent import AgentConfig, SearchAgent
     from sorl_megatron.rollout.client import RolloutClient
+    from sorl_megatron.weight_sync.tensor import send_tensors
 
     tok = AutoTokenizer.from_pretrained(tiny_data / "model")
     src = tiny_data / "model"
@@ -120,14 +121,14 @@ def test_partial_rollout_across_a_weight_update(tiny_data, servers, tmp_path):
             out = await self.client.generate(*args, **kwargs)
             self.calls += 1
             if self.calls == 1:
-                await self.client.update_weights_from_tensor(weights(state1), weight_version="step_1")
+                await send_tensors(self.client, weights(state1), "step_1")
             return out
 
     async def episode(seed):
         client = RolloutClient(servers["rollout"])
         retriever = RetrievalClient(servers["retrieval"], topk=2)
         try:
-            await client.update_weights_from_tensor(weights(state0), weight_version="step_0")
+            await send_tensors(client, weights(state0), "step_0")
             agent = SearchAgent(UpdateAfterFirstTurn(client), retriever, tok, AgentConfig(
                 max_turns=2, max_turn_tokens=12, max_total_tokens=340, max_obs_tokens=32, topk=2,
                 return_routed_experts=True))

@@ -1,4 +1,10 @@
-"""Checkpoint loading and safe (de)serialization of named tensors for weight updates.
+"""The wire format of weight updates and what a receiver checks before applying one.
+
+The trainer's tensor transport (``weight_sync.tensor``) serializes each bucket with
+:func:`serialize_named_tensors`; the embedded server decodes it with
+:func:`deserialize_named_tensors`, reads a disk sync's checkpoint with :func:`read_checkpoint`
+and checks every update (:func:`check_compatible`, :func:`check_bucket`) before it applies it.
+Like ``weight_sync.group``, it imports no model code (no megatron), so the server can use it.
 
 The server keeps the weights in HuggingFace *checkpoint* names (``...experts.3.up_proj.weight``),
 the names a trainer sends; transformers' own loader maps them onto the in-memory modules

@@ -1,14 +1,25 @@
-"""The trainer's end of SGLang's distributed weight update: one sending rank, all servers.
+"""The distributed transport (``rollout.weight_sync: distributed``): SGLang's own update, a
+torch.distributed broadcast (NCCL on GPU, gloo on CPU) from the trainer's sending ranks to
+every server rank.
 
-Each sending rank (a pipeline stage's tensor-parallel rank 0 for its dense layers, each
-expert-parallel owner for its experts) owns one group, ``<prefix>_r<rank>``: itself as rank 0
-plus every server rank (``rank_offset`` = 1 + the ranks of the servers before it, a server
-holding its ``tp_size`` ranks). Per bucket (at most ``bucket_bytes``, a larger tensor alone) it
-posts ``/update_weights_from_distributed`` (names, dtypes, shapes) to every server and
-broadcasts the tensors meanwhile, so no rank ever holds more than its own shard plus one bucket.
+Every rank exports its own part of the model (``export.iter_owned_hf_weights``: tensor-parallel
+gathers only); the senders (``export.weight_sync_roles``: a stage's dense layers, each expert
+owner's experts) broadcast it bucket by bucket to every server. Rank 0 opens the sync
+(``/begin_weight_update``) and closes it with the version (``/update_weight_version``,
+``/end_weight_update``, ``/flush_cache``). FP8 rollouts get the quantizer's block-FP8 pairs. A
+failure on any rank fails the sync on every rank, after every rank has finished its export (so
+no gather is left waiting).
+
+Each sending rank (:class:`DistributedSender`) owns one group, ``<prefix>_r<rank>``: itself as
+rank 0 plus every server rank (``rank_offset`` = 1 + the ranks of the servers before it, a
+server holding its ``tp_size`` ranks). Per bucket (at most ``bucket_bytes``, a larger tensor
+alone) it posts ``/update_weights_from_distributed`` (names, dtypes, shapes) to every server
+and broadcasts the tensors meanwhile, so no rank ever holds more than its own shard plus one
+bucket. The group is formed with the servers of the sync that first needs it and formed again
+when they change (a restarted server comes back on a new URL).
 
 Buckets of different senders never overlap: a sender holds ``lock`` (a mutex shared by the
-senders, see ``StoreMutex``) only while one bucket is on the wire, never during a gather of
+senders, see :class:`StoreMutex`) only while one bucket is on the wire, never during a gather of
 the export, so a server is never asked to take part in two broadcasts at once (which a real
 SGLang server, handling weight updates one at a time, could not) and no gather waits on it.
 Every server must take in the whole model whichever rank sends it, so its inbound link
@@ -19,38 +30,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
 from urllib.parse import urlsplit
 
 import torch
 
+from ..common.buckets import buckets
 from ..common.http import RequestRejectedError, RetryPolicy, ServerError, request
-from ..common.weight_group import BucketSpec, GroupSpec, WeightGroup, WeightGroupError
-from .client import RolloutClient
+from ..rollout.client import RolloutClient
+from .base import SyncSettings, SyncStats, SyncTargets, WeightSync, control_client, fp8_pairs, rank, world
+from .export import iter_owned_hf_weights, weight_sync_roles
+from .group import BucketSpec, GroupSpec, WeightGroup, WeightGroupError
 
-
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group ``named`` into lists of at most ``bucket_bytes`` (a larger tensor alone); an FP8
-    weight and its ``_scale_inv`` (consecutive, as the quantizer yields them) stay together."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        pair = bucket and name == f"{bucket[-1][0]}_scale_inv"
-        if bucket and not pair and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
+log = logging.getLogger("sorl_megatron.weight_sync.distributed")
 
 
 def address_towards(url: str) -> str:
@@ -87,10 +87,13 @@ class StoreMutex:
 
 
 class DistributedSender:
-    """One sending rank's group with every server: ``connect`` once, ``send`` per sync, ``close``.
+    """One sending rank's group with every server: ``send`` per sync (it forms the group when
+    there is none, or when the servers are not the ones it was formed with), ``close``.
 
     ``init_timeout_s`` bounds the group's formation and each broadcast; ``client``'s control
     policy bounds each HTTP call, which is never retried (a bucket must be received once).
+    ``master_address``: where the servers reach this rank (default: this host's address on the
+    route to the first server).
     """
 
     def __init__(self, client: RolloutClient, group_name: str, init_timeout_s: float, backend: str | None = None,
@@ -98,8 +101,9 @@ class DistributedSender:
         self.group_name = group_name
         self.timeout_s = init_timeout_s
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.master_address = master_address or address_towards(client.cfg.urls[0])
+        self.master_address = master_address
         self.group: WeightGroup | None = None
+        self.group_urls: tuple[str, ...] = ()  # the servers the group was formed with
         self.bytes_sent = 0
         self.bind(client)
 
@@ -110,9 +114,11 @@ class DistributedSender:
         p = client.cfg.control_retry
         self._once = RetryPolicy(timeout_s=p.timeout_s, retries=0, connect_timeout_s=p.connect_timeout_s)
 
-    async def _post_all(self, path: str, body: dict, policy: RetryPolicy | None = None) -> None:
-        """POST to every server at once, never retried; an answer with success false is an error."""
-        sess, urls = self.client._sess(), self.client.cfg.urls
+    async def _post_all(self, path: str, body: dict, policy: RetryPolicy | None = None,
+                        urls: tuple[str, ...] | None = None) -> None:
+        """POST to every server (``urls``: these) at once, never retried; an answer with success
+        false is an error."""
+        sess, urls = self.client.session(), urls or self.client.cfg.urls
 
         async def one(url: str):
             out = await request(sess, "POST", f"{url}{path}", body, policy or self._once)
@@ -131,17 +137,17 @@ class DistributedSender:
         and join as rank 0 meanwhile; bounded by ``init_timeout_s``."""
         from torch.distributed import TCPStore
 
-        sess = self.client._sess()
+        sess, urls = self.client.session(), self.client.cfg.urls
         infos = await asyncio.gather(*(  # SGLang's /get_server_info holds its server args (tp_size)
-            request(sess, "GET", f"{u}/get_server_info", None, self.client.cfg.control_retry)
-            for u in self.client.cfg.urls))
-        offsets, world = [], 1
-        for u, info in zip(self.client.cfg.urls, infos):
-            offsets.append(world)
-            world += int(info.get("tp_size") or 1)
-        store = TCPStore(self.master_address, 0, world, is_master=True, wait_for_workers=False,
+            request(sess, "GET", f"{u}/get_server_info", None, self.client.cfg.control_retry) for u in urls))
+        offsets, size = [], 1
+        for u, info in zip(urls, infos):
+            offsets.append(size)
+            size += int(info.get("tp_size") or 1)
+        address = self.master_address or address_towards(urls[0])
+        store = TCPStore(address, 0, size, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=self.timeout_s))
-        base = GroupSpec(self.master_address, int(store.port), 1, world, self.group_name, self.backend)
+        base = GroupSpec(address, int(store.port), 1, size, self.group_name, self.backend)
         policy = RetryPolicy(timeout_s=self.timeout_s + 30, retries=0)
 
         async def init(url: str, offset: int):
@@ -150,23 +156,27 @@ class DistributedSender:
             if isinstance(out, dict) and out.get("success") is False:
                 raise RequestRejectedError(f"POST {url}/init_weights_update_group: {out.get('message')}", 400)
 
-        posts = asyncio.ensure_future(asyncio.gather(*(init(u, o) for u, o in zip(self.client.cfg.urls, offsets))))
+        posts = asyncio.ensure_future(asyncio.gather(*(init(u, o) for u, o in zip(urls, offsets))))
         join = asyncio.ensure_future(asyncio.to_thread(WeightGroup, base, 0, self.timeout_s, store))
         done, _ = await asyncio.wait({posts, join}, return_when=asyncio.FIRST_EXCEPTION)
         if posts in done and posts.exception() is not None:
             join.add_done_callback(lambda f: f.exception() or f.result().destroy())  # it ends at its timeout
             raise WeightGroupError(f"a rollout server refused the weight-update group: {posts.exception()}")
         self.group = await join  # raises WeightGroupError after the timeout
+        self.group_urls = urls
         await posts
 
     async def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
                    lock=contextlib.nullcontext) -> int:
-        """Send ``named`` in buckets; returns the bytes this rank sent."""
+        """Send ``named`` in buckets to the client's servers; returns the bytes this rank sent."""
+        if self.group is not None and self.group_urls != self.client.cfg.urls:
+            with lock():  # the servers changed (a restarted one is on a new URL): leave the old group
+                await self.close()
         if self.group is None:
             with lock():  # a server joins one group at a time (SGLang's init blocks until it forms)
                 await self.connect()
         sent = 0
-        for bucket in buckets(named, bucket_bytes):  # the export's gathers run here, outside the lock
+        for bucket, _ in buckets(named, bucket_bytes):  # the export's gathers run here, outside the lock
             spec = BucketSpec.of(bucket, self.group_name, flush_cache=False)
             with lock():
                 await self._send_bucket(spec, [t for _, t in bucket])
@@ -192,13 +202,14 @@ class DistributedSender:
         await cast
 
     async def close(self) -> None:
-        """``/destroy_weights_update_group`` on every server (short health policy), then leave."""
+        """``/destroy_weights_update_group`` on every server of the group (short health policy),
+        then leave."""
         if self.group is None:
             return
         group, self.group = self.group, None
         try:
             await self._post_all("/destroy_weights_update_group", {"group_name": self.group_name},
-                                 self.client.cfg.health_retry)
+                                 self.client.cfg.health_retry, urls=self.group_urls)
         except ServerError:
             pass  # a server that is gone has no group to destroy
         finally:
@@ -236,7 +247,7 @@ def _destroy_after(fut: asyncio.Future, group: WeightGroup) -> None:
 
 async def begin_update(client: RolloutClient) -> None:
     """Open a sync on every server (SGLang 0.5.x takes distributed updates between begin and end)."""
-    await client._all("POST", "/begin_weight_update", {"selector": "all"})
+    await client.begin_weight_update()
 
 
 async def end_update(client: RolloutClient, version: str, ok: bool = True) -> None:
@@ -244,9 +255,112 @@ async def end_update(client: RolloutClient, version: str, ok: bool = True) -> No
     then drop their prefix caches. After a failed sync (``ok`` false) only close it, waiting on a
     hung server no longer than the health policy."""
     if not ok:
-        with contextlib.suppress(ServerError):
-            await client._all("POST", "/end_weight_update", {}, policy=client.cfg.health_retry)
+        await client.end_weight_update(failed=True)
         return
-    await client._all("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
-    await client._all("POST", "/end_weight_update", {})
+    await client.update_weight_version(version)
+    await client.end_weight_update()
     await client.flush_cache()
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (a collective: every rank calls it)."""
+    if world() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+class DistributedWeightSync(WeightSync):
+    """The transport on every rank: each sending rank keeps its :class:`DistributedSender` (and
+    its group) from one sync to the next; ``close`` leaves the groups."""
+
+    def __init__(self, settings: SyncSettings, run_dir: str | Path = "."):
+        super().__init__(settings, run_dir)
+        self.sender: Optional[DistributedSender] = None
+        self.api_key: Optional[str] = None  # of the last sync, for close
+        self.bytes_sent = 0  # by this rank in the last sync
+
+    def _client(self, urls, api_key) -> RolloutClient:
+        return control_client(self.settings, urls, api_key)  # no failure hook: a broadcast cannot leave one out
+
+    async def _with_client(self, urls, api_key, fn) -> Any:
+        client = self._client(urls, api_key)
+        try:
+            return await fn(client)
+        finally:
+            await client.close()
+
+    async def _send(self, model, urls, api_key) -> int:
+        s = self.settings
+        client = self._client(urls, api_key)
+        try:
+            if self.sender is None:
+                self.sender = DistributedSender(client, f"sorl_wsync_r{rank()}", s.weight_sync_init_timeout_s,
+                                                master_address=s.weight_sync_master_address)
+            self.sender.bind(client)
+            kw = {}
+            if world() > 1:
+                store = torch.distributed.distributed_c10d._get_default_store()
+                kw["lock"] = StoreMutex(store, "sorl_wsync_lock", s.weight_sync_init_timeout_s)
+            export = iter_owned_hf_weights(model)
+            tensors = fp8_pairs(export) if s.precision == "fp8" else export
+            try:
+                return await self.sender.send(tensors, s.weight_sync_bucket_mb * 1024**2, **kw)
+            except BaseException:
+                for _ in export:  # finish the export: this rank's tensor-parallel peers wait on its gathers
+                    pass
+                raise
+        finally:
+            await client.close()
+
+    def sync(self, model, targets: SyncTargets, version: str) -> SyncStats:
+        """Every rank calls it, rank 0 with the servers' URLs and key (sent to every rank on each
+        sync: a restarted server comes back on a new URL, and the groups follow it)."""
+        box = [(list(targets.urls), targets.api_key)]
+        if world() > 1:
+            torch.distributed.broadcast_object_list(box, src=0)  # our own ranks: pickling is safe
+        urls, self.api_key = box[0]
+        error: Optional[BaseException] = None
+        if rank() == 0:
+            try:
+                asyncio.run(self._with_client(urls, self.api_key, begin_update))
+            except BaseException as exc:
+                error = exc
+        failed = _any_rank(error is not None)
+        self.bytes_sent = 0
+        if not failed:
+            try:
+                if any(weight_sync_roles()):
+                    self.bytes_sent = asyncio.run(self._send(model, urls, self.api_key))
+                else:
+                    for _ in iter_owned_hf_weights(model):  # the gathers need every rank
+                        pass
+            except BaseException as exc:
+                error = exc
+            failed = _any_rank(error is not None)
+        if rank() == 0:
+            try:
+                asyncio.run(self._with_client(urls, self.api_key, lambda c: end_update(c, version, ok=not failed)))
+            except BaseException as exc:
+                error, failed = error or exc, True
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"the weight sync to version {version} failed on another rank (see its log)")
+        return SyncStats(bytes_sent=self.bytes_sent)
+
+    def close(self) -> None:
+        """Leave this rank's group (``/destroy_weights_update_group`` on its servers)."""
+        if self.sender is None or self.sender.group is None:
+            return
+        sender, self.sender = self.sender, None
+
+        async def go(client):
+            sender.bind(client)
+            await sender.close()
+
+        try:
+            asyncio.run(self._with_client(sender.group_urls, self.api_key, go))
+        except Exception as exc:  # the run's own outcome is what matters now
+            log.warning("leaving the weight-update group failed: %s", exc)

@@ -15,8 +15,8 @@ order; NCCL makes one (``cuda/``). Every wait (store, connection, broadcast) is 
 group's timeout.
 
 This module holds only what both ends share (field names and checks, dtype names, the group);
-the trainer's sender is ``rollout.weight_sync``, the embedded server's receiver
-``rollout.engine``.
+the trainer's sender is ``weight_sync.distributed``, the embedded server's receiver its engine.
+It imports nothing of the trainer's side (no bridge, no megatron), so the server can use it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .protocol import ProtocolError, check_text, short
+from ..common.protocol import ProtocolError, check_text, short
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default

@@ -1,0 +1,105 @@
+"""The one interface of a weight sync, and what its transports share.
+
+A transport (``distributed``, ``tensor``, ``disk``; chosen once by ``factory``) pushes the
+trainer's model to the rollout servers: ``sync(model, targets, version)`` after each step, on
+every rank (the export's gathers need them all), ``close()`` at the end of the run. The targets
+are passed on every call, never kept from an earlier one: a server that was restarted comes
+back on a new URL.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Protocol
+
+import torch
+
+from ..common.fp8 import quantize_hf_tensor
+from ..common.http import RetryPolicy
+from ..rollout.client import FailureHook, RolloutClient, RolloutClientConfig
+
+
+class SyncSettings(Protocol):
+    """The ``rollout.*`` settings the transports read (the recipe's rollout section has them)."""
+
+    weight_sync: str  # the transport's name: read by the factory only
+    precision: str
+    urls: list[str]  # external servers (none: the trainer's embedded ones)
+    retries: int
+    health_timeout_s: float
+    weight_sync_timeout_s: float
+    weight_sync_init_timeout_s: float
+    weight_sync_bucket_mb: int
+    weight_sync_master_address: Optional[str]
+
+
+@dataclass(frozen=True)
+class SyncTargets:
+    """Where one sync goes, as the trainer knows it now (rank 0; other ranks pass none).
+
+    ``on_failure``: the fleet's hook for a server that failed a control call (a dead one is
+    dropped and the sync stands on the others); the tensor and disk transports send through it.
+    The distributed transport cannot leave a member out of a broadcast: it fails the sync.
+    """
+
+    urls: tuple[str, ...] = ()
+    api_key: Optional[str] = None
+    on_failure: Optional[FailureHook] = None
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What one sync did on this rank: ``bytes_sent``, the tensor bytes it put on the wire
+    (distributed: its own broadcasts; tensor: rank 0's bodies before encoding; disk: 0)."""
+
+    bytes_sent: int = 0
+
+
+class WeightSync(ABC):
+    """One per run and rank: ``sync`` after each step (every rank calls it), ``close`` at the end."""
+
+    def __init__(self, settings: SyncSettings, run_dir: str | Path):
+        self.settings = settings
+        self.run_dir = Path(run_dir)
+
+    @abstractmethod
+    def sync(self, model, targets: SyncTargets, version: str) -> SyncStats:
+        """Push ``model`` (a MegatronModel) to ``targets`` labelled weight version ``version``;
+        raises when the servers did not all get it."""
+
+    def close(self) -> None:
+        """Release what the transport holds between syncs (nothing, unless it says otherwise)."""
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def control_client(settings: SyncSettings, urls: Iterable[str], api_key: Optional[str],
+                   on_failure: Optional[FailureHook] = None) -> RolloutClient:
+    """A client for the sync's control calls: each bounded by ``rollout.weight_sync_timeout_s``,
+    the close of a failed sync by ``rollout.health_timeout_s``."""
+    s = settings
+    return RolloutClient(RolloutClientConfig(
+        urls=tuple(urls), control_retry=RetryPolicy(timeout_s=s.weight_sync_timeout_s, retries=s.retries),
+        health_retry=RetryPolicy(timeout_s=s.health_timeout_s, retries=s.retries), api_key=api_key),
+        on_failure=on_failure)
+
+
+def fp8_pairs(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The block-FP8 packing an FP8 server reads: each linear weight as its ``(weight,
+    weight_scale_inv)`` pair (``common.fp8.quantize_hf_tensor``), other tensors unchanged."""
+    return (pair for name, t in named for pair in quantize_hf_tensor(name, t))
+
+
+def external_fp8(settings: SyncSettings) -> bool:
+    """Whether the tensor and disk transports send FP8: external servers with ``rollout.precision:
+    fp8`` get the quantizer's pairs; the embedded ones quantize what they receive themselves."""
+    return settings.precision == "fp8" and bool(settings.urls)

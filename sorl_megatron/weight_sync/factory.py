@@ -1,0 +1,29 @@
+"""The one place that reads ``rollout.weight_sync``: the transport of a run, chosen once.
+
+Adding a transport: one module in this package with a :class:`~.base.WeightSync` subclass,
+registered in ``TRANSPORTS`` under the name a recipe gives (docs/rollout.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .base import SyncSettings, WeightSync
+from .disk import DiskWeightSync
+from .distributed import DistributedWeightSync
+from .tensor import TensorWeightSync
+
+TRANSPORTS: dict[str, type[WeightSync]] = {
+    "distributed": DistributedWeightSync,
+    "tensor": TensorWeightSync,
+    "disk": DiskWeightSync,
+}
+
+
+def make_weight_sync(settings: SyncSettings, run_dir: str | Path) -> WeightSync:
+    """The run's weight sync: ``settings.weight_sync`` names the transport (the recipe's
+    ``rollout`` section); ``run_dir`` is where a transport may write (disk: the checkpoint)."""
+    cls = TRANSPORTS.get(settings.weight_sync)
+    if cls is None:
+        raise ValueError(f"rollout.weight_sync: {settings.weight_sync!r} is not one of {sorted(TRANSPORTS)}")
+    return cls(settings, run_dir)

@@ -1,0 +1,190 @@
+"""The weight-sync package without a model: the bucketing loop, the factory, and the tensor and
+disk transports against a server that records what it is sent (the servers' side of each
+transport is tests/rollout/test_weight_updates.py and test_weight_sync_distributed.py; every
+rank's export is tests/engine/test_weight_sync.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from aiohttp import web
+
+from sorl_megatron.common.background import BackgroundServer
+from sorl_megatron.common.buckets import buckets
+from sorl_megatron.common.fp8 import quantize_hf_tensor
+from sorl_megatron.weight_sync import disk, tensor
+from sorl_megatron.weight_sync.base import SyncTargets
+from sorl_megatron.weight_sync.distributed import DistributedWeightSync
+from sorl_megatron.weight_sync.factory import TRANSPORTS, make_weight_sync
+from sorl_megatron.weight_sync.wire import deserialize_named_tensors
+
+
+def settings(**kw) -> SimpleNamespace:
+    """The rollout settings a transport reads (duck-typed like the recipe's rollout section)."""
+    base = dict(weight_sync="tensor", precision="fp32", urls=[], retries=0, health_timeout_s=5.0,
+                weight_sync_timeout_s=30.0, weight_sync_init_timeout_s=20.0, weight_sync_bucket_mb=1,
+                weight_sync_master_address=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+class Recorder:
+    """A rollout server that answers every weight-sync call with success and records it."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict | None]] = []
+        app = web.Application(client_max_size=64 * 1024**2)
+        for path in ("/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update",
+                     "/update_weights_from_disk"):
+            app.router.add_post(path, self.record)
+        self.server = BackgroundServer(app, "127.0.0.1", 0).start()
+
+    async def record(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        self.calls.append((request.path, json.loads(raw) if raw else None))
+        return web.json_response({"success": True, "message": ""})
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def paths(self) -> list[str]:
+        return [p for p, _ in self.calls]
+
+
+@pytest.fixture
+def recorders():
+    rs = [Recorder() for _ in range(2)]
+    yield rs
+    for r in rs:
+        r.server.stop()
+
+
+def test_buckets_keep_fp8_pairs_bound_size_and_mark_the_last():
+    w = torch.ones(256, 256)
+    named = [*quantize_hf_tensor("model.layers.0.self_attn.q_proj.weight", w), ("model.norm.weight", torch.ones(8))]
+    out = list(buckets(named, bucket_bytes=256 * 256))  # the fp8 weight alone fills a bucket; its scale joins it
+    assert [([n for n, _ in b], last) for b, last in out] == [
+        (["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight_scale_inv"], False),
+        (["model.norm.weight"], True),
+    ]
+    many = [(f"t{i}", torch.ones(10)) for i in range(7)]
+    assert [(len(b), last) for b, last in buckets(many, bucket_bytes=120)] == [(3, False), (3, False), (1, True)]
+    assert list(buckets([], 1)) == []
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        next(buckets(many, 0))
+
+
+def test_a_bucket_is_yielded_before_the_tensor_after_the_next_is_taken():
+    """An export's gathers run between the sends: a full bucket goes as soon as the tensor that
+    does not fit has arrived, before the export is asked for one more."""
+    taken: list[int] = []
+
+    def export():
+        for i in range(4):
+            taken.append(i)
+            yield f"t{i}", torch.ones(10)
+
+    it = buckets(export(), bucket_bytes=40)  # one tensor per bucket
+    assert [n for n, _ in next(it)[0]] == ["t0"] and taken == [0, 1]
+    assert [n for n, _ in next(it)[0]] == ["t1"] and taken == [0, 1, 2]
+
+
+def test_the_factory_is_the_one_reader_of_the_transport_name(tmp_path):
+    assert sorted(TRANSPORTS) == ["disk", "distributed", "tensor"]
+    assert isinstance(make_weight_sync(settings(weight_sync="distributed"), tmp_path), DistributedWeightSync)
+    assert isinstance(make_weight_sync(settings(weight_sync="tensor"), tmp_path), tensor.TensorWeightSync)
+    assert isinstance(make_weight_sync(settings(weight_sync="disk"), tmp_path), disk.DiskWeightSync)
+    with pytest.raises(ValueError, match=r"rollout.weight_sync: 'nccl' is not one of"):
+        make_weight_sync(settings(weight_sync="nccl"), tmp_path)
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.mlp.weight": torch.randn(64, 64, generator=g) for i in range(3)}
+
+
+def test_tensor_sync_posts_each_bucket_and_follows_the_targets_of_each_call(recorders, tmp_path, monkeypatch):
+    """Begin, one body per bucket (the version and the cache flush on the last only), end; each
+    sync to the URLs of its own call (a restarted server comes back on a new one)."""
+    monkeypatch.setattr(tensor, "iter_hf_weights", lambda model: iter(list(model.items())))
+    wsync = make_weight_sync(settings(), tmp_path)
+    wsync.bucket_bytes = 2 * 64 * 64 * 4  # two tensors a bucket
+    first, second = state(1), state(2)
+    stats = wsync.sync(first, SyncTargets((recorders[0].url,)), "step_1")
+    assert stats.bytes_sent == 3 * 64 * 64 * 4
+    wsync.sync(second, SyncTargets((recorders[1].url,)), "step_2")
+    for rec, sent, version in ((recorders[0], first, "step_1"), (recorders[1], second, "step_2")):
+        assert rec.paths() == ["/begin_weight_update", "/update_weights_from_tensor", "/update_weights_from_tensor",
+                               "/end_weight_update"]
+        bodies = [b for p, b in rec.calls if p == "/update_weights_from_tensor"]
+        assert [(b["flush_cache"], b["weight_version"]) for b in bodies] == [(False, None), (True, version)]
+        got = {}
+        for b in bodies:
+            assert b["load_format"] == "safetensors" and len(b["serialized_named_tensors"]) == 1
+            got.update(deserialize_named_tensors(b["serialized_named_tensors"][0], "safetensors"))
+        assert sorted(got) == sorted(sent) and all(torch.equal(got[k], v) for k, v in sent.items())
+
+
+def test_tensor_sync_sends_fp8_pairs_to_external_fp8_servers(recorders, tmp_path, monkeypatch):
+    monkeypatch.setattr(tensor, "iter_hf_weights", lambda model: iter(list(model.items())))
+    sent = {"model.layers.0.mlp.up_proj.weight": torch.randn(256, 256), "model.norm.weight": torch.ones(8)}
+    targets = SyncTargets((recorders[0].url,))
+    make_weight_sync(settings(precision="fp8"), tmp_path).sync(sent, targets, "embedded")  # quantizes itself
+    make_weight_sync(settings(precision="fp8", urls=[recorders[0].url]), tmp_path).sync(sent, targets, "external")
+    bodies = [b for p, b in recorders[0].calls if p == "/update_weights_from_tensor"]
+    embedded, external = (deserialize_named_tensors(b["serialized_named_tensors"][0], "safetensors") for b in bodies)
+    assert {k: v.dtype for k, v in embedded.items()} == {k: torch.float32 for k in sent}
+    expected = dict(pair for n, t in sent.items() for pair in quantize_hf_tensor(n, t))
+    assert sorted(external) == sorted(expected) and all(torch.equal(external[k], v) for k, v in expected.items())
+    assert external["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_disk_sync_writes_then_asks_each_server_to_reload(recorders, tmp_path, monkeypatch):
+    written: list[tuple[object, str, bool]] = []
+    monkeypatch.setattr(disk, "save_hf_checkpoint", lambda model, out, fp8: written.append((model, out, fp8)))
+    monkeypatch.chdir(tmp_path)
+    wsync = make_weight_sync(settings(weight_sync="disk"), Path("run"))  # relative: the servers get it absolute
+    assert wsync.sync("model", SyncTargets(tuple(r.url for r in recorders)), "step_3").bytes_sent == 0
+    out = str(tmp_path / "run" / "weights_sync")
+    assert written == [("model", out, False)]
+    for rec in recorders:
+        assert rec.calls == [("/update_weights_from_disk",
+                              {"model_path": out, "weight_version": "step_3", "flush_cache": True})]
+
+
+def test_a_failed_tensor_sync_closes_the_update_and_raises(recorders, tmp_path):
+    async def go():
+        from sorl_megatron.rollout.client import RolloutClient
+
+        def broken():
+            yield "a", torch.ones(4)
+            yield "b", torch.ones(4)  # "a" goes now, alone in its bucket
+            raise RuntimeError("the export failed")
+
+        async with RolloutClient(recorders[0].url) as c:
+            await tensor.send_tensors(c, broken(), "never", bucket_bytes=1)
+
+    with pytest.raises(RuntimeError, match="the export failed"):
+        asyncio.run(go())
+    assert recorders[0].paths() == ["/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]
+    assert recorders[0].calls[1][1]["weight_version"] is None  # the version never came
+
+
+def test_the_server_side_modules_pull_in_no_trainer_code():
+    """The rollout server imports ``weight_sync.group`` and ``weight_sync.wire``: neither (nor
+    the package's ``__init__``) may load megatron, the bridge's models or the transports."""
+    code = ("import sys; import sorl_megatron.weight_sync.group, sorl_megatron.weight_sync.wire; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'mbridge') or m in ("
+            "'sorl_megatron.bridge.model', 'sorl_megatron.rollout.client', 'sorl_megatron.weight_sync.base')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
