@@ -24,12 +24,14 @@ LAYERS = {
     "retrieval": 4,
     "rewards": 4,
     "rollout": 4,
-    "trainer": 5,
-    "demo": 5,  # the toy demo: the algorithm core alone
-    "train": 6,
-    "cluster": 6,  # the Slurm launcher (TorchX)
-    "study": 6,
-    "": 6,  # sorl_megatron/__init__.py
+    "weight_sync": 5,
+    "sglang_cpu": 5,  # the CPU SGLang-compatible server: the trainer starts it by module name, never imports it
+    "trainer": 6,
+    "demo": 6,  # the toy demo: the algorithm core alone
+    "train": 7,
+    "cluster": 7,  # the Slurm launcher (TorchX)
+    "study": 7,
+    "": 7,  # sorl_megatron/__init__.py
 }
 
 
@@ -124,6 +126,15 @@ def test_every_import_points_down_the_layers():
         f"{m} -> {t}" for m, targets in graph.items() for t in targets if LAYERS[_top(t)] > LAYERS[_top(m)]
     )
     assert upward == []
+
+
+def test_the_trainer_never_imports_the_cpu_server():
+    """The trainer talks to rollout servers over HTTP only, SGLang's or the CPU one, which it starts
+    as a subprocess by module name (trainer/servers.py): it must not import it."""
+    graph = import_graph()
+    assert any(m.startswith("sorl_megatron.sglang_cpu.") for m in graph)  # the checker sees the package
+    trainer = {m: targets for m, targets in graph.items() if _top(m) == "trainer"}
+    assert sorted(f"{m} -> {t}" for m, targets in trainer.items() for t in targets if _top(t) == "sglang_cpu") == []
 
 
 def test_the_largest_package_holds_at_most_a_quarter_of_the_lines():

@@ -1,4 +1,4 @@
-"""The server as users start it: ``python -m sorl_megatron.rollout.server``."""
+"""The server as users start it: ``python -m sorl_megatron.sglang_cpu.server``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from sorl_megatron.common.background import free_port, wait_healthy
 from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient
-from sorl_megatron.rollout.server import parse_args
+from sorl_megatron.sglang_cpu.server import parse_args
 
 FLAGS = [
     "--model-path",
@@ -44,7 +44,7 @@ FLAGS = [
 
 def test_help_documents_every_flag():
     out = subprocess.run(
-        [sys.executable, "-m", "sorl_megatron.rollout.server", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--help"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0
     for flag in FLAGS:
@@ -66,7 +66,7 @@ def test_subprocess_server_skip_tokenizer_init(moe_dir):
     port = free_port()
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "sorl_megatron.rollout.server",
+            sys.executable, "-m", "sorl_megatron.sglang_cpu.server",
             "--model-path", str(moe_dir), "--port", str(port),
             "--enable-return-routed-experts", "--skip-tokenizer-init", "--num-threads", "1",
             "--weight-version", "w0",
@@ -99,7 +99,7 @@ def test_a_mistyped_model_path_is_named_not_taken_for_a_hub_repo(tmp_path):
     """The path as the user typed it, what is wrong with it, exit code 2, no traceback and no
     Hugging Face Hub message."""
     missing = tmp_path / "data" / "synt" / "model"
-    out = subprocess.run([sys.executable, "-m", "sorl_megatron.rollout.server", "--model-path", str(missing)],
+    out = subprocess.run([sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--model-path", str(missing)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip() == (f"error: --model-path '{missing}' does not exist (a local directory is needed; "
@@ -110,8 +110,9 @@ def test_model_and_tokenizer_paths_that_are_not_checkpoints(tmp_path, capsys, mo
     import pytest
 
     from sorl_megatron.bridge.hf_config import CheckpointFileError
-    from sorl_megatron.rollout.engine import Engine, EngineConfig
-    from sorl_megatron.rollout.server import main
+    from sorl_megatron.sglang_cpu.engine import RolloutEngine
+    from sorl_megatron.sglang_cpu.options import EngineConfig
+    from sorl_megatron.sglang_cpu.server import main
 
     a_file, empty = tmp_path / "weights.safetensors", tmp_path / "empty"
     a_file.write_bytes(b"")
@@ -130,4 +131,4 @@ def test_model_and_tokenizer_paths_that_are_not_checkpoints(tmp_path, capsys, mo
         assert capsys.readouterr().err.startswith(message)
     # the engine checks the same in-process (the trainer's tests and embedders build it directly)
     with pytest.raises(CheckpointFileError, match=rf"rollout model path '{empty}' is not an HF model checkpoint"):
-        Engine(EngineConfig(model_path=str(empty)))
+        RolloutEngine(EngineConfig(model_path=str(empty)))
