@@ -54,6 +54,20 @@ def test_help_documents_every_flag():
     assert defined - {"--help"} == set(FLAGS)
 
 
+def test_the_old_module_name_still_runs_the_server_and_says_where_it_moved(tmp_path):
+    """``python -m sorl_megatron.rollout.server`` (the name before sglang_cpu/) forwards its arguments
+    to ``sorl_megatron.sglang_cpu.server`` for one release, saying so on stderr."""
+    moved = "it runs python -m sorl_megatron.sglang_cpu.server now"
+    out = subprocess.run([sys.executable, "-m", "sorl_megatron.rollout.server", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "deprecated" in out.stderr and moved in out.stderr
+    assert out.stdout.startswith("usage: python -m sorl_megatron.sglang_cpu.server") and "--model-path" in out.stdout
+    missing = tmp_path / "nowhere"
+    out = subprocess.run([sys.executable, "-m", "sorl_megatron.rollout.server", "--model-path", str(missing)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"error: --model-path '{missing}' does not exist" in out.stderr
+
+
 def test_sglang_style_aliases():
     assert parse_args(["--model-path", "m"]).precision == "fp32"
     assert parse_args(["--model-path", "m", "--quantization", "fp8"]).precision == "fp8"
