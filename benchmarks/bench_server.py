@@ -2,7 +2,7 @@
 
     python benchmarks/bench_server.py [--repeats 5] [--num-threads 1] [--compare-src /path/to/old/checkout]
 
-Servers run as subprocesses (``python -m sorl_megatron.rollout.server``, tokens only, the
+Servers run as subprocesses (``python -m sorl_megatron.sglang_cpu.server``, tokens only, the
 demo's tiny random Qwen3-MoE shape), each with ``--num-threads`` torch threads; the load comes
 from one aiohttp client in this process. Every request is seeded and ignores EOS, so each
 configuration generates the same number of tokens. Within a round every configuration runs
@@ -47,8 +47,12 @@ NEW_TOKENS = (16, 112)  # new tokens per request: uniform in this range (mean 64
 
 def start_server(model: Path, threads: int, extra: list[str], src: str | None = None):
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": src or str(Path(__file__).resolve().parents[1])}
-    cmd = [sys.executable, "-m", "sorl_megatron.rollout.server", "--model-path", str(model), "--port", str(port),
+    root = Path(src) if src else Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    # a checkout from before the server moved to sglang_cpu/ has it under its old name
+    module = "sorl_megatron.sglang_cpu.server" if (root / "sorl_megatron/sglang_cpu").is_dir() else (
+        "sorl_megatron.rollout.server")
+    cmd = [sys.executable, "-m", module, "--model-path", str(model), "--port", str(port),
            "--skip-tokenizer-init", "--num-threads", str(threads), "--max-running-requests", "64",
            "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, env=env, cwd=src or None)

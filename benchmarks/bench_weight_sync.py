@@ -31,8 +31,8 @@ from common import interleaved, load, report  # noqa: E402
 
 from sorl_megatron.data.tiny_model import TinyModelConfig, build_tiny_model  # noqa: E402
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig  # noqa: E402
-from sorl_megatron.rollout.engine import EngineConfig  # noqa: E402
-from sorl_megatron.rollout.server import ServerOptions, start_rollout_server  # noqa: E402
+from sorl_megatron.sglang_cpu.options import EngineConfig, ServerOptions  # noqa: E402
+from sorl_megatron.sglang_cpu.server import start_rollout_server  # noqa: E402
 from sorl_megatron.weight_sync.distributed import DistributedSender, begin_update, end_update  # noqa: E402
 from sorl_megatron.weight_sync.tensor import send_tensors  # noqa: E402
 
@@ -106,7 +106,7 @@ def run_size(size: str, root: Path, repeats: int) -> None:
 
     try:
         times = interleaved({"disk": disk, "tensor": tensor, "distributed": distributed}, repeats=repeats)
-        assert all(torch.equal(s.engine.state[k], v) for s in servers for k, v in list(state.items())[:3])
+        assert all(torch.equal(s.engine.served.state[k], v) for s in servers for k, v in list(state.items())[:3])
         print(f"\n{size}: {nbytes / 1e6:.1f} MB of weights (fp32), 2 servers; bytes per sending rank "
               f"{nbytes / 1e6:.1f} MB per server ({2 * nbytes / 1e6:.1f} MB on the wire)")
         report(times, baseline="distributed")

@@ -128,7 +128,7 @@ OURS = [c for c in COMMANDS if c.program in ("python", "torchrun") and c.target 
 def test_the_commands_are_found():
     """The reader finds the commands that matter (a parser regression would test nothing)."""
     targets = {c.target for c in OURS}
-    for expected in ("sorl_megatron.train", "sorl_megatron.study", "sorl_megatron.rollout.server",
+    for expected in ("sorl_megatron.train", "sorl_megatron.study", "sorl_megatron.sglang_cpu.server",
                      "sorl_megatron.retrieval.server", "sorl_megatron.data.synthetic", "tools/convert.py",
                      "tools/plot.py", "tools/demo.py"):
         assert expected in targets, f"no command runs {expected}"
@@ -269,14 +269,14 @@ def _cli_entry_points():
     from sorl_megatron.bridge import convert_cli
     from sorl_megatron.data import synthetic
     from sorl_megatron.retrieval import server as retrieval_server
-    from sorl_megatron.rollout import server as rollout_server
+    from sorl_megatron.sglang_cpu import server as sglang_cpu_server
 
     return {
         "sorl_megatron.train": lambda: train.main([]),
         "sorl_megatron.study": lambda: study.main([]),
         "sorl_megatron.cluster": lambda: cluster.main([]),
         "sorl_megatron.demo": lambda: demo.main([]),
-        "sorl_megatron.rollout.server": lambda: rollout_server.parse_args([]),
+        "sorl_megatron.sglang_cpu.server": lambda: sglang_cpu_server.parse_args([]),
         "sorl_megatron.retrieval.server": lambda: retrieval_server.parse_args([]),
         "sorl_megatron.data.synthetic": lambda: synthetic.main([]),
         "tools/convert.py": lambda: convert_cli.main([]),

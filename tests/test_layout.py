@@ -25,7 +25,7 @@ LAYERS = {
     "rewards": 4,
     "rollout": 4,
     "weight_sync": 5,  # trainer -> server weight sync; the server side uses its group and wire
-    "sglang_cpu": 5,  # the embedded CPU SGLang server
+    "sglang_cpu": 5,  # the CPU SGLang-compatible server: the trainer starts it by module name, never imports it
     "trainer": 6,
     "demo": 6,  # the toy demo: the algorithm core alone
     "train": 7,
@@ -33,12 +33,6 @@ LAYERS = {
     "study": 7,
     "": 7,  # sorl_megatron/__init__.py
 }
-
-# Modules that import a higher layer only until they move to theirs: the embedded server
-# (rollout/server.py, rollout/engine.py) becomes sglang_cpu, beside weight_sync. Drop each
-# entry with its move; the test fails on any other upward import.
-MOVING_UP = {"sorl_megatron.rollout.engine": "sglang_cpu", "sorl_megatron.rollout.server": "sglang_cpu"}
-
 
 def _module_name(path: pathlib.Path) -> tuple[str, bool]:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -112,11 +106,6 @@ def _top(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def _package(module: str) -> str:
-    """The package ``module`` belongs to (for one in ``MOVING_UP``, the one it moves to)."""
-    return MOVING_UP.get(module, _top(module))
-
-
 def test_no_import_circle_between_modules():
     assert _strongly_connected(import_graph()) == []
 
@@ -124,8 +113,8 @@ def test_no_import_circle_between_modules():
 def test_no_import_circle_between_packages():
     packages: dict[str, set[str]] = {}
     for module, targets in import_graph().items():
-        packages.setdefault(_package(module), set()).update(
-            _package(t) for t in targets if _package(t) != _package(module))
+        packages.setdefault(_top(module), set()).update(
+            _top(t) for t in targets if _top(t) != _top(module))
     assert _strongly_connected(packages) == []
 
 
@@ -134,9 +123,18 @@ def test_every_import_points_down_the_layers():
     unknown = sorted({_top(m) for m in graph} - set(LAYERS))
     assert not unknown, f"packages without a layer in tests/test_layout.py: {unknown}"
     upward = sorted(
-        f"{m} -> {t}" for m, targets in graph.items() for t in targets if LAYERS[_package(t)] > LAYERS[_package(m)]
+        f"{m} -> {t}" for m, targets in graph.items() for t in targets if LAYERS[_top(t)] > LAYERS[_top(m)]
     )
     assert upward == []
+
+
+def test_the_trainer_never_imports_the_cpu_server():
+    """The trainer talks to rollout servers over HTTP only, SGLang's or the CPU one, which it starts
+    as a subprocess by module name (trainer/servers.py): it must not import it."""
+    graph = import_graph()
+    assert any(m.startswith("sorl_megatron.sglang_cpu.") for m in graph)  # the checker sees the package
+    trainer = {m: targets for m, targets in graph.items() if _top(m) == "trainer"}
+    assert sorted(f"{m} -> {t}" for m, targets in trainer.items() for t in targets if _top(t) == "sglang_cpu") == []
 
 
 def test_the_largest_package_holds_at_most_a_quarter_of_the_lines():

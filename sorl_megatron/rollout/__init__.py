@@ -1,1 +1,2 @@
-"""Rollouts: SGLang-protocol client, embedded CPU server and the search agent loop."""
+"""Rollouts: SGLang-protocol client, router, the search agent loop and trajectories (the CPU
+server is ``sorl_megatron.sglang_cpu``)."""

@@ -1,6 +1,6 @@
 """Embedded rollout and retrieval servers for a training run.
 
-With no ``rollout.urls`` the trainer starts ``python -m sorl_megatron.rollout.server`` on a
+With no ``rollout.urls`` the trainer starts ``python -m sorl_megatron.sglang_cpu.server`` on a
 free 127.0.0.1 port; with no ``retrieval.url`` it starts the BM25 retrieval server over
 ``retrieval.corpus``. Both are child processes stopped on exit: normal return, exceptions,
 Ctrl-C (``KeyboardInterrupt``) and SIGTERM all go through :meth:`EmbeddedServers.stop`, and an
@@ -180,7 +180,7 @@ def rollout_server_spec(model_path: str, precision: str, routed_experts: bool, s
         args.append("--enable-return-routed-experts")
     if max_running_requests:
         args += ["--max-running-requests", str(max_running_requests)]
-    return ServerSpec(name, "sorl_megatron.rollout.server", args, health_timeout_s=health_timeout_s,
+    return ServerSpec(name, "sorl_megatron.sglang_cpu.server", args, health_timeout_s=health_timeout_s,
                       api_key_env=ROLLOUT_API_KEY_ENV, key_group="rollout")
 
 

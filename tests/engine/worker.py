@@ -342,10 +342,11 @@ def op_rollout_r3(case: dict, models: str, work: str) -> dict:
     own live routing at the same weights; the log-probs agree."""
     from sorl_megatron.common.protocol import GenRequest, SamplingParams
     from sorl_megatron.engine.rl_batch import RLBatch, routed_experts_from_sglang
-    from sorl_megatron.rollout.engine import Engine, EngineConfig
+    from sorl_megatron.sglang_cpu.engine import RolloutEngine
+    from sorl_megatron.sglang_cpu.options import EngineConfig
 
     src = os.path.join(models, case["model"])
-    server = Engine(EngineConfig(model_path=src, enable_return_routed_experts=True)).start()
+    server = RolloutEngine(EngineConfig(model_path=src, enable_return_routed_experts=True)).start()
     prompts = [[5, 9, 17, 3], [40, 2, 77], [100, 101, 102, 103, 104]]
     try:
         futures = [
@@ -876,8 +877,8 @@ def op_wsync(case: dict, models: str, work: str) -> dict:
 
     from sorl_megatron.common.fp8 import dequantize_hf_state_dict, quantize_hf_tensor
     from sorl_megatron.rollout.client import RolloutClient
-    from sorl_megatron.rollout.engine import EngineConfig
-    from sorl_megatron.rollout.server import ServerOptions, start_rollout_server
+    from sorl_megatron.sglang_cpu.options import EngineConfig, ServerOptions
+    from sorl_megatron.sglang_cpu.server import start_rollout_server
     from sorl_megatron.trainer.config import RolloutConfig
     from sorl_megatron.weight_sync.base import SyncTargets
     from sorl_megatron.weight_sync.distributed import DistributedWeightSync
@@ -907,17 +908,17 @@ def op_wsync(case: dict, models: str, work: str) -> dict:
         batch = make_batch(rows=4, seq=12, seed=3)
         lp = actor.compute_logprobs(batch).logprobs
         if rank() == 0:
-            res["versions"] = [s.engine.weight_version for s in servers]
+            res["versions"] = [s.engine.served.weight_version for s in servers]
             if precision == "fp8":
                 expected = dequantize_hf_state_dict(dict(
                     pair for n, t in full.items() for pair in quantize_hf_tensor(n, t)))
                 res["max_weight_diff"] = max(
-                    (s.engine.state[k] - v).abs().max().item() for s in servers for k, v in expected.items())
+                    (s.engine.served.state[k] - v).abs().max().item() for s in servers for k, v in expected.items())
                 res["quantized"] = sum(t.dtype == torch.float8_e4m3fn for n, t in (
                     pair for n, t in full.items() for pair in quantize_hf_tensor(n, t)))
             else:
                 res["max_weight_diff"] = max(
-                    (s.engine.state[k] - v).abs().max().item() for s in servers for k, v in full.items())
+                    (s.engine.served.state[k] - v).abs().max().item() for s in servers for k, v in full.items())
 
                 async def server_lp(url):
                     out = []

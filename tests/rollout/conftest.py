@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 from sorl_megatron.common.hf_build import HF_BUILD_LOCK
 from sorl_megatron.data.tiny_model import TinyModelConfig, save_tiny_model
 from sorl_megatron.data.tokenizer import train_tokenizer
-from sorl_megatron.rollout.engine import EngineConfig
-from sorl_megatron.rollout.server import start_rollout_server
+from sorl_megatron.sglang_cpu.options import EngineConfig
+from sorl_megatron.sglang_cpu.server import start_rollout_server
 
 TEXTS = [
     "<think> I need the capital of France. </think> <search> capital of France </search>",

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from sorl_megatron.common.protocol import decode_routed_experts
-from sorl_megatron.rollout.engine import EngineConfig
-from sorl_megatron.rollout.server import start_rollout_server
+from sorl_megatron.sglang_cpu.options import EngineConfig
+from sorl_megatron.sglang_cpu.server import start_rollout_server
 from tests.hf_checkpoints import perturbed_checkpoint
 from tests.http_calls import call
 
@@ -249,7 +249,7 @@ def test_control_calls_are_bounded_and_say_why_when_the_scheduler_is_busy_or_dea
     """/flush_cache, /pause_generation, /continue_generation wait for the scheduler at most
     --control-timeout-s (504 naming it; the call is then not run late), and answer 503 at once
     when the scheduler thread is dead (it used to hang them until the client's timeout)."""
-    from sorl_megatron.rollout.server import ServerOptions
+    from sorl_megatron.sglang_cpu.options import ServerOptions
 
     srv = start_rollout_server(EngineConfig(model_path=str(moe_dir)), options=ServerOptions(control_timeout_s=1.0))
     url, eng = srv.url, srv.engine

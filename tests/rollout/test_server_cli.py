@@ -1,4 +1,4 @@
-"""The server as users start it: ``python -m sorl_megatron.rollout.server``."""
+"""The server as users start it: ``python -m sorl_megatron.sglang_cpu.server``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from sorl_megatron.common.background import free_port, wait_healthy
 from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient
-from sorl_megatron.rollout.server import parse_args
+from sorl_megatron.sglang_cpu.server import parse_args
 
 FLAGS = [
     "--model-path",
@@ -44,7 +44,7 @@ FLAGS = [
 
 def test_help_documents_every_flag():
     out = subprocess.run(
-        [sys.executable, "-m", "sorl_megatron.rollout.server", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--help"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0
     for flag in FLAGS:
@@ -52,6 +52,20 @@ def test_help_documents_every_flag():
     # every defined option is in the list above (a new flag must be documented and tested)
     defined = set(re.findall(r"--[a-z0-9-]+", out.stdout))
     assert defined - {"--help"} == set(FLAGS)
+
+
+def test_the_old_module_name_still_runs_the_server_and_says_where_it_moved(tmp_path):
+    """``python -m sorl_megatron.rollout.server`` (the name before sglang_cpu/) forwards its arguments
+    to ``sorl_megatron.sglang_cpu.server`` for one release, saying so on stderr."""
+    moved = "it runs python -m sorl_megatron.sglang_cpu.server now"
+    out = subprocess.run([sys.executable, "-m", "sorl_megatron.rollout.server", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "deprecated" in out.stderr and moved in out.stderr
+    assert out.stdout.startswith("usage: python -m sorl_megatron.sglang_cpu.server") and "--model-path" in out.stdout
+    missing = tmp_path / "nowhere"
+    out = subprocess.run([sys.executable, "-m", "sorl_megatron.rollout.server", "--model-path", str(missing)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"error: --model-path '{missing}' does not exist" in out.stderr
 
 
 def test_sglang_style_aliases():
@@ -66,7 +80,7 @@ def test_subprocess_server_skip_tokenizer_init(moe_dir):
     port = free_port()
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "sorl_megatron.rollout.server",
+            sys.executable, "-m", "sorl_megatron.sglang_cpu.server",
             "--model-path", str(moe_dir), "--port", str(port),
             "--enable-return-routed-experts", "--skip-tokenizer-init", "--num-threads", "1",
             "--weight-version", "w0",
@@ -99,7 +113,7 @@ def test_a_mistyped_model_path_is_named_not_taken_for_a_hub_repo(tmp_path):
     """The path as the user typed it, what is wrong with it, exit code 2, no traceback and no
     Hugging Face Hub message."""
     missing = tmp_path / "data" / "synt" / "model"
-    out = subprocess.run([sys.executable, "-m", "sorl_megatron.rollout.server", "--model-path", str(missing)],
+    out = subprocess.run([sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--model-path", str(missing)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip() == (f"error: --model-path '{missing}' does not exist (a local directory is needed; "
@@ -110,8 +124,9 @@ def test_model_and_tokenizer_paths_that_are_not_checkpoints(tmp_path, capsys, mo
     import pytest
 
     from sorl_megatron.bridge.hf_config import CheckpointFileError
-    from sorl_megatron.rollout.engine import Engine, EngineConfig
-    from sorl_megatron.rollout.server import main
+    from sorl_megatron.sglang_cpu.engine import RolloutEngine
+    from sorl_megatron.sglang_cpu.options import EngineConfig
+    from sorl_megatron.sglang_cpu.server import main
 
     a_file, empty = tmp_path / "weights.safetensors", tmp_path / "empty"
     a_file.write_bytes(b"")
@@ -130,4 +145,4 @@ def test_model_and_tokenizer_paths_that_are_not_checkpoints(tmp_path, capsys, mo
         assert capsys.readouterr().err.startswith(message)
     # the engine checks the same in-process (the trainer's tests and embedders build it directly)
     with pytest.raises(CheckpointFileError, match=rf"rollout model path '{empty}' is not an HF model checkpoint"):
-        Engine(EngineConfig(model_path=str(empty)))
+        RolloutEngine(EngineConfig(model_path=str(empty)))

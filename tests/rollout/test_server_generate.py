@@ -14,8 +14,8 @@ from sorl_megatron.common.hf_build import HF_BUILD_LOCK
 from sorl_megatron.common.http import RequestRejectedError
 from sorl_megatron.common.protocol import SamplingParams, decode_routed_experts
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
-from sorl_megatron.rollout.engine import EngineConfig
-from sorl_megatron.rollout.server import start_rollout_server
+from sorl_megatron.sglang_cpu.options import EngineConfig
+from sorl_megatron.sglang_cpu.server import start_rollout_server
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [3]]
 

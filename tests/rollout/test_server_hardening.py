@@ -27,8 +27,8 @@ from sorl_megatron.common.background import free_port, wait_healthy
 from sorl_megatron.common.http import RequestRejectedError
 from sorl_megatron.common.protocol import GenRequest, SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
-from sorl_megatron.rollout.engine import EngineConfig
-from sorl_megatron.rollout.server import ServerOptions, start_rollout_server
+from sorl_megatron.sglang_cpu.options import EngineConfig, ServerOptions
+from sorl_megatron.sglang_cpu.server import start_rollout_server
 from tests.http_calls import call
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -81,7 +81,7 @@ def test_invalid_request_in_a_concurrent_burst_fails_alone(server):
         t.start()
     for t in threads:
         t.join(120)
-    vocab = server.engine.vocab_size
+    vocab = server.engine.served.vocab_size
     assert [s for s, _ in results] == [200, 200, 400, 200]
     assert f"stop_token_ids[0] = 99999 is not a token id in [0, {vocab})" in err(results[2][1])
     assert all(len(r[1]["output_ids"]) == 6 for i, r in enumerate(results) if i != 2)
@@ -112,7 +112,7 @@ def test_a_failing_step_is_retried_row_by_row(server):
         else:
             assert len(f.result(60)[0]["output_ids"]) == 4
     assert eng.num_waves == waves + 1  # one shared prefill: nobody was restarted
-    assert eng._live == {} and eng.num_tracked_aborts == 0
+    assert len(eng.requests) == 0 and eng.num_tracked_aborts == 0
 
 
 @pytest.mark.parametrize(
@@ -182,11 +182,11 @@ def test_pickle_named_safetensors_is_refused_with_the_file_named(server, tmp_pat
     (d / "config.json").write_text("{}")
     marker = tmp_path / "pwned"
     (d / "model.safetensors").write_bytes(pickle.dumps(Exploit(marker)))
-    version = server.engine.weight_version
+    version = server.engine.served.weight_version
     status, obj = call(server.url, "POST", "/update_weights_from_disk", {"model_path": str(d)})
     assert status == 400 and obj["success"] is False
     assert f"{d / 'model.safetensors'} is not a readable safetensors file" in obj["message"]
-    assert not marker.exists() and server.engine.weight_version == version
+    assert not marker.exists() and server.engine.served.weight_version == version
     status, obj = call(server.url, "POST", "/update_weights_from_disk", {"model_path": "/tmp/\ud800"})
     assert status == 400 and "model_path is not valid Unicode text" in obj["message"]
 
@@ -238,7 +238,7 @@ def test_weight_version_between_begin_and_end_is_the_old_one(server, tmp_path):
     call(server.url, "POST", "/update_weight_version", {"new_version": "old"})
     _, before = call(server.url, "POST", "/generate", gen)
     name = "lm_head.weight"
-    new = server.engine.state[name] + 0.5 * torch.randn(server.engine.state[name].shape)
+    new = server.engine.served.state[name] + 0.5 * torch.randn(server.engine.served.state[name].shape)
     from sorl_megatron.weight_sync.wire import serialize_named_tensors
 
     payload = serialize_named_tensors([(name, new)])
@@ -284,14 +284,14 @@ def test_abort_bookkeeping_is_bounded_and_rids_can_be_reused(server):
     t = threading.Thread(target=lambda: box.update(r=call(server.url, "POST", "/generate", long)))
     t.start()
     deadline = time.monotonic() + 60
-    while "long" not in server.engine._live and time.monotonic() < deadline:
+    while "long" not in server.engine.requests and time.monotonic() < deadline:
         time.sleep(0.01)
     assert call(server.url, "POST", "/abort_request", {"rid": "long"})[0] == 200
     t.join(120)
     status, obj = box["r"]
     assert status == 200 and obj["meta_info"]["finish_reason"]["type"] == "abort"
     assert obj["meta_info"]["completion_tokens"] < 3000
-    assert server.engine.num_tracked_aborts == 0 and "long" not in server.engine._live
+    assert server.engine.num_tracked_aborts == 0 and "long" not in server.engine.requests
 
 
 def disconnect_mid_generation(url: str, headers: dict | None = None) -> None:
@@ -337,7 +337,7 @@ def proc_server(moe_dir, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("srv") / "server.log", "wb")
     env = {**os.environ, "SORL_ROLLOUT_API_KEY": KEY}  # the key travels in the environment, not argv
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sorl_megatron.rollout.server", "--model-path", str(moe_dir), "--port", str(port),
+        [sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--model-path", str(moe_dir), "--port", str(port),
          "--num-threads", "1", "--log-level", "warning"],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -470,6 +470,6 @@ def test_pickled_tensor_payload_is_refused_and_never_run(proc_server, tmp_path):
 
 
 def test_a_client_that_disconnects_stops_its_sequences_in_the_cli_server(proc_server):
-    """The same through ``python -m sorl_megatron.rollout.server`` (``web.run_app``)."""
+    """The same through ``python -m sorl_megatron.sglang_cpu.server`` (``web.run_app``)."""
     url, _ = proc_server
     disconnect_mid_generation(url, AUTH)

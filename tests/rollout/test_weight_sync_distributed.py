@@ -21,8 +21,8 @@ from sorl_megatron.common.hf_build import HF_BUILD_LOCK
 from sorl_megatron.common.http import RequestRejectedError
 from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
-from sorl_megatron.rollout.engine import EngineConfig
-from sorl_megatron.rollout.server import ServerOptions, start_rollout_server
+from sorl_megatron.sglang_cpu.options import EngineConfig, ServerOptions
+from sorl_megatron.sglang_cpu.server import start_rollout_server
 from sorl_megatron.weight_sync.distributed import DistributedSender, begin_update, end_update
 from sorl_megatron.weight_sync.group import WeightGroupError
 
@@ -77,16 +77,16 @@ def test_distributed_sync_both_servers_follow(servers, moe_dir, teacher_forced):
     state = perturbed(moe_dir, 0.05, seed=11)
     sent = run(sync(servers, list(state.items()), "step-7", bucket_bytes=64 * 1024))
     assert sent == sum(t.numel() * 4 for t in state.values())
-    base = servers[0].engine.model  # the served class, rebuilt from the sent state (as the tests of tensors do)
+    base = servers[0].engine.served.model  # the served class, rebuilt from the sent state (as the tests of tensors do)
     with HF_BUILD_LOCK:
         model = type(base).from_pretrained(None, config=base.config, state_dict=state, dtype=torch.float32).eval()
     for s in servers:
-        assert all(torch.equal(s.engine.state[k], v) for k, v in state.items())
+        assert all(torch.equal(s.engine.served.state[k], v) for k, v in state.items())
         out = run(logprobs(s.url))
         assert out.weight_version == "step-7"
         ref, _ = teacher_forced(model, PROMPT + out.output_ids)
         assert (ref[len(PROMPT) - 1:] - torch.tensor(out.output_logprobs)).abs().max().item() <= 1e-5
-        assert s.engine._groups == {}  # destroyed at the end
+        assert len(s.engine.groups) == 0  # destroyed at the end
 
 
 def settings(**kw) -> SimpleNamespace:
@@ -111,13 +111,13 @@ def test_each_sync_goes_to_the_servers_it_is_given(servers, moe_dir, monkeypatch
         first = perturbed(moe_dir, 0.05, seed=21)
         stats = wsync.sync(first, SyncTargets((servers[0].url,)), "one-server")
         assert stats.bytes_sent == sum(t.numel() * 4 for t in first.values())
-        assert servers[0].engine.weight_version == "one-server" != servers[1].engine.weight_version
+        assert servers[0].engine.served.weight_version == "one-server" != servers[1].engine.served.weight_version
         assert list(servers[0].engine._groups) == ["sorl_wsync_r0"] and servers[1].engine._groups == {}
         second = perturbed(moe_dir, 0.05, seed=22)
         wsync.sync(second, SyncTargets(tuple(s.url for s in servers)), "two-servers")
         for s in servers:
-            assert s.engine.weight_version == "two-servers"
-            assert all(torch.equal(s.engine.state[k], v) for k, v in second.items())
+            assert s.engine.served.weight_version == "two-servers"
+            assert all(torch.equal(s.engine.served.state[k], v) for k, v in second.items())
             assert list(s.engine._groups) == ["sorl_wsync_r0"]
     finally:
         wsync.close()
@@ -132,9 +132,9 @@ def test_fp8_buckets_are_the_quantizers_output(servers, moe_dir):
     name = "model.layers.0.mlp.experts.1.up_proj.weight"
     expected = dequantize_block_fp8(*quantize_block_fp8(state[name]))
     for s in servers:
-        assert torch.equal(s.engine.state[name], expected)
-        assert torch.equal(s.engine.state["model.norm.weight"], state["model.norm.weight"])
-        assert s.engine.weight_version == "fp8-1"
+        assert torch.equal(s.engine.served.state[name], expected)
+        assert torch.equal(s.engine.served.state["model.norm.weight"], state["model.norm.weight"])
+        assert s.engine.served.weight_version == "fp8-1"
 
 
 async def post(url, path, body):
@@ -145,8 +145,8 @@ async def post(url, path, body):
 
 def test_bad_requests_are_4xx_and_leave_weights(servers, moe_dir):
     url = servers[0].url
-    before = {k: v.clone() for k, v in servers[0].engine.state.items()}
-    version = servers[0].engine.weight_version
+    before = {k: v.clone() for k, v in servers[0].engine.served.state.items()}
+    version = servers[0].engine.served.weight_version
     bucket = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "nope"}
     status, res = run(post(url, "/update_weights_from_distributed", bucket))
     assert status == 400 and "'nope' is not initialized" in res["message"]
@@ -193,8 +193,8 @@ def test_bad_requests_are_4xx_and_leave_weights(servers, moe_dir):
         assert st == 400 and body["success"] is False and needle in body["message"], body
     assert status == 400 and "already initialized" in res["message"]  # the server still holds it until destroy
     run(post(url, "/destroy_weights_update_group", {"group_name": "g_bad"}))
-    assert all(torch.equal(servers[0].engine.state[k], v) for k, v in before.items())
-    assert servers[0].engine.weight_version == version
+    assert all(torch.equal(servers[0].engine.served.state[k], v) for k, v in before.items())
+    assert servers[0].engine.served.weight_version == version
     assert run(logprobs(url)).weight_version == version
 
 
@@ -207,7 +207,7 @@ def test_group_init_is_bounded_by_its_timeout(moe_dir):
                 "group_name": "g_gone", "backend": "gloo"}
         status, res = run(asyncio.wait_for(post(srv.url, "/init_weights_update_group", body), 30))
         assert status == 400 and "could not be formed within 1.5 s" in res["message"]
-        assert srv.engine._groups == {}
+        assert len(srv.engine.groups) == 0
         assert run(logprobs(srv.url)).weight_version == "default"
     finally:
         srv.stop()
@@ -223,7 +223,7 @@ def test_a_bucket_whose_client_left_mid_broadcast_is_still_applied(moe_dir):
 
     srv = start_rollout_server(EngineConfig(model_path=str(moe_dir)), options=ServerOptions(weight_group_timeout_s=60))
     name = "model.norm.weight"
-    new = srv.engine.state[name] + 1.0
+    new = srv.engine.served.state[name] + 1.0
 
     async def go():
         async with client_of([srv]) as c:
@@ -237,14 +237,14 @@ def test_a_bucket_whose_client_left_mid_broadcast_is_still_applied(moe_dir):
             await asyncio.sleep(1.0)  # the server has seen the client go (its handler is cancelled)
             await asyncio.to_thread(sender.group.broadcast, [new])
             deadline = time.monotonic() + 60
-            while not torch.equal(srv.engine.state[name], new) and time.monotonic() < deadline:
+            while not torch.equal(srv.engine.served.state[name], new) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await end_update(c, "after-left", True)
             await sender.close()
 
     try:
         run(go())
-        assert torch.equal(srv.engine.state[name], new), "the received bucket was dropped"
-        assert srv.engine.weight_version == "after-left"
+        assert torch.equal(srv.engine.served.state[name], new), "the received bucket was dropped"
+        assert srv.engine.served.weight_version == "after-left"
     finally:
         srv.stop()

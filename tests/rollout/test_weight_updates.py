@@ -15,8 +15,8 @@ from sorl_megatron.common.hf_build import HF_BUILD_LOCK
 from sorl_megatron.common.http import RequestRejectedError
 from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
-from sorl_megatron.rollout.engine import EngineConfig
-from sorl_megatron.rollout.server import start_rollout_server
+from sorl_megatron.sglang_cpu.options import EngineConfig
+from sorl_megatron.sglang_cpu.server import start_rollout_server
 from sorl_megatron.weight_sync.tensor import send_tensors
 from tests.hf_checkpoints import perturbed_checkpoint
 
@@ -70,7 +70,7 @@ def test_update_from_disk(server, moe_dir, moe_model, tmp_path, teacher_forced):
 
 def test_update_from_tensor_partial_in_buckets(server, tmp_path, teacher_forced):
     # Start from a known checkpoint, then send some tensors (incl. per-expert HF names).
-    base = perturbed_checkpoint(server.engine.model_path, tmp_path / "base", 0.0, seed=0)
+    base = perturbed_checkpoint(server.engine.served.model_path, tmp_path / "base", 0.0, seed=0)
     state = load_file(str(tmp_path / "base" / "model.safetensors"))
     g = torch.Generator().manual_seed(3)
     names = [
@@ -99,7 +99,7 @@ def test_update_from_tensor_partial_in_buckets(server, tmp_path, teacher_forced)
 
 
 def test_torch_weights_only_format(server):
-    state = server.engine.state
+    state = server.engine.served.state
     name = "model.norm.weight"
 
     async def go():
@@ -108,9 +108,9 @@ def test_torch_weights_only_format(server):
 
     old = state[name].clone()
     run(go())
-    assert server.engine.weight_version == "step-3"
-    assert torch.allclose(server.engine.state[name], old * 1.5)
-    assert torch.allclose(server.engine.model.model.norm.weight, old * 1.5)
+    assert server.engine.served.weight_version == "step-3"
+    assert torch.allclose(server.engine.served.state[name], old * 1.5)
+    assert torch.allclose(server.engine.served.model.model.norm.weight, old * 1.5)
 
 
 async def post(url, path, body):
@@ -120,7 +120,7 @@ async def post(url, path, body):
 
 
 def test_bad_updates_rejected_and_server_keeps_serving(server, tmp_path):
-    version = server.engine.weight_version
+    version = server.engine.served.weight_version
     evil = base64.b64encode(pickle.dumps([("model.norm.weight", torch.ones(64))])).decode()
     status, res = run(
         post(server.url, "/update_weights_from_tensor", {"serialized_named_tensors": [evil], "load_format": "pickle"})
@@ -146,7 +146,7 @@ def test_bad_updates_rejected_and_server_keeps_serving(server, tmp_path):
     assert status == 400 and "not a directory" in res["message"]
     status, res = run(post(server.url, "/update_weights_from_disk", {}))
     assert status == 400 and "model_path" in res["message"]
-    assert server.engine.weight_version == version
+    assert server.engine.served.weight_version == version
     assert run(sample(server.url, routed=False)).weight_version == version
 
 
@@ -171,20 +171,20 @@ def test_rebuilds_beside_a_callers_load_keep_lm_heads_tied(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
     from sorl_megatron.data.tiny_model import TinyModelConfig, save_tiny_model
-    from sorl_megatron.rollout.engine import Engine
+    from sorl_megatron.sglang_cpu.engine import RolloutEngine
 
     tie_weights = PreTrainedModel.tie_weights
     tied = save_tiny_model(TinyModelConfig(arch="qwen3_moe", seed=3, tie_embeddings=True), tmp_path / "tied", tokenizer)
-    engine = Engine(EngineConfig(model_path=str(tied))).start()
+    engine = RolloutEngine(EngineConfig(model_path=str(tied))).start()
     try:
-        rebuilds = [engine.call(lambda: engine.update_from_disk(str(tied), None)) for _ in range(16)]
+        rebuilds = [engine.call(lambda: engine.served.update_from_disk(str(tied), None)) for _ in range(16)]
         for _ in range(16):
             with HF_BUILD_LOCK:
                 model = AutoModelForCausalLM.from_pretrained(tied, dtype=torch.float32)
             assert model.lm_head.weight is model.model.embed_tokens.weight
         for done in rebuilds:
             done.result(timeout=120)
-        assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+        assert engine.served.model.lm_head.weight is engine.served.model.model.embed_tokens.weight
     finally:
         engine.stop()
     assert PreTrainedModel.tie_weights is tie_weights

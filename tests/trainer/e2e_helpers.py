@@ -144,7 +144,7 @@ def server_children(pid: int) -> list[int]:
             cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         except FileNotFoundError:
             continue
-        if b"sorl_megatron.rollout.server" in cmd or b"sorl_megatron.retrieval.server" in cmd:
+        if b"sorl_megatron.sglang_cpu.server" in cmd or b"sorl_megatron.retrieval.server" in cmd:
             out.append(child)
     return out
 

@@ -477,7 +477,8 @@ def test_servers_stopped_after_failures(tiny_data, server_spy, monkeypatch, tmp_
     monkeypatch.setattr(RLTrainer, "step", interrupted)
     with pytest.raises(KeyboardInterrupt, match="crafted"):
         _trainer(run_overrides(tiny_data, tmp_path, "interrupted")).run()
-    assert sorted(p.args[2] for p in server_spy) == ["sorl_megatron.retrieval.server", "sorl_megatron.rollout.server"]
+    started = sorted(p.args[2] for p in server_spy)
+    assert started == ["sorl_megatron.retrieval.server", "sorl_megatron.sglang_cpu.server"]
     _assert_reaped(server_spy)
 
 

@@ -1,0 +1,391 @@
+"""The HTTP app of the CPU server: the subset of SGLang's native API that RL rollouts use.
+
+Endpoints (docs/rollout.md): ``/generate`` (single and batch, ``n``, log-probs, routed
+experts), weight updates from disk, from tensors and through a torch.distributed group
+(``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``; gloo on CPU) between ``/begin_weight_update`` and
+``/end_weight_update``, ``/update_weight_version``, ``/flush_cache``, ``/pause_generation``,
+``/continue_generation``, ``/abort_request``, ``/health``, ``/health_generate``,
+``/model_info``, ``/server_info``.
+
+Errors: handlers raise, and ``error_response`` alone turns an exception into the answer:
+the request's fault (``ProtocolError``, ``WeightError``, ``WeightGroupError``) is 400, a
+refused body (``BodyError``) and a ``ServiceError`` carry their status (413; 503 with the
+scheduler thread dead, 504 past ``--control-timeout-s``, 500 when generation failed), and
+anything else is 500 naming the exception, logged with its traceback. No error stops the
+server. The answer has the endpoint's shape, as SGLang's: ``{"error": {"message": ...}}`` from
+``/generate`` and ``/abort_request``, ``{"success": false, "message": ...}`` from the weight and
+control endpoints, plain text from ``/flush_cache`` and ``/health*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from ..common.protocol import GenRequest, ProtocolError, SamplingParams, check_text, short
+from ..common.serving import BodyError, MiB, OffLoop, api_key_middleware, parse_json, read_body
+from ..weight_sync.group import BucketSpec, GroupSpec, WeightGroupError, parse_group_name
+from .engine import PAUSE_MODES, RolloutEngine
+from .options import ServerOptions
+from .parse import parse_generate
+from .weights import WeightError, deserialize_named_tensors
+
+log = logging.getLogger(__name__)
+
+# The shapes of an answer (see the module doc).
+ERROR, RESULT, TEXT = "error", "result", "text"
+CLIENT_FAULTS = (ProtocolError, WeightError, WeightGroupError)  # 400
+
+
+class ServiceError(RuntimeError):
+    """What the server could not do, with the HTTP status that says why (see the module doc)."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+
+def respond(shape: str, message: str, status: int = 200) -> web.Response:
+    if shape == ERROR:
+        return web.json_response({"error": {"message": message}}, status=status)
+    if shape == RESULT:
+        return web.json_response({"success": status == 200, "message": message}, status=status)
+    return web.Response(status=status, text=message)
+
+
+def error_response(exc: Exception, shape: str, what: str) -> web.Response:
+    """The one mapping from an exception to an HTTP answer; ``what`` names the work in the log."""
+    if isinstance(exc, (BodyError, ServiceError)):
+        return respond(shape, str(exc), exc.status)
+    if isinstance(exc, CLIENT_FAULTS):
+        return respond(shape, str(exc), 400)
+    log.error("%s failed", what, exc_info=exc)
+    return respond(shape, f"{type(exc).__name__}: {exc}", 500)
+
+
+def endpoint(shape: str, what: str):
+    """A handler whose exceptions are answered by ``error_response`` in ``shape``. A cancelled
+    handler (the client left) is not an error: ``CancelledError`` passes through."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        async def handler(self: Handlers, request: web.Request) -> web.StreamResponse:
+            try:
+                return await method(self, request)
+            except web.HTTPException:
+                raise
+            except Exception as exc:
+                return error_response(exc, shape, what)
+
+        return handler
+
+    return wrap
+
+
+def _version(body: dict, key: str = "weight_version") -> str | None:
+    v = body.get(key)
+    if v is not None:
+        if not isinstance(v, str):
+            raise ProtocolError(f"{key} must be a string")
+        check_text(v, key)
+    return v
+
+
+def _log_if_abandoned(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a distributed weight-update call whose client left failed: %s", task.exception())
+
+
+class Handlers:
+    """The endpoints over one engine; bodies are parsed and checked off the event loop."""
+
+    def __init__(self, engine: RolloutEngine, opts: ServerOptions):
+        self.engine = engine
+        self.opts = opts
+        self.body_limit = opts.max_body_mb * MiB
+        self.weight_limit = opts.max_weight_body_mb * MiB
+        self.off_loop = OffLoop("rollout-validate")
+
+    # ----- the scheduler thread -----
+
+    async def _on_scheduler(self, fut, what: str, bound_s: float | None = None) -> Any:
+        """The result of a call queued on the scheduler thread; ``ServiceError`` when that
+        thread is dead (now or while waiting) or ``bound_s`` passes (None: the caller's own
+        timeout bounds it, as for weight updates that wait for running requests)."""
+        engine = self.engine
+        wrapped = asyncio.wrap_future(fut)
+        deadline = None if bound_s is None else asyncio.get_running_loop().time() + bound_s
+        while True:
+            if not engine.alive and not fut.done():
+                wrapped.cancel()
+                raise ServiceError(f"{what}: the scheduler thread is not running (see the server log)")
+            left = 0.5 if deadline is None else min(0.5, deadline - asyncio.get_running_loop().time())
+            if left <= 0:
+                if fut.cancel():  # not started: it never runs, the 504 is the whole truth
+                    raise ServiceError(f"{what}: the scheduler did not run it within {bound_s:g} s "
+                                       "(--control-timeout-s)", 504)
+                deadline = None  # already running (a quick control call): answer what it did
+                continue
+            done, _ = await asyncio.wait({wrapped}, timeout=left)
+            if done:
+                return wrapped.result()
+
+    async def _control(self, fn: Callable[[], Any]) -> Any:
+        return await self._on_scheduler(self.engine.call(fn), "weight update")
+
+    async def _urgent(self, fn: Callable[[], Any], what: str) -> Any:
+        return await self._on_scheduler(self.engine.call(fn, urgent=True), what, self.opts.control_timeout_s)
+
+    async def _read_json(self, request: web.Request, limit: int, flag: str) -> Any:
+        raw = await read_body(request, limit, flag)
+        return await self.off_loop.run(lambda: parse_json(raw))
+
+    # ----- generation -----
+
+    @endpoint(ERROR, "/generate")
+    async def generate(self, request: web.Request) -> web.Response:
+        raw = bytearray()
+        try:
+            raw = await read_body(request, self.body_limit, "--max-body-mb")
+            reqs, is_batch = await self.off_loop.run(lambda: parse_generate(parse_json(raw), self.engine, self.opts))
+        except (BodyError, ProtocolError):
+            raise
+        except Exception as exc:  # a bug, or a tokenizer refusing the text: this request only
+            log.exception("validating a /generate request failed")
+            raise ServiceError(f"could not validate the request: {type(exc).__name__}: {exc}", 500) from None
+        finally:
+            raw = bytearray()  # drop the body now, not when the (long) generation ends
+        futures = [asyncio.wrap_future(self.engine.submit(r)) for r in reqs]
+        try:
+            results = await asyncio.gather(*futures)
+        except BaseException as exc:  # the client went away (cancelled) or a request failed: stop the others
+            for f in futures:
+                f.cancel()
+            if isinstance(exc, Exception):
+                raise ServiceError(f"generation failed: {type(exc).__name__}: {exc}", 500) from None
+            raise
+        flat = [obj for per_prompt in results for obj in per_prompt]
+        if not is_batch and len(flat) == 1:
+            return web.json_response(flat[0])
+        return web.json_response(flat)
+
+    @endpoint(TEXT, "/health_generate")
+    async def health_generate(self, _: web.Request) -> web.Response:
+        req = GenRequest(input_ids=[self.engine.served.pad_id], params=SamplingParams(max_new_tokens=1))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.engine.submit(req)), timeout=60)
+        except Exception as exc:
+            raise ServiceError(f"generation failed: {exc}", 503) from None
+        return web.Response(text="")
+
+    @endpoint(ERROR, "/abort_request")
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self._read_json(request, MiB, "(fixed 1 MiB for /abort_request)")
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not isinstance(rid, str):
+            raise ProtocolError("rid (string) is required")
+        self.engine.abort(rid)  # unknown ids are ignored, as in SGLang: nothing accumulates
+        return web.Response(text="")
+
+    # ----- weight updates through the scheduler thread -----
+
+    async def _weight_update(self, request: web.Request, prepare: Callable[[dict], Callable[[], str]],
+                             limit: int | None = None, flag: str = "--max-body-mb") -> web.Response:
+        """``prepare(body)`` checks the body and returns the update, run on the scheduler thread
+        between waves."""
+        raw = await read_body(request, limit or self.body_limit, flag)
+
+        def checked():  # off the event loop: JSON and tensor payloads can be large
+            body = parse_json(raw) if raw.strip() else {}
+            if not isinstance(body, dict):
+                raise ProtocolError("body must be a JSON object")
+            return prepare(body)
+
+        fn = await self.off_loop.run(checked)
+        raw = bytearray()  # drop the body before the (slow) update runs
+        return respond(RESULT, await self._control(fn))
+
+    def _from_disk(self, body: dict) -> Callable[[], str]:
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise ProtocolError("model_path (string) is required")
+        check_text(path, "model_path")
+        if "\x00" in path:
+            raise ProtocolError("model_path contains a NUL character")
+        version = _version(body)
+        return lambda: self.engine.served.update_from_disk(path, version)
+
+    def _from_tensor(self, body: dict) -> Callable[[], str]:
+        payloads = body.get("serialized_named_tensors")
+        if isinstance(payloads, str):
+            payloads = [payloads]
+        if not isinstance(payloads, list) or not payloads or not all(isinstance(x, str) for x in payloads):
+            raise ProtocolError("serialized_named_tensors must be a list of base64 strings (one per TP rank)")
+        fmt = body.get("load_format")
+        if fmt is not None and not isinstance(fmt, str):
+            raise ProtocolError("load_format must be a string")
+        # The embedded server has one rank: every entry must carry the same tensors; use rank 0's.
+        named = deserialize_named_tensors(payloads[0], fmt)
+        version = _version(body)
+        return lambda: self.engine.served.update_from_tensors(named, version)
+
+    def _set_version(self, body: dict) -> Callable[[], str]:
+        v = _version(body, "new_version")
+        if v is None:
+            raise ProtocolError("new_version (string) is required")
+        return lambda: self.engine.served.set_weight_version(v)
+
+    @endpoint(RESULT, "weight update")
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        return await self._weight_update(request, self._from_disk)
+
+    @endpoint(RESULT, "weight update")
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        return await self._weight_update(request, self._from_tensor, self.weight_limit, "--max-weight-body-mb")
+
+    @endpoint(RESULT, "weight update")
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        return await self._weight_update(request, lambda body: self.engine.served.begin_update)
+
+    @endpoint(RESULT, "weight update")
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        return await self._weight_update(request, lambda body: self.engine.served.end_update)
+
+    @endpoint(RESULT, "weight update")
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        return await self._weight_update(request, self._set_version)
+
+    # ----- distributed weight updates -----
+
+    async def _group_call(self, request: web.Request, parse: Callable[[dict], Any], work: Callable[[Any], Any],
+                          apply: Callable[[Any, Any], str] | None = None) -> web.Response:
+        """``parse(body)`` checks the request (400 on a bad one), ``work(parsed)`` runs in a thread
+        of its own (it waits on the other group members), then ``apply(parsed, result)``, if
+        given, on the scheduler thread between waves. Once ``work`` has started, both run to the
+        end even if the client leaves: the collective finishes anyway, and a bucket received but
+        not applied would tear the weights."""
+        body = await self._read_json(request, self.body_limit, "--max-body-mb")
+        if not isinstance(body, dict):
+            raise ProtocolError("body must be a JSON object")
+        parsed = parse(body)
+
+        async def work_then_apply() -> Any:
+            result = await asyncio.to_thread(work, parsed)
+            return result if apply is None else await self._control(lambda: apply(parsed, result))
+
+        task = asyncio.ensure_future(work_then_apply())
+        try:
+            msg = await asyncio.shield(task)
+        except asyncio.CancelledError:  # the client left: the task goes on, unawaited
+            task.add_done_callback(_log_if_abandoned)
+            raise
+        return respond(RESULT, msg)
+
+    @endpoint(RESULT, "distributed weight update")
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        groups, timeout_s = self.engine.groups, self.opts.weight_group_timeout_s
+        return await self._group_call(request, GroupSpec.from_json, lambda spec: groups.join(spec, timeout_s))
+
+    @endpoint(RESULT, "distributed weight update")
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        served = self.engine.served  # the weights are untouched until the whole bucket is here
+        return await self._group_call(request, BucketSpec.from_json, self.engine.groups.receive_bucket,
+                                      lambda spec, named: served.update_from_tensors(named, spec.weight_version))
+
+    @endpoint(RESULT, "distributed weight update")
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        return await self._group_call(request, parse_group_name, self.engine.groups.destroy)
+
+    # ----- control -----
+
+    @endpoint(TEXT, "/flush_cache")
+    async def flush_cache(self, _: web.Request) -> web.Response:
+        # Drops the prefix cache at the next decode step; running requests keep their own KV.
+        msg = await self._urgent(self.engine.flush_cache, "/flush_cache")
+        return web.Response(text=f"Cache flushed.\n({msg})\n")
+
+    @endpoint(RESULT, "/pause_generation")
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        raw = await read_body(request, MiB, "(fixed 1 MiB for /pause_generation)")
+        body = parse_json(raw) if raw.strip() else {}  # SGLang's default body: {"mode": "abort"}
+        if not isinstance(body, dict):
+            raise ProtocolError("body must be a JSON object")
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise ProtocolError(f"mode must be one of {list(PAUSE_MODES)}, got {short(mode)}")
+        return respond(RESULT, await self._urgent(lambda: self.engine.pause(mode), "/pause_generation"))
+
+    @endpoint(RESULT, "/continue_generation")
+    async def continue_generation(self, _: web.Request) -> web.Response:
+        return respond(RESULT, await self._urgent(self.engine.resume, "/continue_generation"))
+
+    @endpoint(RESULT, "memory occupation")
+    async def memory_noop(self, _: web.Request) -> web.Response:
+        return respond(RESULT, "CPU server keeps weights and cache resident; nothing to release")
+
+    # ----- state -----
+
+    @endpoint(TEXT, "/health")
+    async def health(self, _: web.Request) -> web.Response:
+        if not self.engine.alive:
+            raise ServiceError("scheduler thread is not running", 503)
+        return web.Response(text="")
+
+    @endpoint(TEXT, "/model_info")
+    async def model_info(self, _: web.Request) -> web.Response:
+        return web.json_response(self.engine.info())
+
+    @endpoint(TEXT, "/server_info")
+    async def server_info(self, _: web.Request) -> web.Response:
+        engine = self.engine
+        return web.json_response(
+            {
+                **engine.cfg.__dict__,
+                **engine.info(),
+                **self.opts.public(),
+                "tp_size": 1,  # ranks this server holds in a weight-update group
+                "num_waves": engine.num_waves,  # prefill forwards (admissions into the running batch)
+                "num_decode_steps": engine.num_steps,
+                "max_running_batch": engine.max_batch,
+                "num_tracked_aborts": engine.num_tracked_aborts,
+                "num_live_requests": engine.num_live_requests,  # queued or running
+            }
+        )
+
+
+def build_app(engine: RolloutEngine, opts: ServerOptions | None = None) -> web.Application:
+    opts = opts or ServerOptions()
+    h = Handlers(engine, opts)
+    middlewares = [api_key_middleware(opts.api_key)] if opts.api_key else []
+    # Bodies are read by read_body with per-endpoint limits; aiohttp's own limit is a backstop.
+    app = web.Application(client_max_size=max(h.body_limit, h.weight_limit), middlewares=middlewares)
+    app.on_cleanup.append(h.off_loop.close)
+    r = app.router
+    r.add_post("/generate", h.generate)
+    r.add_post("/update_weights_from_disk", h.update_weights_from_disk)
+    r.add_post("/begin_weight_update", h.begin_weight_update)
+    r.add_post("/update_weights_from_tensor", h.update_weights_from_tensor)
+    r.add_post("/end_weight_update", h.end_weight_update)
+    r.add_post("/init_weights_update_group", h.init_weights_update_group)
+    r.add_post("/update_weights_from_distributed", h.update_weights_from_distributed)
+    r.add_post("/destroy_weights_update_group", h.destroy_weights_update_group)
+    r.add_post("/update_weight_version", h.update_weight_version)
+    r.add_route("*", "/flush_cache", h.flush_cache)
+    r.add_post("/pause_generation", h.pause_generation)
+    r.add_post("/continue_generation", h.continue_generation)
+    r.add_get("/health", h.health)
+    r.add_get("/health_generate", h.health_generate)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, h.model_info)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, h.server_info)
+    r.add_post("/abort_request", h.abort_request)
+    r.add_post("/release_memory_occupation", h.memory_noop)
+    r.add_post("/resume_memory_occupation", h.memory_noop)
+    return app

@@ -1,0 +1,222 @@
+"""The scheduler's forwards: prefilling admitted prompts into a batch, one decode step, and the
+prefix cache's lookups and stores.
+
+Prefix cache (SGLang's radix cache, flat): a finished sequence's KV (prompt + output but the
+last, unfed, token) is stored keyed by its token ids (``store``); a later request reuses the KV
+of its longest common prefix with any stored sequence (``lookup``; at least one prompt token is
+always prefilled) and reports the reused length in ``meta_info.cached_tokens``. A sequence
+whose KV spans a weight change is not stored. The cache itself is ``batch.PrefixCache``.
+
+Deterministic mode: every sequence is forwarded alone (batch of one, no padding) and prompts
+are prefilled in chunks aligned at multiples of ``DETERMINISTIC_CHUNK`` tokens; prefix-cache
+hits are rounded down to such a multiple and only the chunk-prefilled part of a sequence is
+stored. A request with ``sampling_seed`` then gets the same tokens and log-probs whatever else
+is in flight and whatever the cache holds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .batch import Batch, Seq, Unit
+from .model import ServedModel
+
+DETERMINISTIC_CHUNK = 32  # prefill chunk (and prefix-cache granularity) of the deterministic mode
+
+
+def lookup(served: ServedModel, u: Unit) -> None:
+    """Set ``u.hit`` / ``u.entry`` to the cached prefix its prefill may reuse (none: 0)."""
+    if not served.cfg.enable_prefix_cache or not len(served.prefix_cache):
+        return
+    entry, common = served.prefix_cache.match(np.asarray(u.tokens, dtype=np.int64))
+    if entry is None:
+        return
+    hit = min(common, len(u.tokens) - 1)  # at least one token is prefilled (its logits are sampled)
+    req = u.seqs[0].req
+    if u.input_lp:  # prompt log-probs need the logits from position logprob_start_len - 1 on
+        hit = min(hit, max(req.logprob_start_len, 1) - 1)
+    if req.return_routed_experts and entry.routing is None:  # routing of reused positions unknown
+        hit = min(hit, min(s.routing_end if s.routing else req.routed_experts_start_len for s in u.seqs))
+    if served.cfg.deterministic:
+        hit = hit // DETERMINISTIC_CHUNK * DETERMINISTIC_CHUNK
+    if hit > 0:
+        u.hit, u.entry = hit, entry
+        served.prefix_cache.note_hit(hit)
+
+
+def prefill(served: ServedModel, units: list[Unit]) -> Batch:
+    """Prefill ``units`` together: row ``i`` is [pad | cached prefix | pad | suffix]."""
+    hits = [u.hit for u in units]
+    lens = [len(u.tokens) for u in units]
+    sufs = [n - h for n, h in zip(lens, hits)]
+    P, S, U = max(hits), max(sufs), len(units)
+    ids = torch.full((U, S), served.pad_id, dtype=torch.long)
+    pos = torch.zeros((U, S), dtype=torch.long)
+    mask = torch.zeros((U, P + S), dtype=torch.long)
+    for i, u in enumerate(units):
+        ids[i, S - sufs[i] :] = torch.tensor(u.tokens[hits[i] :])
+        pos[i, S - sufs[i] :] = torch.arange(hits[i], lens[i])
+        mask[i, P - hits[i] : P] = 1
+        mask[i, P + S - sufs[i] :] = 1
+    kv = None
+    if P > 0:
+        ref = next(u.entry for u in units if u.entry is not None).kv
+        kv = []
+        for layer, (k0, v0) in enumerate(ref):
+            k = k0.new_zeros((U, k0.shape[0], P, k0.shape[2]))
+            v = v0.new_zeros((U, v0.shape[0], P, v0.shape[2]))
+            for i, u in enumerate(units):
+                if hits[i]:
+                    k[i, :, P - hits[i] :] = u.entry.kv[layer][0][:, : hits[i]]
+                    v[i, :, P - hits[i] :] = u.entry.kv[layer][1][:, : hits[i]]
+            kv.append((k, v))
+    keep = max((n - max(u.seqs[0].req.logprob_start_len, 1) + 1 for n, u in zip(lens, units) if u.input_lp),
+               default=1)
+    want_routing = served.wants_routing(s for u in units for s in u.seqs)
+    served.tap.active = want_routing
+    logits, kv = served.run(ids, mask, pos, kv, keep)
+    served.tap.active = False
+    routing = served.tap.take(U, S) if want_routing else None
+    for i, u in enumerate(units):
+        if u.input_lp:
+            _input_logprobs(u, logits[i], keep)
+        for s in u.seqs:
+            _prefilled(served, s, u, None if routing is None else routing[i, S - sufs[i] :])
+    idx = torch.tensor([i for i, u in enumerate(units) for _ in u.seqs], dtype=torch.long)
+    return Batch(
+        rows=[s for u in units for s in u.seqs],
+        kv=[(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv],
+        mask=mask[idx],
+        pos=torch.tensor(lens, dtype=torch.long)[idx],
+        last=logits[:, -1].index_select(0, idx),
+        versions=[served.weight_version] * len(idx),
+    )
+
+
+def prefill_chunked(served: ServedModel, u: Unit) -> Batch:
+    """Deterministic mode: one unit alone, in chunks ending at multiples of DETERMINISTIC_CHUNK."""
+    n, h, C = len(u.tokens), u.hit, DETERMINISTIC_CHUNK
+    kv = None if u.entry is None else [(k[None, :, :h], v[None, :, :h]) for k, v in u.entry.kv]
+    want_routing = served.wants_routing(u.seqs)
+    parts, routes, a = [], [], h
+    while a < n:
+        b = min((a // C + 1) * C, n)
+        served.tap.active = want_routing
+        logits, kv = served.run(
+            torch.tensor(u.tokens[a:b])[None], torch.ones((1, b), dtype=torch.long),
+            torch.arange(a, b)[None], kv, (b - a) if u.input_lp else 1,
+        )
+        served.tap.active = False
+        parts.append(logits[0])
+        if want_routing:
+            routes.append(served.tap.take(1, b - a)[0])
+        a = b
+    if u.input_lp:
+        _input_logprobs(u, torch.cat(parts), n - h)
+    routing = np.concatenate(routes) if routes else None
+    for s in u.seqs:
+        _prefilled(served, s, u, routing)
+        s.storable = n // C * C
+    m = len(u.seqs)
+    return Batch(
+        rows=list(u.seqs),
+        kv=[(k.expand(m, -1, -1, -1).contiguous(), v.expand(m, -1, -1, -1).contiguous()) for k, v in kv],
+        mask=torch.ones((m, n), dtype=torch.long),
+        pos=torch.full((m,), n, dtype=torch.long),
+        last=logits[:, -1].expand(m, -1).contiguous(),
+        versions=[served.weight_version] * m,
+    )
+
+
+def _prefilled(served: ServedModel, s: Seq, u: Unit, routing: np.ndarray | None) -> None:
+    """Bookkeeping of a sequence just prefilled; ``routing`` covers positions [hit, len)."""
+    if not s.out and not s.routing:
+        s.cached_tokens = u.hit
+    s.kv_gen = served.gen
+    s.storable = len(u.tokens)
+    if routing is None or not s.req.return_routed_experts:
+        return
+    if not s.routing:  # first prefill: routing of the reused prefix comes with the cache entry
+        if u.hit and u.entry is not None and u.entry.routing is not None:
+            s.routing, s.routing_from, s.routing_end = [u.entry.routing[: u.hit]], 0, u.hit
+        else:
+            s.routing_from = s.routing_end = u.hit
+    s.routing.append(routing[s.routing_end - u.hit :])
+    s.routing_end = len(u.tokens)
+
+
+def _input_logprobs(u: Unit, logits: torch.Tensor, keep: int) -> None:
+    """Prompt log-probs from ``logits`` [keep, vocab] of the unit's last ``keep`` positions."""
+    req = u.seqs[0].req
+    start, n = req.logprob_start_len, len(u.tokens)
+    t = req.params.temperature or 1.0
+    toks = torch.tensor(u.tokens)
+    first = max(start, 1)  # token j is scored by the logits at position j - 1
+    rows = logits[keep - (n - first + 1) : keep - 1]
+    lp = torch.log_softmax(rows / t, dim=-1).gather(-1, toks[first:, None])[:, 0].tolist()
+    values: list[float | None] = ([None] if start == 0 else []) + lp
+    res = [[v, tok, None] for v, tok in zip(values, toks[start:].tolist())]
+    for s in u.seqs:
+        s.input_logprobs = res
+
+
+def decode_forward(served: ServedModel, b: Batch, tokens: torch.Tensor, rows: list[int], want_routing: bool):
+    """Feed one token per row ``rows`` of ``b``; returns (kv, mask, last logits, routing [rows, layers, k])
+    (kv and mask are None when ``rows`` is not the whole batch in deterministic mode)."""
+    whole = len(rows) == len(b)
+    if not served.cfg.deterministic:
+        if whole:
+            kv, mask, pos = b.kv, b.mask, b.pos
+        else:
+            idx = torch.tensor(rows, dtype=torch.long)
+            kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in b.kv]
+            mask, pos = b.mask[idx], b.pos[idx]
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
+        served.tap.active = want_routing
+        logits, kv = served.run(tokens[:, None], mask, pos[:, None], kv, 1)
+        served.tap.active = False
+        routing = served.tap.take(len(rows), 1)[:, 0] if want_routing else None
+        return kv, mask, logits[:, -1], routing
+    # deterministic: every row alone on its own columns (the last pos[r] ones: no gaps there)
+    width = b.width
+    cols: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in b.kv]
+    lasts, routes = [], []
+    for r, tok in zip(rows, tokens):
+        n = int(b.pos[r])
+        own = [(k[r : r + 1, :, width - n :], v[r : r + 1, :, width - n :]) for k, v in b.kv]
+        served.tap.active = want_routing
+        logits, kv = served.run(tok.view(1, 1), torch.ones((1, n + 1), dtype=torch.long), b.pos[r].view(1, 1),
+                                own, 1)
+        served.tap.active = False
+        for (ks, vs), (k, v) in zip(cols, kv):
+            ks.append(k[:, :, -1:])
+            vs.append(v[:, :, -1:])
+        lasts.append(logits[:, -1])
+        if want_routing:
+            routes.append(served.tap.take(1, 1)[0])
+    routing = np.concatenate(routes) if routes else None
+    if not whole:
+        return None, None, torch.cat(lasts), routing
+    kv = [(torch.cat([k, torch.cat(ks)], dim=2), torch.cat([v, torch.cat(vs)], dim=2))
+          for (k, v), (ks, vs) in zip(b.kv, cols)]
+    mask = torch.cat([b.mask, torch.ones((len(rows), 1), dtype=b.mask.dtype)], dim=1)
+    return kv, mask, torch.cat(lasts), routing
+
+
+def store(served: ServedModel, b: Batch, k: int) -> None:
+    """Put row ``k``'s KV into the prefix cache (only if computed with the weights served now)."""
+    s = b.rows[k]
+    if s.kv_gen != served.gen or b.kv is None:
+        return
+    n = int(b.pos[k])  # fed positions: prompt + output but the last token
+    if served.cfg.deterministic:
+        n = min(n, s.storable)
+    if n <= 0:
+        return
+    ids = np.asarray((list(s.req.input_ids) + s.out)[:n], dtype=np.int64)
+    kv = [(key[:, :n], val[:, :n]) for key, val in b.row_kv(k)]
+    routing = None
+    if s.req.return_routed_experts and s.routing and s.routing_from == 0 and s.routing_end >= n:
+        routing = np.concatenate(s.routing)[:n]
+    served.prefix_cache.insert(ids, kv, routing)

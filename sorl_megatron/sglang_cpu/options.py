@@ -1,0 +1,70 @@
+"""The CPU server's settings: the engine's (``EngineConfig``) and the HTTP front's
+(``ServerOptions``). The command line (``server.py``) sets them; flags in docs/rollout.md.
+Importing this module loads neither torch nor transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .precision import Precision
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings (``RolloutEngine``)."""
+
+    model_path: str
+    tokenizer_path: str | None = None
+    precision: Precision = "fp32"
+    fp8_block_size: int = 128
+    max_running_requests: int = 32
+    context_length: int | None = None
+    enable_return_routed_experts: bool = False
+    skip_tokenizer_init: bool = False
+    random_seed: int = 0
+    weight_version: str = "default"
+    enable_prefix_cache: bool = True
+    prefix_cache_max_tokens: int = 1 << 16
+    deterministic: bool = False
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Limits and authentication of the HTTP front end (the engine's settings are EngineConfig).
+
+    Attributes:
+        max_body_mb: largest body of ``/generate`` and the control endpoints (MiB).
+        max_weight_body_mb: largest body of ``/update_weights_from_tensor`` (MiB).
+        max_prompts_per_request: most sequences one ``/generate`` may ask for (prompts x n).
+        max_tokens_per_request: most tokens one ``/generate`` may ask for: the sum over its
+            sequences of prompt tokens plus ``max_new_tokens`` (capped by the context length).
+        api_key: when set, every endpoint but ``/health*`` needs ``Authorization: Bearer <key>``.
+        weight_group_timeout_s: bound on joining a weight-update group and on each broadcast in it.
+        control_timeout_s: bound on ``/flush_cache``, ``/pause_generation`` and
+            ``/continue_generation`` waiting for the scheduler (they run at its next step).
+    """
+
+    max_body_mb: int = 64
+    max_weight_body_mb: int = 1024
+    max_prompts_per_request: int = 1024
+    max_tokens_per_request: int = 1 << 20
+    api_key: str | None = field(default=None, repr=False)
+    weight_group_timeout_s: float = 600.0
+    control_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_mb", "max_weight_body_mb", "max_prompts_per_request", "max_tokens_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.weight_group_timeout_s < float("inf"):
+            raise ValueError(f"weight_group_timeout_s must be > 0 seconds, got {self.weight_group_timeout_s}")
+        if not 0 < self.control_timeout_s < float("inf"):
+            raise ValueError(f"control_timeout_s must be > 0 seconds, got {self.control_timeout_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+
+    def public(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "api_key"}
+        return {**d, "api_key_required": self.api_key is not None}
