@@ -12,6 +12,7 @@ from typing import Iterator, Optional
 import torch
 from safetensors.torch import save_file
 
+from ..common import comm
 from ..common.buckets import buckets
 from ..common.fp8 import FP8_BLOCK, fp8_quantization_config, quantize_hf_tensor
 from .hf_config import CheckpointFileError, check_hf_dir_has_weights, tokenizer_and_generation_files
@@ -19,15 +20,6 @@ from .model import MegatronModel, detached_value_heads
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 DEFAULT_SHARD_BYTES = 4 * 1024**3
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
 
 
 def load_hf_weights(model: MegatronModel, hf_dir: str) -> None:
@@ -133,7 +125,7 @@ def save_hf_checkpoint(
     source_dir: where tokenizer/generation files are copied from (default: the load source).
     """
     dtype = dtype or source_dtype(model) or model.dtype
-    writer = _ShardWriter(out_dir, max_shard_bytes) if _rank() == 0 else None
+    writer = _ShardWriter(out_dir, max_shard_bytes) if comm.rank() == 0 else None
     if writer is not None:
         os.makedirs(out_dir, exist_ok=True)
     for name, tensor in iter_hf_weights(model, dtype):
@@ -150,7 +142,7 @@ def save_hf_checkpoint(
         source = source_dir or model.source_dir
         if source:
             copy_tokenizer_files(source, out_dir)
-    _barrier()
+    comm.barrier()
 
 
 _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -129,7 +129,8 @@ class RankZeroPhaseError(RuntimeError):
 _phase_seq = 0  # every rank counts the rank-0 phases in the same order
 
 
-def _store():
+def store():
+    """The default process group's key-value store (rank-0 phases, the weight-sync lock)."""
     return dist.distributed_c10d._get_default_store()
 
 
@@ -146,24 +147,24 @@ def on_rank0(fn, phase: str, timeout_s: float) -> Any:
         return fn()
     _phase_seq += 1
     key = f"sorl_megatron/rank0_phase/{_phase_seq}"
-    store = _store()
+    kv = store()
     if rank() == 0:
         try:
             result = fn()
         except BaseException as err:
-            store.set(key, f"failed: {type(err).__name__}: {err}"[:2000])
+            kv.set(key, f"failed: {type(err).__name__}: {err}"[:2000])
             raise
-        store.set(key, "ok")
+        kv.set(key, "ok")
     else:
         from datetime import timedelta
 
         try:
-            store.wait([key], timedelta(seconds=timeout_s))
+            kv.wait([key], timedelta(seconds=timeout_s))
         except Exception:  # DistStoreError on timeout (its message names only the key)
             raise RankZeroPhaseError(
                 f"rank {rank()} waited {timeout_s:g} s for rank 0 to finish {phase} "
                 "(parallelism.rank0_phase_timeout_s)") from None
-        status = store.get(key).decode()
+        status = kv.get(key).decode()
         if status != "ok":
             raise RankZeroPhaseError(f"rank 0 {status.replace('failed: ', 'failed in ' + phase + ': ', 1)}")
         result = None

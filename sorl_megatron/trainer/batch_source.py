@@ -58,6 +58,8 @@ class RolloutSource:
     holds ``conn``, generates.
     """
 
+    name = ""  # its rollout.mode
+    lagged = True  # trains on tokens older weights sampled
     pauses_servers = False  # whether the servers pause generation around a weight update
 
     def __init__(self, cfg: TrainConfig, stream: DataStream, rows: list[QARow], rewards: RewardRegistry,
@@ -257,6 +259,8 @@ class RolloutSource:
 class SyncSource(RolloutSource):
     """A step's groups are generated at its start, on the weights it trains from."""
 
+    name, lagged = "sync", False
+
     def _generate(self, version: int):
         """A batch generated now, from ``next_gid`` on (one_step_off: on its thread)."""
         self.conn.check_servers(f"the rollout phase of step {version + 1}")
@@ -270,6 +274,8 @@ class OneStepOffSource(SyncSource):
     """Step ``k + 1``'s batch is generated while step ``k`` trains, on step ``k``'s weights;
     the weight sync after step ``k`` waits for it. The first step of a run (or of a resume)
     generates its own."""
+
+    name, lagged = "one_step_off", True
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -306,6 +312,8 @@ class AsyncSource(RolloutSource):
     """A producer keeps the servers generating across weight updates; a step takes the groups
     that finished, at most ``rollout.max_staleness`` versions behind."""
 
+    name = "async"
+
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._producer: Optional[AsyncProducer] = None
@@ -333,7 +341,7 @@ class AsyncSource(RolloutSource):
             self._producer = None
 
 
-SOURCES: dict[str, type[RolloutSource]] = {"sync": SyncSource, "one_step_off": OneStepOffSource, "async": AsyncSource}
+SOURCES: dict[str, type[RolloutSource]] = {cls.name: cls for cls in (SyncSource, OneStepOffSource, AsyncSource)}
 
 
 def source_class(cfg: TrainConfig) -> type[RolloutSource]:
@@ -342,8 +350,9 @@ def source_class(cfg: TrainConfig) -> type[RolloutSource]:
 
 
 def make_rollout_source(cfg: TrainConfig, *args, **kw) -> RolloutSource:
+    """The run's source (rank 0 warns when a lagged mode has nothing correcting for the lag)."""
     cls = source_class(cfg)
-    if kw.get("conn") is not None and cls is not SyncSource and cfg.algorithm.loss.is_correction.mode == "off":
+    if kw.get("conn") is not None and cls.lagged and cfg.algorithm.loss.is_correction.mode == "off":
         log.warning("rollout.mode=%s trains on tokens sampled by older weights; without "
-                    "algorithm.loss.is_correction.mode (tis / mis) nothing corrects for it", cfg.rollout.mode)
+                    "algorithm.loss.is_correction.mode (tis / mis) nothing corrects for it", cls.name)
     return cls(cfg, *args, **kw)

@@ -74,12 +74,6 @@ class WeightSync(ABC):
         """Release what the transport holds between syncs (nothing, unless it says otherwise)."""
 
 
-def rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def world() -> int:
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def control_client(settings: SyncSettings, urls: Iterable[str], api_key: Optional[str],

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 
 from ..bridge.weights import save_hf_checkpoint
-from .base import SyncStats, SyncTargets, WeightSync, control_client, external_fp8, rank
+from ..common.comm import rank
+from .base import SyncStats, SyncTargets, WeightSync, control_client, external_fp8
 
 
 class DiskWeightSync(WeightSync):

@@ -43,10 +43,11 @@ from urllib.parse import urlsplit
 
 import torch
 
+from ..common import comm
 from ..common.buckets import buckets
 from ..common.http import RequestRejectedError, RetryPolicy, ServerError, request
 from ..rollout.client import RolloutClient
-from .base import SyncSettings, SyncStats, SyncTargets, WeightSync, control_client, fp8_pairs, rank, world
+from .base import SyncSettings, SyncStats, SyncTargets, WeightSync, control_client, fp8_pairs
 from .export import iter_owned_hf_weights, weight_sync_roles
 from .group import BucketSpec, GroupSpec, WeightGroup, WeightGroupError
 
@@ -262,15 +263,6 @@ async def end_update(client: RolloutClient, version: str, ok: bool = True) -> No
     await client.flush_cache()
 
 
-def _any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank (a collective: every rank calls it)."""
-    if world() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0])
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
 class DistributedWeightSync(WeightSync):
     """The transport on every rank: each sending rank keeps its :class:`DistributedSender` (and
     its group) from one sync to the next; ``close`` leaves the groups."""
@@ -296,13 +288,12 @@ class DistributedWeightSync(WeightSync):
         client = self._client(urls, api_key)
         try:
             if self.sender is None:
-                self.sender = DistributedSender(client, f"sorl_wsync_r{rank()}", s.weight_sync_init_timeout_s,
+                self.sender = DistributedSender(client, f"sorl_wsync_r{comm.rank()}", s.weight_sync_init_timeout_s,
                                                 master_address=s.weight_sync_master_address)
             self.sender.bind(client)
             kw = {}
-            if world() > 1:
-                store = torch.distributed.distributed_c10d._get_default_store()
-                kw["lock"] = StoreMutex(store, "sorl_wsync_lock", s.weight_sync_init_timeout_s)
+            if comm.world_size() > 1:
+                kw["lock"] = StoreMutex(comm.store(), "sorl_wsync_lock", s.weight_sync_init_timeout_s)
             export = iter_owned_hf_weights(model)
             tensors = fp8_pairs(export) if s.precision == "fp8" else export
             try:
@@ -317,17 +308,14 @@ class DistributedWeightSync(WeightSync):
     def sync(self, model, targets: SyncTargets, version: str) -> SyncStats:
         """Every rank calls it, rank 0 with the servers' URLs and key (sent to every rank on each
         sync: a restarted server comes back on a new URL, and the groups follow it)."""
-        box = [(list(targets.urls), targets.api_key)]
-        if world() > 1:
-            torch.distributed.broadcast_object_list(box, src=0)  # our own ranks: pickling is safe
-        urls, self.api_key = box[0]
+        urls, self.api_key = comm.broadcast_object((list(targets.urls), targets.api_key))
         error: Optional[BaseException] = None
-        if rank() == 0:
+        if comm.rank() == 0:
             try:
                 asyncio.run(self._with_client(urls, self.api_key, begin_update))
             except BaseException as exc:
                 error = exc
-        failed = _any_rank(error is not None)
+        failed = comm.any_rank(error is not None)
         self.bytes_sent = 0
         if not failed:
             try:
@@ -338,8 +326,8 @@ class DistributedWeightSync(WeightSync):
                         pass
             except BaseException as exc:
                 error = exc
-            failed = _any_rank(error is not None)
-        if rank() == 0:
+            failed = comm.any_rank(error is not None)
+        if comm.rank() == 0:
             try:
                 asyncio.run(self._with_client(urls, self.api_key, lambda c: end_update(c, version, ok=not failed)))
             except BaseException as exc:

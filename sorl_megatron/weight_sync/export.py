@@ -12,6 +12,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..bridge.model import MegatronModel, detached_value_heads
+from ..common import comm
 
 
 def weight_sync_roles() -> tuple[bool, bool]:
@@ -58,8 +59,7 @@ def iter_owned_hf_weights(
                 else:
                     size, group, mine = mpu.tp_size, mpu.tp_group, dense_owner
                 if size > 1 and (expert or getattr(param, "tensor_model_parallel", False)):
-                    parts = [torch.empty_like(param) for _ in range(size)]
-                    torch.distributed.all_gather(parts, param.detach().contiguous(), group=group)
+                    parts = comm.all_gather(param.detach(), group)
                     merged = bridge._weight_merge_across_tp(name, parts, param)
                 else:
                     merged = param.detach()

@@ -16,8 +16,9 @@ import torch
 
 from ..bridge.weights import iter_hf_weights
 from ..common.buckets import buckets
+from ..common.comm import rank
 from ..rollout.client import RolloutClient
-from .base import SyncStats, SyncTargets, WeightSync, control_client, external_fp8, fp8_pairs, rank
+from .base import SyncStats, SyncTargets, WeightSync, control_client, external_fp8, fp8_pairs
 from .wire import serialize_named_tensors
 
 TENSOR_BUCKET_BYTES = 256 * 1024**2  # per HTTP body, before base64
