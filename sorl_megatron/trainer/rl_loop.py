@@ -59,7 +59,7 @@ from ..rewards.registry import RewardRegistry
 from ..rollout.agent import AgentConfig, SearchAgent
 from ..rollout.client import PauseClock, RolloutClient, RolloutClientConfig
 from ..rollout.trajectory import Trajectory, collate
-from .config import TrainConfig, dump_config
+from .config import TrainConfig
 from .fleet import RolloutFleet, Worker, start_fleet
 from .inputs import check_resume_dir, load_tokenizer, validate_inputs
 from .metrics_log import MetricsLogger, open_wandb
@@ -72,6 +72,7 @@ from .producer import (
     version_lag_metrics,
 )
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
+from .recipe import dump_config
 from .rollout_phase import (
     RolloutResult,
     check_prompt_length,
