@@ -293,6 +293,7 @@ class RolloutConfig:
             raise RecipeError(f"{prefix}.mode=async with {prefix}.max_staleness=0 would drop every group that was in "
                               f"flight at a weight update: use {prefix}.mode=sync, or max_staleness >= 1")
 
+
 @dataclass
 class RetrievalConfig:
     """No URL = start the embedded BM25 server over `corpus`."""
@@ -365,6 +366,7 @@ class OptimizerConfig(OptimConfig):
     def _engine_config(self, **changes: Any) -> OptimConfig:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(OptimConfig)}
         return OptimConfig(**{**fields, **changes})
+
 
 @dataclass
 class ScheduleConfig:
@@ -503,6 +505,7 @@ class LoggingConfig:
     def validate(self, prefix: str = "logging") -> None:
         self.wandb.validate(f"{prefix}.wandb")
 
+
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -525,14 +528,14 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Each section's own checks, then the rules between sections."""
+        """Each section's own checks, then the rules between sections. (The optimizer section
+        and algorithm.loss check themselves when built, as the engine's and the loss's configs.)"""
         self.model.validate()
         _check_parallelism(self.parallelism)
         self.algorithm.validate()
         self.rollout.validate()
         self.retrieval.validate()
         self.data.validate()
-        self.optimizer.validate()
         self.schedule.validate()
         self.sft.validate()
         self.reward.validate()
@@ -547,10 +550,10 @@ class TrainConfig:
         self._check_batches()
 
     def _check_batches(self) -> None:
-        """The batch of trajectories splits into mini-batches, a mini-batch (and the SFT batch)
-        into micro-batches, which hold the longest trajectory; grpo has a group to compare.
-        In this order: a mini-batch size that does not divide the batch is named as such, not
-        as one that the micro-batch size does not divide."""
+        """The batch of trajectories splits into mini-batches, a mini-batch and the SFT batch
+        into micro-batches that hold the longest trajectory, and grpo has a group to compare.
+        The micro-batch rule (the schedule's own) comes after the mini-batch one, so that a
+        mini-batch size that does not divide the batch is named for that."""
         s = self.schedule
         trajectories = s.batch_size * self.rollout.group_size
         if trajectories % s.mini_batch_size:
