@@ -32,7 +32,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .trainer.config import ConfigError, load_recipe
+from .common.typed_config import ConfigError
+from .trainer.recipe import load_recipe
 
 _HET = re.compile(r"\{het:(\d+)\}")
 RETRIEVAL_PORT, SGLANG_PORT, ROUTER_PORT, RDZV_PORT = 8000, 30000, 30100, 29500

@@ -27,9 +27,9 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from .common.typed_config import ConfigError, build_dataclass
-from .trainer.config import load_recipe, overrides_tree
 from .trainer.metrics_log import read_metrics
 from .trainer.plots import METRIC_AXES, style_axis
+from .trainer.recipe import load_recipe, overrides_tree
 
 # What the summary plots and tables (SORL Figs. 2-8): score, KL, clip ratio, gradient norm, ||C||.
 FIGURE_METRICS: dict[str, str] = {

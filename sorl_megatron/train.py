@@ -12,8 +12,11 @@ import argparse
 import os
 import sys
 
-from .trainer.config import CONFIG_GROUPS, ConfigError, dump_config, load_recipe, validate_layout_for_launch
+from .common.typed_config import ConfigError
+from .trainer.config import CONFIG_GROUPS
 from .trainer.inputs import InputError
+from .trainer.launch_checks import validate_layout_for_launch
+from .trainer.recipe import dump_config, load_recipe
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sorl_megatron.cluster import FleetJob, main, resolve_hosts
-from sorl_megatron.trainer.config import ConfigError
+from sorl_megatron.common.typed_config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny_search_base.yaml")

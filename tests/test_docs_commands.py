@@ -207,7 +207,7 @@ def test_training_commands_pass_the_schema_and_keep_out_of_the_demo_run(cmd, cap
     directory (it would resume, or share, the demo's checkpoints); an example starting from
     the demo's SFT policy does not run SFT again."""
     from sorl_megatron.train import main
-    from sorl_megatron.trainer.config import load_recipe
+    from sorl_megatron.trainer.recipe import load_recipe
 
     assert main(["--config", str(ROOT / cmd.config), "--print-config", *cmd.overrides]) == 0, capsys.readouterr()
     cfg = load_recipe(ROOT / cmd.config, cmd.overrides)

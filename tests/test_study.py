@@ -87,7 +87,7 @@ def test_the_shipped_study_recipes_load():
         assert Path(cfg.recipe).is_file() and len(cfg.seeds) >= 3, path
         for cell in [Cell(loss, stress, cfg.seeds[0]) for loss in cfg.losses for stress in cfg.stress]:
             from sorl_megatron.study import cell_overrides
-            from sorl_megatron.trainer.config import load_recipe
+            from sorl_megatron.trainer.recipe import load_recipe
 
             load_recipe(cfg.recipe, cell_overrides(cfg, cell, Path(cfg.out)))  # every cell validates
 

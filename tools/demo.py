@@ -29,9 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from sorl_megatron.data.synthetic import main as make_data
-    from sorl_megatron.trainer.config import ConfigError, load_recipe
+    from sorl_megatron.trainer.config import RecipeError
     from sorl_megatron.trainer.metrics_log import read_metrics, show_trainer_log
     from sorl_megatron.trainer.plots import plot_runs
+    from sorl_megatron.trainer.recipe import load_recipe
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
     data = Path(args.data)
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"data.train={data}/train.parquet", f"data.val={data}/validation.parquet", *args.overrides]
     try:
         cfg = load_recipe(args.recipe, overrides)
-    except ConfigError as err:
+    except RecipeError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     run_dir = Path(cfg.logging.dir) / cfg.logging.run_name

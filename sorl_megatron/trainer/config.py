@@ -1,32 +1,42 @@
-"""The typed schema of a training recipe, and the recipe loader.
+"""The typed schema of a training recipe, and the checks of its values.
 
-A recipe is NeMo-style OmegaConf YAML: an optional ``defaults:`` recipe or list of recipes
-(paths relative to the file, ``.yaml`` optional) merged in order, then the file itself, then
-dotted command-line overrides (``algorithm.loss.name=so_grpo``, or Hydra's ``+key=value`` /
-``++key=value`` as NeMo-RL writes them). The merged tree is checked
-against the dataclasses below before any process starts: unknown keys (with a
-did-you-mean), wrong types, non-finite numbers (YAML's ``.nan`` / ``.inf``), values out of
-range, malformed URLs and impossible layouts or batch sizes are errors naming the key.
+Each section's dataclass checks its own keys in ``validate(prefix)``; ``TrainConfig.validate``
+runs them when the config is built, then the rules that span sections (batch geometry against
+the group size, a rollout mode against the loss's IS correction, ...). Non-finite numbers
+(YAML's ``.nan`` / ``.inf``), values out of range, malformed URLs and impossible batch sizes
+are a ``RecipeError`` naming the key. Reading a recipe file (``defaults:``, overrides) is
+``recipe.py``; the checks that need the world size and the model's HF config are
+``launch_checks.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional
 from urllib.parse import urlsplit
 
 from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ..algorithms.config import PolicyLossConfig
 from ..algorithms.loss_registry import POLICY_LOSSES
-from ..bridge.layout import ParallelLayout, num_experts_of
-from ..common.typed_config import ConfigError, build_dataclass, to_dict
+from ..bridge.layout import ParallelLayout
+from ..common.typed_config import ConfigError
 from ..engine.config import OptimConfig
+
+
+class RecipeError(ConfigError):
+    """A recipe that cannot be used: a missing or malformed file, a bad override, an unknown
+    key, a wrong type or value, a layout that cannot run. The message names the file or key.
+
+    The one error a bad recipe raises (``load_recipe``, the schema, the launch checks); a
+    ``ConfigError`` and so a ``ValueError``, which is what callers catch.
+    """
 
 
 @dataclass
@@ -36,6 +46,10 @@ class ModelConfig:
     path: str = ""
     critic_path: Optional[str] = None  # default: same as `path`
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+
+    def validate(self, prefix: str = "model") -> None:
+        if not self.path:
+            raise RecipeError(f"{prefix}.path is empty: give the policy's HF model directory")
 
 
 @dataclass
@@ -49,6 +63,16 @@ class AdvantageConfig:
     normalize_std: bool = True  # grpo only
     whiten: bool = False
 
+    def validate(self, prefix: str = "advantage") -> None:
+        _check_finite(self, prefix)
+        if self.estimator not in ADVANTAGE_ESTIMATORS:
+            raise RecipeError(
+                f"{prefix}.estimator: unknown estimator {self.estimator!r}; "
+                f"registered: {sorted(ADVANTAGE_ESTIMATORS)}"
+            )
+        _in_range(f"{prefix}.gamma", self.gamma, 0, 1)
+        _in_range(f"{prefix}.lam", self.lam, 0, 1)
+
 
 @dataclass
 class PVPOConfig:
@@ -57,12 +81,18 @@ class PVPOConfig:
     num_ref_rollouts: int = 5  # M
     refresh_every: int = 0  # refresh static V every K steps (0 = never)
     refresh_at: list[int] = field(default_factory=list)  # and/or at these steps (PVPO table 2: [500])
+    drop_solved: bool = True  # drop prompts with reference accuracy 1
+    inject_ground_truth: bool = False  # replace one rollout of accuracy-0 prompts by a GT trajectory
 
     def refresh_due(self, step: int) -> bool:
         """Whether static V is refreshed before RL step ``step`` (0-based; never before step 1)."""
         return step > 0 and (step in self.refresh_at or (self.refresh_every > 0 and step % self.refresh_every == 0))
-    drop_solved: bool = True  # drop prompts with reference accuracy 1
-    inject_ground_truth: bool = False  # replace one rollout of accuracy-0 prompts by a GT trajectory
+
+    def validate(self, prefix: str = "pvpo") -> None:
+        _positive_int(f"{prefix}.num_ref_rollouts", self.num_ref_rollouts)
+        _positive_int(f"{prefix}.refresh_every", self.refresh_every, minimum=0)
+        if any(k < 1 for k in self.refresh_at):
+            raise RecipeError(f"{prefix}.refresh_at steps must be >= 1, got {self.refresh_at}")
 
 
 @dataclass
@@ -72,6 +102,32 @@ class AlgorithmConfig:
     routing_replay: Literal["off", "r2", "r3"] = "off"
     value_clip: Optional[float] = 0.2  # clipped value loss range; null = unclipped
     pvpo: PVPOConfig = field(default_factory=PVPOConfig)
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        """The loss validates itself when built (``PolicyLossConfig``); here the estimator it
+        needs, and the PVPO keys when the estimator is pvpo."""
+        _check_finite(self, prefix)
+        self.advantage.validate(f"{prefix}.advantage")
+        self._check_loss_fits_estimator(prefix)
+        if self.advantage.estimator == "pvpo":
+            self.pvpo.validate(f"{prefix}.pvpo")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise RecipeError(f"{prefix}.value_clip must be > 0 or null, got {self.value_clip}")
+
+    def _check_loss_fits_estimator(self, prefix: str) -> None:
+        """The estimator gives the advantages the loss is defined on (a critic's for the PPO
+        family, outcome-based ones for the group-relative losses)."""
+        loss, estimator = self.loss.name, self.advantage.estimator
+        critic = POLICY_LOSSES[loss].critic
+        spec = ADVANTAGE_ESTIMATORS[estimator]
+        if critic != spec.critic:
+            wants = "a critic's advantages (gae)" if critic else "outcome-based advantages"
+            fitting = sorted(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.critic == critic)
+            raise RecipeError(
+                f"{prefix}.loss.name={loss} is defined on {wants} but {prefix}.advantage.estimator={estimator} "
+                f"{'needs' if spec.critic else 'has'} {'a critic' if spec.critic else 'no critic'}: "
+                f"use {prefix}.advantage.estimator in {fitting}"
+            )
 
 
 @dataclass
@@ -156,6 +212,87 @@ class RolloutConfig:
     overlong_buffer: int = 64
     overlong_penalty: float = 1.0
 
+    def validate(self, prefix: str = "rollout") -> None:
+        _check_finite(self, prefix)
+        for key in ("group_size", "max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "concurrency",
+                    "weight_sync_bucket_mb"):
+            _positive_int(f"{prefix}.{key}", getattr(self, key))
+        address = self.weight_sync_master_address
+        if address is not None and (not address or any(c.isspace() for c in address)):
+            raise RecipeError(f"{prefix}.weight_sync_master_address must be a host name or IP address, got {address!r}")
+        for key in ("timeout_s", "weight_sync_timeout_s", "health_timeout_s", "weight_sync_init_timeout_s",
+                    "start_timeout_s"):
+            _positive_seconds(f"{prefix}.{key}", getattr(self, key))
+        _positive_int(f"{prefix}.retries", self.retries, minimum=0)
+        if not 0 < self.top_p <= 1:
+            raise RecipeError(f"{prefix}.top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature <= 0:
+            raise RecipeError(f"{prefix}.temperature must be > 0, got {self.temperature}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise RecipeError(f"{prefix}.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        for key in ("max_obs_tokens", "max_turn_tokens"):
+            if getattr(self, key) >= self.max_total_tokens:
+                raise RecipeError(
+                    f"{prefix}.{key}={getattr(self, key)} must be < {prefix}.max_total_tokens={self.max_total_tokens}"
+                )
+        for i, url in enumerate(self.urls):
+            _check_url(f"{prefix}.urls[{i}]", url)
+        self._check_fleet(prefix)
+        self._check_modes(prefix)
+
+    def _check_fleet(self, prefix: str) -> None:
+        """The fleet keys (servers, router, restarts) fit together."""
+        _positive_int(f"{prefix}.num_servers", self.num_servers)
+        _positive_int(f"{prefix}.failover_retries", self.failover_retries, minimum=0)
+        _positive_int(f"{prefix}.router_balance_abs_threshold", self.router_balance_abs_threshold, minimum=0)
+        if self.urls and self.num_servers != 1:
+            raise RecipeError(f"{prefix}.num_servers={self.num_servers} starts embedded servers, but {prefix}.urls "
+                              "lists external ones: give one or the other")
+        if self.router_url is not None:
+            _check_url(f"{prefix}.router_url", self.router_url)
+            if self.router != "sglang_router":
+                raise RecipeError(f"{prefix}.router_url is set but {prefix}.router={self.router}: "
+                                  f"set {prefix}.router=sglang_router")
+            if not self.urls:
+                raise RecipeError(f"{prefix}.router_url needs {prefix}.urls: the workers behind it, which get the "
+                                  "weight updates, flush_cache and health checks (generation goes through the router)")
+        elif self.router == "sglang_router" and importlib.util.find_spec("sglang_router") is None:
+            raise RecipeError(f"{prefix}.router=sglang_router needs the sglang-router package to start the router: "
+                              f"pip install sglang-router (or give {prefix}.router_url of a running one)")
+        if self.deterministic and self.urls:
+            raise RecipeError(f"{prefix}.deterministic is for embedded servers; launch external SGLang servers with "
+                              "--enable-deterministic-inference instead")
+        if self.restart_command is not None:
+            if not self.urls:
+                raise RecipeError(f"{prefix}.restart_command is for external servers ({prefix}.urls); the trainer "
+                                  f"restarts its embedded servers itself ({prefix}.restart_servers)")
+            try:
+                words = shlex.split(self.restart_command)
+            except ValueError as err:
+                raise RecipeError(
+                    f"{prefix}.restart_command: {self.restart_command!r} is not a command line ({err})"
+                ) from None
+            if not words:
+                raise RecipeError(f"{prefix}.restart_command is empty: give a command or leave it null")
+
+    def _check_modes(self, prefix: str) -> None:
+        """The rollout mode, staleness, dynamic sampling and overlong options (those against
+        other sections: ``TrainConfig.validate``)."""
+        _positive_int(f"{prefix}.max_staleness", self.max_staleness, minimum=0)
+        _positive_int(f"{prefix}.dynamic_sampling_max_groups", self.dynamic_sampling_max_groups, minimum=0)
+        _positive_int(f"{prefix}.overlong_buffer", self.overlong_buffer)
+        if self.overlong_buffer >= self.max_total_tokens:
+            raise RecipeError(f"{prefix}.overlong_buffer={self.overlong_buffer} must be < {prefix}.max_total_tokens="
+                              f"{self.max_total_tokens}")
+        if self.overlong_penalty < 0:
+            raise RecipeError(f"{prefix}.overlong_penalty must be >= 0, got {self.overlong_penalty}")
+        if self.mode == "one_step_off" and self.max_staleness < 1:
+            raise RecipeError(f"{prefix}.mode=one_step_off trains on batches one weight version old: "
+                              f"{prefix}.max_staleness must be >= 1")
+        if self.mode == "async" and self.max_staleness < 1:
+            raise RecipeError(f"{prefix}.mode=async with {prefix}.max_staleness=0 would drop every group that was in "
+                              f"flight at a weight update: use {prefix}.mode=sync, or max_staleness >= 1")
+
 
 @dataclass
 class RetrievalConfig:
@@ -168,6 +305,17 @@ class RetrievalConfig:
     health_timeout_s: float = 10.0  # per GET /health, asked before each rollout phase
     retries: int = 2  # extra attempts after a refused connection or a 5xx answer
 
+    def validate(self, prefix: str = "retrieval") -> None:
+        _check_finite(self, prefix)
+        if not self.url and not self.corpus:
+            raise RecipeError(f"{prefix}.corpus is empty and {prefix}.url is not set: give one of them")
+        _positive_seconds(f"{prefix}.timeout_s", self.timeout_s)
+        _positive_seconds(f"{prefix}.health_timeout_s", self.health_timeout_s)
+        _positive_int(f"{prefix}.retries", self.retries, minimum=0)
+        _positive_int(f"{prefix}.topk", self.topk)
+        if self.url:
+            _check_url(f"{prefix}.url", self.url)
+
 
 @dataclass
 class DataConfig:
@@ -175,6 +323,11 @@ class DataConfig:
     val: Optional[str] = ""  # empty or null (``data.val=``): no validation
     max_prompt_tokens: int = 256  # longer prompts are an error naming the row; < rollout.max_total_tokens
     shuffle: bool = True
+
+    def validate(self, prefix: str = "data") -> None:
+        if not self.train:
+            raise RecipeError(f"{prefix}.train is empty: give the training parquet file")
+        _positive_int(f"{prefix}.max_prompt_tokens", self.max_prompt_tokens)
 
 
 @dataclass
@@ -191,9 +344,9 @@ class OptimizerConfig(OptimConfig):
     def validate(self, prefix: str = "optimizer") -> None:
         super().validate(prefix)
         if not (isinstance(self.critic_lr, (int, float)) and math.isfinite(self.critic_lr) and self.critic_lr > 0):
-            raise ValueError(f"{prefix}.critic_lr must be finite and > 0, got {self.critic_lr}")
+            raise RecipeError(f"{prefix}.critic_lr must be finite and > 0, got {self.critic_lr}")
         if self.critic_warmup_steps is not None and self.critic_warmup_steps < 0:
-            raise ValueError(f"{prefix}.critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}")
+            raise RecipeError(f"{prefix}.critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}")
 
     def actor(self, optimizer_steps: int) -> OptimConfig:
         """The actor's engine config for a run of ``optimizer_steps`` optimizer steps (a
@@ -238,6 +391,19 @@ class ScheduleConfig:
     val_every: int = 5
     seed: int = 1234
 
+    @property
+    def fixed_micro_batches(self) -> bool:
+        """Whether a micro-batch is ``micro_batch_size`` padded rows (no packing, no token budget)."""
+        return self.max_tokens_per_micro_batch is None and not self.pack_sequences
+
+    def validate(self, prefix: str = "schedule") -> None:
+        for key in ("total_steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "critic_epochs"):
+            _positive_int(f"{prefix}.{key}", getattr(self, key))
+        _positive_int(f"{prefix}.val_every", self.val_every, minimum=0)
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise RecipeError(f"{prefix}.max_tokens_per_micro_batch must be an integer or null, got {budget!r}")
+
 
 @dataclass
 class SFTConfig:
@@ -251,6 +417,17 @@ class SFTConfig:
     # (data.gold.cold_start_plans): RL must learn that searching pays (the CPU demo)
     direct_answer_fraction: float = 0.0
 
+    def validate(self, prefix: str = "sft") -> None:
+        _check_finite(self, prefix)
+        if self.lr <= 0:
+            raise RecipeError(f"{prefix}.lr must be > 0, got {self.lr}")
+        if not self.enabled:
+            return
+        _positive_int(f"{prefix}.steps", self.steps)
+        _positive_int(f"{prefix}.batch_size", self.batch_size)
+        if not 0 <= self.direct_answer_fraction < 1:
+            raise RecipeError(f"{prefix}.direct_answer_fraction must be in [0, 1), got {self.direct_answer_fraction}")
+
 
 @dataclass
 class RewardConfig:
@@ -259,6 +436,14 @@ class RewardConfig:
     metric: Optional[Literal["em", "f1"]] = None  # None: each data_source's own metric (EM for the QA sets)
     format_weight: float = 0.0  # (1 - w) x metric + w x well-formed response
 
+    def validate(self, prefix: str = "reward") -> None:
+        _check_finite(self, prefix)
+        if not 0 <= self.format_weight <= 1:
+            raise RecipeError(f"{prefix}.format_weight must be in [0, 1], got {self.format_weight}")
+
+
+RESUME_MODES = ("auto", "none")
+
 
 @dataclass
 class CheckpointConfig:
@@ -266,6 +451,23 @@ class CheckpointConfig:
     save_every: int = 0  # 0 = only at the end
     resume: str = "auto"  # auto | none | a checkpoint directory
     keep_last: int = 2
+
+    def validate(self, prefix: str = "checkpoint") -> None:
+        _positive_int(f"{prefix}.save_every", self.save_every, minimum=0)
+        _positive_int(f"{prefix}.keep_last", self.keep_last, minimum=0)
+        self._check_resume(prefix)
+
+    def _check_resume(self, prefix: str) -> None:
+        """``auto``, ``none`` or something that looks like a path: a bare word that is neither (a
+        typo of auto) must not silently become a relative directory that is then not found."""
+        resume = self.resume
+        if not resume.strip():
+            raise RecipeError(f"{prefix}.resume is empty: give auto, none or a checkpoint directory")
+        if resume in RESUME_MODES or os.sep in resume or "/" in resume or Path(resume).exists():
+            return
+        close = difflib.get_close_matches(resume.lower(), RESUME_MODES, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else " (write ./NAME for a directory here)"
+        raise RecipeError(f"{prefix}.resume: {resume!r} is not auto, none or a checkpoint directory{hint}")
 
 
 @dataclass
@@ -280,6 +482,17 @@ class WandbConfig:
     name: Optional[str] = None  # None: logging.run_name
     init_timeout_s: float = 90.0  # the longest wait for wandb.init (online: the W&B server)
 
+    def validate(self, prefix: str = "wandb") -> None:
+        _check_finite(self, prefix)
+        if self.mode == "disabled":
+            return
+        if not self.project.strip():
+            raise RecipeError(f"{prefix}.project is empty")
+        _positive_seconds(f"{prefix}.init_timeout_s", self.init_timeout_s)
+        if importlib.util.find_spec("wandb") is None:
+            raise RecipeError(f"{prefix}.mode={self.mode} needs the wandb package: pip install -e '.[wandb]' "
+                              "(or pip install wandb)")
+
 
 @dataclass
 class LoggingConfig:
@@ -288,6 +501,9 @@ class LoggingConfig:
     tensorboard: bool = True
     progress: Literal["tqdm", "plain", "none"] = "tqdm"
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self, prefix: str = "logging") -> None:
+        self.wandb.validate(f"{prefix}.wandb")
 
 
 @dataclass
@@ -309,7 +525,68 @@ class TrainConfig:
         if not self.checkpoint.dir:
             # one checkpoint directory per run: resume=auto never picks up another run's steps
             self.checkpoint.dir = str(Path(self.logging.dir) / self.logging.run_name / "checkpoints")
-        _check_values(self)
+        self.validate()
+
+    def validate(self) -> None:
+        """Each section's own checks, then the rules between sections. (The optimizer section
+        and algorithm.loss check themselves when built, as the engine's and the loss's configs.)"""
+        self.model.validate()
+        _check_parallelism(self.parallelism)
+        self.algorithm.validate()
+        self.rollout.validate()
+        self.retrieval.validate()
+        self.data.validate()
+        self.schedule.validate()
+        self.sft.validate()
+        self.reward.validate()
+        self.checkpoint.validate()
+        self.logging.validate()
+        if self.data.max_prompt_tokens >= self.rollout.max_total_tokens:
+            raise RecipeError(
+                f"data.max_prompt_tokens={self.data.max_prompt_tokens} must be < rollout.max_total_tokens="
+                f"{self.rollout.max_total_tokens} (a prompt that long leaves no room for the policy's turns)"
+            )
+        self._check_modes()
+        self._check_batches()
+
+    def _check_batches(self) -> None:
+        """The batch of trajectories splits into mini-batches, a mini-batch and the SFT batch
+        into micro-batches that hold the longest trajectory, and grpo has a group to compare.
+        The micro-batch rule (the schedule's own) comes after the mini-batch one, so that a
+        mini-batch size that does not divide the batch is named for that."""
+        s = self.schedule
+        trajectories = s.batch_size * self.rollout.group_size
+        if trajectories % s.mini_batch_size:
+            raise RecipeError(
+                f"schedule.mini_batch_size={s.mini_batch_size} must divide "
+                f"schedule.batch_size x rollout.group_size = {trajectories}"
+            )
+        budget = s.max_tokens_per_micro_batch
+        if budget is not None and budget < self.rollout.max_total_tokens:
+            raise RecipeError(
+                f"schedule.max_tokens_per_micro_batch={budget} must be >= rollout.max_total_tokens="
+                f"{self.rollout.max_total_tokens}: a trajectory is never split across micro-batches"
+            )
+        if s.fixed_micro_batches and s.mini_batch_size % s.micro_batch_size:
+            raise RecipeError(f"schedule.micro_batch_size={s.micro_batch_size} must divide "
+                              f"schedule.mini_batch_size={s.mini_batch_size}")
+        if self.sft.enabled and s.fixed_micro_batches and self.sft.batch_size % s.micro_batch_size:
+            raise RecipeError(
+                f"schedule.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={self.sft.batch_size}"
+            )
+        if self.algorithm.advantage.estimator == "grpo" and self.rollout.group_size < 2:
+            raise RecipeError("algorithm.advantage.estimator=grpo needs rollout.group_size >= 2")
+
+    def _check_modes(self) -> None:
+        """What the rollout mode and dynamic sampling ask of the loss and the batch."""
+        r = self.rollout
+        if r.mode != "sync" and r.stale_groups == "keep" and self.algorithm.loss.is_correction.mode == "off":
+            raise RecipeError("rollout.stale_groups=keep trains on groups beyond rollout.max_staleness with the IS "
+                              "correction of their behaviour log-probs: set algorithm.loss.is_correction.mode "
+                              "(tis or mis), or drop them (rollout.stale_groups=drop)")
+        if r.dynamic_sampling_max_groups and r.dynamic_sampling_max_groups < self.schedule.batch_size:
+            raise RecipeError(f"rollout.dynamic_sampling_max_groups={r.dynamic_sampling_max_groups} must be 0 or "
+                              f">= schedule.batch_size={self.schedule.batch_size}")
 
 
 CONFIG_GROUPS: dict[str, str] = {
@@ -333,35 +610,39 @@ CONFIG_GROUPS: dict[str, str] = {
 }
 
 
+def _check_parallelism(p: ParallelLayout, prefix: str = "parallelism") -> None:
+    """The recipe's checks of its ``parallelism`` section. The section is bridge/layout.py's
+    ``ParallelLayout`` itself (the engines' layout), so they live here, where the keys are
+    recipe keys; the rules that need the model are ``launch_checks.py``."""
+    for key in ("tp", "pp", "vpp", "ep"):
+        _positive_int(f"{prefix}.{key}", getattr(p, key))
+    if p.etp is not None:
+        _positive_int(f"{prefix}.etp", p.etp)
+    if p.vpp > 1 and p.pp == 1:  # the rule of bridge/layout.py validate_layout
+        raise RecipeError(f"{prefix}.vpp={p.vpp} needs {prefix}.pp > 1 (interleaving splits pipeline stages)")
+    for key in ("first_stage_layers", "last_stage_layers"):
+        if getattr(p, key) is not None:
+            _positive_int(f"{prefix}.{key}", getattr(p, key))
+            if p.pp == 1:
+                raise RecipeError(f"{prefix}.{key}={getattr(p, key)} needs {prefix}.pp > 1 "
+                                  "(it sizes the first / last pipeline stage)")
+
+
 def _positive_int(name: str, value: int, minimum: int = 1) -> None:
     if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+        raise RecipeError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _check_loss_and_estimator(loss: str, estimator: str) -> None:
-    """The estimator exists and gives the advantages the loss is defined on (a critic's for
-    the PPO family, outcome-based ones for the group-relative losses)."""
-    spec = ADVANTAGE_ESTIMATORS.get(estimator)
-    if spec is None:
-        raise ConfigError(
-            f"algorithm.advantage.estimator: unknown estimator {estimator!r}; "
-            f"registered: {sorted(ADVANTAGE_ESTIMATORS)}"
-        )
-    if POLICY_LOSSES[loss].critic != spec.critic:
-        wants = "a critic's advantages (gae)" if POLICY_LOSSES[loss].critic else "outcome-based advantages"
-        fitting = sorted(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.critic == POLICY_LOSSES[loss].critic)
-        raise ConfigError(
-            f"algorithm.loss.name={loss} is defined on {wants} but algorithm.advantage.estimator={estimator} "
-            f"{'needs' if spec.critic else 'has'} {'a critic' if spec.critic else 'no critic'}: "
-            f"use algorithm.advantage.estimator in {fitting}"
-        )
+def _positive_seconds(name: str, value: float) -> None:
+    if not value > 0:  # finite already (_check_finite)
+        raise RecipeError(f"{name} must be > 0 seconds, got {value}")
 
 
-def _check_finite(obj: Any, prefix: str = "") -> None:
-    """Every number in the recipe is finite: YAML reads ``.nan`` / ``.inf`` as floats, and a
+def _check_finite(obj: Any, prefix: str) -> None:
+    """Every number of a section is finite: YAML reads ``.nan`` / ``.inf`` as floats, and a
     NaN passes every ``<`` / ``>`` range check after this one."""
     for f in dataclasses.fields(obj):
-        key = f"{prefix}.{f.name}" if prefix else f.name
+        key = f"{prefix}.{f.name}"
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             _check_finite(value, key)
@@ -369,12 +650,12 @@ def _check_finite(obj: Any, prefix: str = "") -> None:
         items = enumerate(value) if isinstance(value, list) else [(None, value)]
         for i, item in items:
             if isinstance(item, float) and not math.isfinite(item):
-                raise ConfigError(f"{key if i is None else f'{key}[{i}]'} must be a finite number, got {item}")
+                raise RecipeError(f"{key if i is None else f'{key}[{i}]'} must be a finite number, got {item}")
 
 
-def _in_range(key: str, value: float, low: float, high: float, high_open: bool = False) -> None:
-    if not (low <= value < high if high_open else low <= value <= high):
-        raise ConfigError(f"{key} must be in [{low:g}, {high:g}{')' if high_open else ']'}, got {value}")
+def _in_range(key: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise RecipeError(f"{key} must be in [{low:g}, {high:g}], got {value}")
 
 
 def _check_url(key: str, url: str) -> None:
@@ -383,410 +664,7 @@ def _check_url(key: str, url: str) -> None:
         parts = urlsplit(url)
         parts.port  # noqa: B018 -- raises ValueError for a port out of range or not a number
     except ValueError as err:
-        raise ConfigError(f"{key}: {url!r} is not a valid URL ({err})") from None
+        raise RecipeError(f"{key}: {url!r} is not a valid URL ({err})") from None
     host = parts.hostname or ""
     if parts.scheme not in ("http", "https") or not host or any(c.isspace() for c in url):
-        raise ConfigError(f"{key}: {url!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:30000")
-
-
-def _check_fleet(r: RolloutConfig) -> None:
-    """The fleet keys (servers, router, restarts) fit together."""
-    _positive_int("rollout.num_servers", r.num_servers)
-    _positive_int("rollout.failover_retries", r.failover_retries, minimum=0)
-    _positive_int("rollout.router_balance_abs_threshold", r.router_balance_abs_threshold, minimum=0)
-    if r.urls and r.num_servers != 1:
-        raise ConfigError(f"rollout.num_servers={r.num_servers} starts embedded servers, but rollout.urls lists "
-                          "external ones: give one or the other")
-    if r.router_url is not None:
-        _check_url("rollout.router_url", r.router_url)
-        if r.router != "sglang_router":
-            raise ConfigError(
-                f"rollout.router_url is set but rollout.router={r.router}: set rollout.router=sglang_router")
-        if not r.urls:
-            raise ConfigError("rollout.router_url needs rollout.urls: the workers behind it, which get the weight "
-                              "updates, flush_cache and health checks (generation goes through the router)")
-    elif r.router == "sglang_router":
-        import importlib.util
-
-        if importlib.util.find_spec("sglang_router") is None:
-            raise ConfigError("rollout.router=sglang_router needs the sglang-router package to start the router: "
-                              "pip install sglang-router (or give rollout.router_url of a running one)")
-    if r.deterministic and r.urls:
-        raise ConfigError("rollout.deterministic is for embedded servers; launch external SGLang servers with "
-                          "--enable-deterministic-inference instead")
-    if r.restart_command is not None:
-        if not r.urls:
-            raise ConfigError("rollout.restart_command is for external servers (rollout.urls); the trainer restarts "
-                              "its embedded servers itself (rollout.restart_servers)")
-        try:
-            words = shlex.split(r.restart_command)
-        except ValueError as err:
-            raise ConfigError(f"rollout.restart_command: {r.restart_command!r} is not a command line ({err})") from None
-        if not words:
-            raise ConfigError("rollout.restart_command is empty: give a command or leave it null")
-
-
-RESUME_MODES = ("auto", "none")
-
-
-def _check_modes(cfg: TrainConfig) -> None:
-    """The rollout mode, staleness, dynamic sampling and overlong options."""
-    r = cfg.rollout
-    _positive_int("rollout.max_staleness", r.max_staleness, minimum=0)
-    _positive_int("rollout.dynamic_sampling_max_groups", r.dynamic_sampling_max_groups, minimum=0)
-    _positive_int("rollout.overlong_buffer", r.overlong_buffer)
-    if r.overlong_buffer >= r.max_total_tokens:
-        raise ConfigError(f"rollout.overlong_buffer={r.overlong_buffer} must be < rollout.max_total_tokens="
-                          f"{r.max_total_tokens}")
-    if r.overlong_penalty < 0:
-        raise ConfigError(f"rollout.overlong_penalty must be >= 0, got {r.overlong_penalty}")
-    if r.mode == "one_step_off" and r.max_staleness < 1:
-        raise ConfigError("rollout.mode=one_step_off trains on batches one weight version old: "
-                          "rollout.max_staleness must be >= 1")
-    if r.mode == "async" and r.max_staleness < 1:
-        raise ConfigError("rollout.mode=async with rollout.max_staleness=0 would drop every group that was in "
-                          "flight at a weight update: use rollout.mode=sync, or max_staleness >= 1")
-    if r.mode != "sync" and r.stale_groups == "keep" and cfg.algorithm.loss.is_correction.mode == "off":
-        raise ConfigError("rollout.stale_groups=keep trains on groups beyond rollout.max_staleness with the IS "
-                          "correction of their behaviour log-probs: set algorithm.loss.is_correction.mode "
-                          "(tis or mis), or drop them (rollout.stale_groups=drop)")
-    if r.dynamic_sampling_max_groups and r.dynamic_sampling_max_groups < cfg.schedule.batch_size:
-        raise ConfigError(f"rollout.dynamic_sampling_max_groups={r.dynamic_sampling_max_groups} must be 0 or "
-                          f">= schedule.batch_size={cfg.schedule.batch_size}")
-
-
-def _check_resume(resume: str) -> None:
-    """``auto``, ``none`` or something that looks like a path: a bare word that is neither (a
-    typo of auto) must not silently become a relative directory that is then not found."""
-    if not resume.strip():
-        raise ConfigError("checkpoint.resume is empty: give auto, none or a checkpoint directory")
-    if resume in RESUME_MODES or os.sep in resume or "/" in resume or Path(resume).exists():
-        return
-    close = difflib.get_close_matches(resume.lower(), RESUME_MODES, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else " (write ./NAME for a directory here)"
-    raise ConfigError(f"checkpoint.resume: {resume!r} is not auto, none or a checkpoint directory{hint}")
-
-
-def _check_wandb(w: WandbConfig) -> None:
-    if w.mode == "disabled":
-        return
-    if not w.project.strip():
-        raise ConfigError("logging.wandb.project is empty")
-    if not w.init_timeout_s > 0:
-        raise ConfigError(f"logging.wandb.init_timeout_s must be > 0 seconds, got {w.init_timeout_s}")
-    import importlib.util
-
-    if importlib.util.find_spec("wandb") is None:
-        raise ConfigError(
-            f"logging.wandb.mode={w.mode} needs the wandb package: pip install -e '.[wandb]' (or pip install wandb)"
-        )
-
-
-def _check_values(cfg: TrainConfig) -> None:
-    _check_finite(cfg)
-    if not cfg.model.path:
-        raise ConfigError("model.path is empty: give the policy's HF model directory")
-    if not cfg.data.train:
-        raise ConfigError("data.train is empty: give the training parquet file")
-    if not cfg.retrieval.url and not cfg.retrieval.corpus:
-        raise ConfigError("retrieval.corpus is empty and retrieval.url is not set: give one of them")
-    p = cfg.parallelism
-    for key in ("tp", "pp", "vpp", "ep"):
-        _positive_int(f"parallelism.{key}", getattr(p, key))
-    if p.etp is not None:
-        _positive_int("parallelism.etp", p.etp)
-    if p.vpp > 1 and p.pp == 1:  # the rule of bridge/layout.py validate_layout
-        raise ConfigError(f"parallelism.vpp={p.vpp} needs parallelism.pp > 1 (interleaving splits pipeline stages)")
-    for key in ("first_stage_layers", "last_stage_layers"):
-        if getattr(p, key) is not None:
-            _positive_int(f"parallelism.{key}", getattr(p, key))
-            if p.pp == 1:
-                raise ConfigError(f"parallelism.{key}={getattr(p, key)} needs parallelism.pp > 1 "
-                                  "(it sizes the first / last pipeline stage)")
-    s = cfg.schedule
-    for key in ("total_steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "critic_epochs"):
-        _positive_int(f"schedule.{key}", getattr(s, key))
-    _positive_int("schedule.val_every", s.val_every, minimum=0)
-    r = cfg.rollout
-    for key in ("group_size", "max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "concurrency"):
-        _positive_int(f"rollout.{key}", getattr(r, key))
-    _positive_int("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
-    if r.weight_sync_master_address is not None and (
-        not r.weight_sync_master_address or any(c.isspace() for c in r.weight_sync_master_address)
-    ):
-        raise ConfigError(
-            "rollout.weight_sync_master_address must be a host name or IP address, "
-            f"got {r.weight_sync_master_address!r}"
-        )
-    for key in ("rollout.timeout_s", "rollout.weight_sync_timeout_s", "rollout.health_timeout_s",
-                "rollout.weight_sync_init_timeout_s", "rollout.start_timeout_s",
-                "retrieval.timeout_s", "retrieval.health_timeout_s"):
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if not value > 0:  # finite already (_check_finite)
-            raise ConfigError(f"{key} must be > 0 seconds, got {value}")
-    _positive_int("rollout.retries", r.retries, minimum=0)
-    _positive_int("retrieval.retries", cfg.retrieval.retries, minimum=0)
-    _positive_int("retrieval.topk", cfg.retrieval.topk)
-    _positive_int("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
-    _positive_int("checkpoint.save_every", cfg.checkpoint.save_every, minimum=0)
-    _positive_int("checkpoint.keep_last", cfg.checkpoint.keep_last, minimum=0)
-    if not 0 <= cfg.reward.format_weight <= 1:
-        raise ConfigError(f"reward.format_weight must be in [0, 1], got {cfg.reward.format_weight}")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
-    if cfg.rollout.temperature <= 0:
-        raise ConfigError(f"rollout.temperature must be > 0, got {cfg.rollout.temperature}")
-    if r.top_k == 0 or r.top_k < -1:
-        raise ConfigError(f"rollout.top_k must be -1 (off) or >= 1, got {r.top_k}")
-    for key in ("max_obs_tokens", "max_turn_tokens"):
-        if getattr(r, key) >= r.max_total_tokens:
-            raise ConfigError(
-                f"rollout.{key}={getattr(r, key)} must be < rollout.max_total_tokens={r.max_total_tokens}"
-            )
-    if cfg.data.max_prompt_tokens >= r.max_total_tokens:
-        raise ConfigError(
-            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} must be < rollout.max_total_tokens="
-            f"{r.max_total_tokens} (a prompt that long leaves no room for the policy's turns)"
-        )
-    for i, url in enumerate(r.urls):
-        _check_url(f"rollout.urls[{i}]", url)
-    _check_fleet(r)
-    _check_modes(cfg)
-    if cfg.retrieval.url:
-        _check_url("retrieval.url", cfg.retrieval.url)
-    _check_resume(cfg.checkpoint.resume)
-    _check_wandb(cfg.logging.wandb)
-    if cfg.sft.lr <= 0:
-        raise ConfigError(f"sft.lr must be > 0, got {cfg.sft.lr}")
-    trajectories = s.batch_size * cfg.rollout.group_size
-    if trajectories % s.mini_batch_size:
-        raise ConfigError(
-            f"schedule.mini_batch_size={s.mini_batch_size} must divide "
-            f"schedule.batch_size x rollout.group_size = {trajectories}"
-        )
-    fixed_micro = _check_token_budget(cfg)
-    if fixed_micro and s.mini_batch_size % s.micro_batch_size:
-        raise ConfigError(
-            f"schedule.micro_batch_size={s.micro_batch_size} must divide schedule.mini_batch_size={s.mini_batch_size}"
-        )
-    if cfg.sft.enabled:
-        _positive_int("sft.steps", cfg.sft.steps)
-        _positive_int("sft.batch_size", cfg.sft.batch_size)
-        if fixed_micro and cfg.sft.batch_size % s.micro_batch_size:
-            raise ConfigError(
-                f"schedule.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={cfg.sft.batch_size}"
-            )
-        if not 0 <= cfg.sft.direct_answer_fraction < 1:
-            raise ConfigError(f"sft.direct_answer_fraction must be in [0, 1), got {cfg.sft.direct_answer_fraction}")
-    a = cfg.algorithm
-    _check_loss_and_estimator(a.loss.name, a.advantage.estimator)
-    _in_range("algorithm.advantage.gamma", a.advantage.gamma, 0, 1)
-    _in_range("algorithm.advantage.lam", a.advantage.lam, 0, 1)
-    if a.advantage.estimator == "grpo" and cfg.rollout.group_size < 2:
-        raise ConfigError("algorithm.advantage.estimator=grpo needs rollout.group_size >= 2")
-    if a.advantage.estimator == "pvpo":
-        _positive_int("algorithm.pvpo.num_ref_rollouts", a.pvpo.num_ref_rollouts)
-        _positive_int("algorithm.pvpo.refresh_every", a.pvpo.refresh_every, minimum=0)
-        if any(k < 1 for k in a.pvpo.refresh_at):
-            raise ConfigError(f"algorithm.pvpo.refresh_at steps must be >= 1, got {a.pvpo.refresh_at}")
-    if a.value_clip is not None and a.value_clip <= 0:
-        raise ConfigError(f"algorithm.value_clip must be > 0 or null, got {a.value_clip}")
-
-
-def _check_token_budget(cfg: TrainConfig) -> bool:
-    """``schedule.max_tokens_per_micro_batch`` holds the longest trajectory a rollout can make
-    (one is never split); returns whether micro-batches are ``micro_batch_size`` padded rows."""
-    s = cfg.schedule
-    budget = s.max_tokens_per_micro_batch
-    if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int):
-            raise ConfigError(f"schedule.max_tokens_per_micro_batch must be an integer or null, got {budget!r}")
-        if budget < cfg.rollout.max_total_tokens:
-            raise ConfigError(
-                f"schedule.max_tokens_per_micro_batch={budget} must be >= rollout.max_total_tokens="
-                f"{cfg.rollout.max_total_tokens}: a trajectory is never split across micro-batches"
-            )
-    return budget is None and not s.pack_sequences
-
-
-def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
-    """Checks that need the world size and the model's HF config (heads, experts, layers).
-
-    Reads ``<model.path>/config.json`` (and ``model.critic_path``'s when set): a missing one is
-    an error. The layout rules are bridge/layout.py's ``validate_layout`` (the ones the
-    engines apply when they build), run here before any process or server starts.
-    """
-    p = cfg.parallelism
-    mp = p.tp * p.pp
-    if world_size % mp:
-        raise ConfigError(
-            f"parallelism: tp x pp = {p.tp} x {p.pp} = {mp} does not divide the world size {world_size}"
-        )
-    models = [("model.path", cfg.model.path)]
-    if cfg.model.critic_path and cfg.algorithm.advantage.estimator == "gae":
-        models.append(("model.critic_path", cfg.model.critic_path))
-    for key, path in models:
-        hf_config = _load_hf_config(key, path)
-        _check_model_layout(cfg, hf_config, key)
-        _check_layout_rules(cfg, hf_config, key, world_size)
-    dp = world_size // mp
-    s = cfg.schedule
-    if s.pack_sequences:
-        return  # packed micro-batches are dealt to the DP ranks whatever the row count
-    if s.max_tokens_per_micro_batch is not None:
-        if s.mini_batch_size % dp:
-            raise ConfigError(f"schedule.mini_batch_size={s.mini_batch_size} must be a multiple of the "
-                              f"data-parallel size {dp} (token-budget micro-batches of padded rows)")
-        return
-    if s.mini_batch_size % (s.micro_batch_size * dp):
-        raise ConfigError(
-            f"schedule.mini_batch_size={s.mini_batch_size} must be a multiple of "
-            "schedule.micro_batch_size x data-parallel size "
-            f"= {s.micro_batch_size} x {dp}"
-        )
-
-
-def _load_hf_config(key: str, path: str):
-    from ..bridge.hf_config import load_hf_config
-
-    try:
-        return load_hf_config(path)
-    except FileNotFoundError as err:
-        raise ConfigError(f"{key}: {err}") from None
-    except (OSError, ValueError) as err:  # unreadable JSON, unknown model_type, rope scaling
-        raise ConfigError(f"{key}: cannot use the HF config of {path} ({err})") from None
-
-
-def _check_model_layout(cfg: TrainConfig, hf_config, key: str) -> None:
-    """The common mistakes, with messages in config keys (validate_layout covers the rest)."""
-    p = cfg.parallelism
-    heads = int(hf_config.num_attention_heads)
-    kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    layers = int(hf_config.num_hidden_layers)
-    experts = num_experts_of(hf_config)
-    if heads % p.tp or kv % p.tp:
-        raise ConfigError(
-            f"parallelism.tp={p.tp} does not divide the model's {heads} attention / {kv} KV heads ({key})"
-        )
-    vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
-    if vocab % p.tp:
-        # megatron shards the (unpadded) embedding and output layer over TP
-        raise ConfigError(
-            f"parallelism.tp={p.tp} does not divide the model's vocab_size {vocab} (pad the vocabulary; {key})"
-        )
-    if not p.uneven and layers % (p.pp * p.vpp):
-        raise ConfigError(f"parallelism.pp x vpp = {p.pp * p.vpp} does not divide the model's {layers} layers "
-                          f"({key}; uneven stages: parallelism.first_stage_layers / last_stage_layers)")
-    if p.ep > 1 and experts == 0:
-        raise ConfigError(f"parallelism.ep={p.ep} needs an MoE model; {key} is dense")
-    if p.ep > 1 and experts % p.ep:
-        raise ConfigError(f"parallelism.ep={p.ep} does not divide the model's {experts} experts ({key})")
-    if key == "model.path" and cfg.algorithm.routing_replay != "off" and experts == 0:
-        raise ConfigError(
-            f"algorithm.routing_replay={cfg.algorithm.routing_replay} needs an MoE model; {cfg.model.path} is dense"
-        )
-
-
-def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) -> None:
-    """bridge/layout.py's rules (expert layout vs the world size, expert FFN vs ETP, ...)."""
-    from ..bridge.layout import LayoutError, UnsupportedModelError, validate_layout
-
-    layout = p = cfg.parallelism
-    stages = f", first_stage_layers={p.first_stage_layers}, last_stage_layers={p.last_stage_layers}" * p.uneven
-    where = (f"parallelism (tp={p.tp}, pp={p.pp}, vpp={p.vpp}, ep={p.ep}, etp={p.etp}{stages}) "
-             f"at world size {world_size} for {key}={getattr(cfg.model, key.split('.')[1])}")
-    try:
-        validate_layout(layout, hf_config, world_size)
-    except UnsupportedModelError as err:
-        raise ConfigError(f"{key}: {err}") from None
-    except LayoutError as err:
-        named = ", ".join(f"parallelism.{k}={getattr(p, k)}" for k in err.keys)  # the keys to change
-        raise ConfigError(f"{named + ': ' if named else ''}{where}: {err}") from None
-    if num_experts_of(hf_config) and layout.tp > 1 and not layout.use_sequence_parallel:
-        # bridge/build.py refuses this when it builds the model
-        raise ConfigError(
-            f"parallelism.sequence_parallel=false with tp={p.tp}: MoE models need sequence parallelism under TP"
-        )
-
-
-def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Load a YAML recipe with its ``defaults`` chain, apply dotted overrides, validate."""
-    from omegaconf import OmegaConf
-
-    tree = _load_with_defaults(Path(path), seen=())
-    if overrides:
-        tree = OmegaConf.merge(tree, overrides_tree(overrides))
-    try:
-        plain = OmegaConf.to_container(tree, resolve=True)
-    except Exception as err:  # unresolvable interpolation
-        raise ConfigError(f"{path}: {err}") from None
-    plain.pop("defaults", None)
-    return build_dataclass(TrainConfig, plain)
-
-
-def overrides_tree(overrides: Sequence[str]):
-    """Command-line overrides as an OmegaConf tree to merge over a recipe.
-
-    The grammar NeMo-RL's loader takes (Hydra's): ``key=value``, ``+key=value`` (add a key)
-    and ``++key=value`` (add or override). Every key this project has is in the typed schema,
-    so the three set the key alike and the schema decides whether it exists: an unknown one
-    is an error naming it, whichever form added it. Values are YAML (``[a,b]``, ``null``).
-    """
-    from omegaconf import OmegaConf
-
-    dotlist = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if key.startswith("~"):
-            raise ConfigError(f"override {item!r}: deleting a key (~key) is not supported; set it instead (key=value)")
-        name = key[2:] if key.startswith("++") else key[1:] if key.startswith("+") else key
-        if not sep or not name.strip() or name != name.strip() or name.startswith("+"):
-            raise ConfigError(
-                f"override {item!r} is not key=value, +key=value or ++key=value (e.g. algorithm.loss.name=so_grpo)"
-            )
-        dotlist.append(f"{name}={value}")
-    try:
-        return OmegaConf.from_dotlist(dotlist)
-    except Exception as err:  # omegaconf's grammar errors
-        raise ConfigError(f"bad override in {list(overrides)}: {err}") from None
-
-
-def _load_with_defaults(path: Path, seen: tuple[Path, ...]):
-    from omegaconf import ListConfig, OmegaConf
-
-    if path.suffix not in (".yaml", ".yml") and path.name:
-        candidate = path.with_name(path.name + ".yaml")  # names may hold dots: sorl_qwen2.5_7b_base
-        path = candidate if candidate.is_file() else path
-    path = path.resolve()
-    if path in seen:
-        raise ConfigError(f"recipe defaults form a cycle: {' -> '.join(str(p) for p in seen + (path,))}")
-    if not path.is_file():
-        where = f" (listed in the defaults of {seen[-1]})" if seen else ""
-        raise ConfigError(f"recipe {path} not found{where}")
-    try:
-        node = OmegaConf.load(path)
-    except Exception as err:
-        raise ConfigError(f"{path}: not valid YAML ({err})") from None
-    if not isinstance(OmegaConf.to_container(node) if node is not None else {}, dict):
-        raise ConfigError(f"{path}: a recipe must be a mapping")
-    defaults = node.pop("defaults", None) if "defaults" in node else None
-    if isinstance(defaults, str):  # NeMo-RL's loader takes one parent as a string
-        defaults = [defaults]
-    elif defaults is None:
-        defaults = []
-    elif not isinstance(defaults, ListConfig):
-        raise ConfigError(f"{path}: defaults must be a recipe path or a list of them, got {defaults!r}")
-    merged = OmegaConf.create({})
-    for item in defaults:
-        if not isinstance(item, str) or not item.strip():
-            raise ConfigError(f"{path}: defaults entries must be recipe paths (non-empty strings), got {item!r}")
-        merged = OmegaConf.merge(merged, _load_with_defaults(path.parent / item, seen + (path,)))
-    return OmegaConf.merge(merged, node)
-
-
-def dump_config(cfg: TrainConfig) -> str:
-    """The resolved config as YAML (written next to each run for reproducibility)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.create(to_dict(cfg)))
+        raise RecipeError(f"{key}: {url!r} is not an http(s) URL with a host, e.g. http://127.0.0.1:30000")

@@ -49,10 +49,11 @@ from ..rollout.trajectory import collate
 from ..weight_sync.base import SyncTargets
 from ..weight_sync.factory import make_weight_sync
 from .batch_source import RolloutSource, make_rollout_source, source_class
-from .config import TrainConfig, dump_config
+from .config import TrainConfig
 from .connections import Connections
 from .inputs import check_resume_dir, load_tokenizer, validate_inputs
 from .metrics_log import MetricsLogger, open_wandb
+from .recipe import dump_config
 from .rollout_phase import RolloutResult, rollout_metrics
 from .runtime import DataStream, StepTimer, model_options, tokens_per_second, truncate_jsonl
 from .servers import EmbeddedServers

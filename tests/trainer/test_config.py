@@ -5,7 +5,9 @@ import pytest
 
 from sorl_megatron.algorithms import POLICY_LOSSES
 from sorl_megatron.common.typed_config import build_dataclass
-from sorl_megatron.trainer.config import ConfigError, TrainConfig, dump_config, load_recipe, validate_layout_for_launch
+from sorl_megatron.trainer.config import RecipeError, TrainConfig
+from sorl_megatron.trainer.launch_checks import validate_layout_for_launch
+from sorl_megatron.trainer.recipe import dump_config, load_recipe
 
 RECIPES = sorted(p for p in Path(__file__).resolve().parents[2].joinpath("recipes").rglob("*.yaml")
                  if p.parent.name != "study")  # study recipes: tests/test_study.py
@@ -123,7 +125,7 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(RecipeError, match=message):
         load_recipe(BASE, overrides)
 
 
@@ -159,23 +161,64 @@ def test_every_float_field_gets_the_finite_check():
     keys = list(float_keys(TrainConfig))
     assert len(keys) > 20 and "optimizer.lr" in keys and "algorithm.loss.is_correction.cap" in keys
     for key in keys:
-        with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}.* finite"):
+        with pytest.raises(RecipeError, match=rf"{key.replace('.', '[.]')}.* finite"):
             load_recipe(BASE, [f"{key}=.nan"])
 
 
 def test_missing_and_cyclic_recipes(tmp_path):
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(RecipeError, match="not found"):
         load_recipe(tmp_path / "nope.yaml")
     (tmp_path / "a.yaml").write_text("defaults: [b]\n")
     (tmp_path / "b.yaml").write_text("defaults: [a]\n")
-    with pytest.raises(ConfigError, match="cycle"):
+    with pytest.raises(RecipeError, match="cycle"):
         load_recipe(tmp_path / "a.yaml")
     (tmp_path / "c.yaml").write_text("defaults: [missing_parent]\n")
-    with pytest.raises(ConfigError, match="listed in the defaults of"):
+    with pytest.raises(RecipeError, match="listed in the defaults of"):
         load_recipe(tmp_path / "c.yaml")
     (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(RecipeError, match="not valid YAML"):
         load_recipe(tmp_path / "bad.yaml")
+
+
+def test_a_wrong_recipe_path_lists_the_recipes_nearby(monkeypatch, capsys):
+    """``--config recipes/nope.yaml``: the error names the path and lists the recipes of its
+    directory (and its subdirectories), with the closest one first."""
+    from sorl_megatron.train import main
+
+    monkeypatch.chdir(BASE.parents[1])
+    assert main(["--config", "recipes/nope.yaml", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: recipe {BASE.parent / 'nope.yaml'} not found") and "Traceback" not in err
+    listed = err.split(f"the recipes in {BASE.parent}: ")[1].strip().split(", ")
+    here = sorted(p.name for p in BASE.parent.glob("*.yaml"))
+    assert listed == here + sorted(str(p.relative_to(BASE.parent)) for p in BASE.parent.glob("*/*.yaml"))
+    assert "tiny_search_base.yaml" in listed and "gpu/sorl_qwen2.5_7b_so_ppo.yaml" in listed
+    # a typo gets a did-you-mean, also across a subdirectory; a missing directory lists its parent's recipes
+    for path, close in [("recipes/tiny_search_sogrpo.yaml", "tiny_search_so_grpo.yaml"),
+                        ("recipes/sorl_qwen2.5_7b_so_ppo.yaml", "gpu/sorl_qwen2.5_7b_so_ppo.yaml"),
+                        ("recipes/gpus/sorl_qwen2.5_7b_ppo.yaml", "gpu/sorl_qwen2.5_7b_ppo.yaml")]:
+        with pytest.raises(RecipeError, match=rf"not found; did you mean {BASE.parent / close}\?; the recipes in "):
+            load_recipe(path)
+
+
+def test_a_missing_parent_recipe_lists_its_neighbours(tmp_path):
+    (tmp_path / "base.yaml").write_text(_PARENT)
+    (tmp_path / "top.yaml").write_text("defaults: [bsae]\n")
+    (tmp_path / ".hidden.yaml").write_text("{}\n")
+    with pytest.raises(RecipeError, match=rf"recipe {tmp_path / 'bsae'} not found \(listed in the defaults of "
+                                          rf"{tmp_path / 'top.yaml'}\); did you mean {tmp_path / 'base.yaml'}\?; "
+                                          rf"the recipes in {tmp_path}: base.yaml, top.yaml$"):
+        load_recipe(tmp_path / "top.yaml")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(RecipeError, match=rf"{empty} holds no recipes"):
+        load_recipe(empty / "nope.yaml")
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(45):
+        (many / f"r{i:02d}.yaml").write_text("{}\n")
+    with pytest.raises(RecipeError, match=r"r39.yaml, ... \(5 more\)$"):
+        load_recipe(many / "zzz.yaml")
 
 
 _PARENT = ("schedule:\n  total_steps: 7\nmodel:\n  path: m\ndata:\n  train: t.parquet\n"
@@ -198,7 +241,7 @@ def test_a_string_default_chains_and_names_its_file_when_missing(tmp_path):
     cfg = load_recipe(tmp_path / "top.yaml")
     assert (cfg.schedule.total_steps, cfg.schedule.batch_size) == (7, 16)
     (tmp_path / "orphan.yaml").write_text("defaults: parent.yaml\n")
-    with pytest.raises(ConfigError, match=rf"recipe {tmp_path / 'parent.yaml'} not found \(listed in the defaults "
+    with pytest.raises(RecipeError, match=rf"recipe {tmp_path / 'parent.yaml'} not found \(listed in the defaults "
                                           rf"of {tmp_path / 'orphan.yaml'}\)"):
         load_recipe(tmp_path / "orphan.yaml")
 
@@ -212,7 +255,7 @@ def test_a_string_default_chains_and_names_its_file_when_missing(tmp_path):
 ])
 def test_bad_defaults_name_the_file(tmp_path, defaults, message):
     (tmp_path / "r.yaml").write_text(f"defaults: {defaults}\n")
-    with pytest.raises(ConfigError, match=message) as err:
+    with pytest.raises(RecipeError, match=message) as err:
         load_recipe(tmp_path / "r.yaml")
     assert "r.yaml" in str(err.value) or "not found" in str(err.value)
 
@@ -235,9 +278,10 @@ def test_hydra_style_overrides_add_keys_the_schema_allows():
     ("+ schedule.seed=1", r"is not key=value"),
     ("+schedule.seed", r"override '\+schedule.seed' is not key=value"),
     ("~schedule.seed", r"override '~schedule.seed': deleting a key \(~key\) is not supported"),
+    ("model=[1]", r"overrides \['model=\[1\]'\] do not fit .*tiny_search_base.yaml: Cannot merge"),
 ])
 def test_bad_hydra_style_overrides_name_the_key(override, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(RecipeError, match=message):
         load_recipe(BASE, [override])
 
 
@@ -316,15 +360,15 @@ def test_layout_checks_against_world_size_and_model(tmp_path):
     validate_layout_for_launch(cfg(tp=2), world_size=2)
     validate_layout_for_launch(cfg(ep=2), world_size=2)
     validate_layout_for_launch(cfg(ep=4, pp=2), world_size=8)
-    with pytest.raises(ConfigError, match="does not divide the world size 3"):
+    with pytest.raises(RecipeError, match="does not divide the world size 3"):
         validate_layout_for_launch(cfg(tp=2), world_size=3)
-    with pytest.raises(ConfigError, match="parallelism.tp=4 does not divide the model's 4 attention / 2 KV heads"):
+    with pytest.raises(RecipeError, match="parallelism.tp=4 does not divide the model's 4 attention / 2 KV heads"):
         validate_layout_for_launch(cfg(tp=4), world_size=4)
-    with pytest.raises(ConfigError, match="parallelism.pp x vpp = 4 does not divide the model's 2 layers"):
+    with pytest.raises(RecipeError, match="parallelism.pp x vpp = 4 does not divide the model's 2 layers"):
         validate_layout_for_launch(cfg(pp=2, vpp=2), world_size=2)
-    with pytest.raises(ConfigError, match="parallelism.ep=3 does not divide the model's 4 experts"):
+    with pytest.raises(RecipeError, match="parallelism.ep=3 does not divide the model's 4 experts"):
         validate_layout_for_launch(cfg(ep=3), world_size=3)
-    with pytest.raises(ConfigError, match="micro_batch_size x data-parallel size = 4 x 8"):
+    with pytest.raises(RecipeError, match="micro_batch_size x data-parallel size = 4 x 8"):
         validate_layout_for_launch(cfg(), world_size=8)
     packed = cfg()
     packed.schedule.pack_sequences = True  # packed rows are dealt to the DP ranks: no row-count rule
@@ -332,18 +376,18 @@ def test_layout_checks_against_world_size_and_model(tmp_path):
     budget = cfg()
     budget.schedule.max_tokens_per_micro_batch = 2048
     validate_layout_for_launch(budget, world_size=8)  # 16 rows over 8 DP ranks, micro-batch size from the budget
-    with pytest.raises(ConfigError, match="mini_batch_size=16 must be a multiple of the data-parallel size 32"):
+    with pytest.raises(RecipeError, match="mini_batch_size=16 must be a multiple of the data-parallel size 32"):
         validate_layout_for_launch(budget, world_size=32)
     # the expert layout against the world size (megatron/layout.py's rules): EP 4 x PP 2 needs 8 ranks
-    with pytest.raises(ConfigError, match=r"parallelism \(tp=1, pp=2, vpp=1, ep=4, etp=None\) at world size 4 .*"
+    with pytest.raises(RecipeError, match=r"parallelism \(tp=1, pp=2, vpp=1, ep=4, etp=None\) at world size 4 .*"
                                           r"ETP x EP x PP = 8"):
         validate_layout_for_launch(cfg(ep=4, pp=2), world_size=4)
-    with pytest.raises(ConfigError, match=r"parallelism \(tp=2, pp=1, vpp=1, ep=2, etp=None\) at world size 2 .*"
+    with pytest.raises(RecipeError, match=r"parallelism \(tp=2, pp=1, vpp=1, ep=2, etp=None\) at world size 2 .*"
                                           r"ETP x EP x PP = 4"):  # etp=None: ETP = TP
         validate_layout_for_launch(cfg(tp=2, ep=2), world_size=2)
-    with pytest.raises(ConfigError, match="ETP=3 does not divide expert ffn size 16"):
+    with pytest.raises(RecipeError, match="ETP=3 does not divide expert ffn size 16"):
         validate_layout_for_launch(cfg(etp=3), world_size=3)
-    with pytest.raises(ConfigError, match="parallelism.sequence_parallel=false with tp=2"):
+    with pytest.raises(RecipeError, match="parallelism.sequence_parallel=false with tp=2"):
         validate_layout_for_launch(cfg(tp=2, sequence_parallel=False), world_size=2)
 
 
@@ -359,24 +403,24 @@ def test_launch_needs_the_model_config(tmp_path):
             },
         )
 
-    with pytest.raises(ConfigError, match=r"model.path: .*does not exist"):
+    with pytest.raises(RecipeError, match=r"model.path: .*does not exist"):
         validate_layout_for_launch(cfg(tmp_path / "absent"), world_size=1)
-    with pytest.raises(ConfigError, match=r"model.path: .*config.json not found"):
+    with pytest.raises(RecipeError, match=r"model.path: .*config.json not found"):
         validate_layout_for_launch(cfg(tmp_path), world_size=1)
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match=r"model.path: cannot use the HF config"):
+    with pytest.raises(RecipeError, match=r"model.path: cannot use the HF config"):
         validate_layout_for_launch(cfg(tmp_path / "bad"), world_size=1)
     gpt2 = _hf_config(tmp_path / "gpt2", model_type="gpt2", num_attention_heads=4, num_hidden_layers=2)
-    with pytest.raises(ConfigError, match=r"model.path: unsupported architecture model_type='gpt2'"):
+    with pytest.raises(RecipeError, match=r"model.path: unsupported architecture model_type='gpt2'"):
         validate_layout_for_launch(cfg(gpt2), world_size=1)
     model = _hf_config(tmp_path / "model", **TINY_MOE)
     validate_layout_for_launch(cfg(model), world_size=1)
-    with pytest.raises(ConfigError, match=r"model.critic_path: .*does not exist"):
+    with pytest.raises(RecipeError, match=r"model.critic_path: .*does not exist"):
         validate_layout_for_launch(cfg(model, critic_path=str(tmp_path / "no_critic")), world_size=1)
     dense = dict(TINY_MOE, model_type="qwen2")
     del dense["num_experts"]
-    with pytest.raises(ConfigError, match="routing_replay=r3 needs an MoE model"):
+    with pytest.raises(RecipeError, match="routing_replay=r3 needs an MoE model"):
         validate_layout_for_launch(build_dataclass(TrainConfig, {
             "model": {"path": str(_hf_config(tmp_path / "dense", **dense))}, "data": {"train": "t"},
             "retrieval": {"corpus": "c"}, "algorithm": {"routing_replay": "r3"}}), world_size=1)
@@ -496,7 +540,7 @@ def test_launch_checks_reject_impossible_layouts_of_each_architecture_naming_the
 
     validate_layout_for_launch(cfg(**good), good_world)
     for par, world, message in bad:
-        with pytest.raises(ConfigError, match=message):
+        with pytest.raises(RecipeError, match=message):
             validate_layout_for_launch(cfg(**par), world)
 
 
@@ -519,7 +563,7 @@ def test_minirl_layout_needs_16_gpus(tmp_path):
     cfg = load_recipe(GPU / "minirl_qwen3_30b_a3b_r3.yaml", [f"model.path={model}"])
     assert cfg.rollout.precision == "fp8" and cfg.algorithm.routing_replay == "r3"
     with pytest.raises(
-        ConfigError, match=r"parallelism \(tp=2, pp=2, vpp=1, ep=8, etp=1\) at world size 8 .*ETP x EP x PP = 16"
+        RecipeError, match=r"parallelism \(tp=2, pp=2, vpp=1, ep=8, etp=1\) at world size 8 .*ETP x EP x PP = 16"
     ):
         validate_layout_for_launch(cfg, 8)
 
@@ -535,7 +579,7 @@ def test_qwen3_235b_layout_is_the_only_kind_its_shape_allows(tmp_path):
         (["parallelism.pp=2", "parallelism.vpp=2"], 128, r"parallelism.pp x vpp = 4 does not divide"),
         ([], 32, r"parallelism.ep=32, parallelism.etp=1: .*ETP x EP x PP = 64"),
     ]:
-        with pytest.raises(ConfigError, match=message):
+        with pytest.raises(RecipeError, match=message):
             validate_layout_for_launch(load_recipe(GPU / "minirl_qwen3_235b_a22b_r3.yaml",
                                                    [f"model.path={model}", *overrides]), world)
 
@@ -563,7 +607,7 @@ def test_deepseek_v3_layout_is_valid_through_its_uneven_stages(tmp_path):
         (["parallelism.first_stage_layers=0"], 128, r"parallelism.first_stage_layers must be >= 1, got 0"),
         ([], 64, r"parallelism.ep=32, parallelism.etp=1: .*ETP x EP x PP = 128"),
     ]:
-        with pytest.raises(ConfigError, match=message):
+        with pytest.raises(RecipeError, match=message):
             validate_layout_for_launch(load_recipe(recipe, [f"model.path={model}", *overrides]), world)
 
 
@@ -573,7 +617,7 @@ def test_moonlight_recipe_is_one_node_of_deepseek_v3_architecture(tmp_path):
     assert (cfg.model.dtype, cfg.rollout.precision, cfg.algorithm.routing_replay) == ("bfloat16", "fp8", "r3")
     assert cfg.rollout.weight_sync == "distributed" and cfg.schedule.pack_sequences
     validate_layout_for_launch(cfg, 8)
-    with pytest.raises(ConfigError, match=r"parallelism.ep=8, parallelism.etp=1: .*ETP x EP x PP = 8"):
+    with pytest.raises(RecipeError, match=r"parallelism.ep=8, parallelism.etp=1: .*ETP x EP x PP = 8"):
         validate_layout_for_launch(cfg, 4)  # one node is the least: EP 8 needs 8 ranks
 
 
@@ -655,7 +699,7 @@ def test_pvpo_static_v_refresh_schedule():
     ],
 )
 def test_a_loss_needs_an_estimator_it_can_use(overrides, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(RecipeError, match=message):
         load_recipe(BASE, overrides)
 
 
@@ -687,7 +731,7 @@ def test_the_optimizer_section_is_the_engines_optimizer_config():
     ],
 )
 def test_optimizer_values_are_checked_by_the_one_config(override, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(RecipeError, match=message):
         load_recipe(BASE, [override])
 
 

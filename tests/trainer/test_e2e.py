@@ -79,7 +79,7 @@ def length_reward(monkeypatch):
 
 
 def _trainer(overrides, cls=None):
-    from sorl_megatron.trainer.config import load_recipe
+    from sorl_megatron.trainer.recipe import load_recipe
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
     return (cls or RLTrainer)(load_recipe(BASE_RECIPE, overrides))
@@ -611,8 +611,8 @@ def test_sft_cold_start_writes_the_policy_rl_starts_from(tiny_data, shared_serve
 
     from sorl_megatron.data.gold import cold_start_plans
     from sorl_megatron.data.qa import read_parquet
-    from sorl_megatron.trainer.config import load_recipe
     from sorl_megatron.trainer.connections import Connections
+    from sorl_megatron.trainer.recipe import load_recipe
 
     calls = []
     gold_trajectories = Connections.gold_trajectories
@@ -660,7 +660,7 @@ def test_bf16_training_with_fp8_rollouts_recipe_trains(tiny_data, shared_servers
     """recipes/tiny_search_bf16_fp8.yaml: the actor trains in megatron's BF16 mixed precision
     while its own embedded server generates with FP8 weights (R3 routes, token-level TIS).
     The crafted length reward gives the GRPO groups a signal (a random model answers nothing)."""
-    from sorl_megatron.trainer.config import load_recipe
+    from sorl_megatron.trainer.recipe import load_recipe
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
     recipe = ROOT / "recipes" / "tiny_search_bf16_fp8.yaml"

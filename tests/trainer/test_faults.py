@@ -28,7 +28,8 @@ from sorl_megatron.common.http import ServerError, ServerTimeoutError, ServerUna
 from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.data.tiny_model import TinyModelConfig, save_tiny_model
 from sorl_megatron.data.tokenizer import train_tokenizer
-from sorl_megatron.trainer.config import ConfigError, load_recipe
+from sorl_megatron.trainer.config import RecipeError
+from sorl_megatron.trainer.recipe import load_recipe
 from sorl_megatron.trainer.rl_loop import RLTrainer
 from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
 from sorl_megatron.trainer.stages import PVPOStage
@@ -263,13 +264,13 @@ def test_start_up_wait_is_bounded_by_its_timeout_even_when_health_hangs():
 @pytest.mark.parametrize("value,message", [("0", "must be > 0 seconds"), ("-1", "must be > 0 seconds"),
                                            (".inf", "must be a finite number"), (".nan", "must be a finite number")])
 def test_timeouts_are_positive_and_finite(model_dir, key, value, message):
-    with pytest.raises(ConfigError, match=rf"{key} {message}"):
+    with pytest.raises(RecipeError, match=rf"{key} {message}"):
         load_recipe(BASE_RECIPE, [f"model.path={model_dir}", "data.train=t.parquet", f"{key}={value}"])
 
 
 @pytest.mark.parametrize("key", ["rollout.retries", "retrieval.retries"])
 def test_retries_are_not_negative(model_dir, key):
-    with pytest.raises(ConfigError, match=rf"{key} must be >= 0"):
+    with pytest.raises(RecipeError, match=rf"{key} must be >= 0"):
         load_recipe(BASE_RECIPE, [f"model.path={model_dir}", "data.train=t.parquet", f"{key}=-1"])
 
 

@@ -26,7 +26,8 @@ import pytest
 from sorl_megatron.common.http import RetryPolicy, request
 from sorl_megatron.common.protocol import bearer_headers
 from sorl_megatron.rollout.router import RouterAdmin
-from sorl_megatron.trainer.config import ConfigError, load_recipe
+from sorl_megatron.trainer.config import RecipeError
+from sorl_megatron.trainer.recipe import load_recipe
 from sorl_megatron.trainer.rl_loop import RLTrainer
 
 from .e2e_helpers import BASE_RECIPE, ROOT, read_metrics, run_overrides, subprocess_env
@@ -69,7 +70,7 @@ def test_router_config_errors_name_the_key(tiny_data):
         (["rollout.urls=[http://127.0.0.1:1]", "rollout.restart_command='a \"b'"], r"rollout.restart_command: .* is "
          r"not a command line"),
     ]:
-        with pytest.raises(ConfigError, match=match):
+        with pytest.raises(RecipeError, match=match):
             load_recipe(BASE_RECIPE, [*base, *extra])
 
 

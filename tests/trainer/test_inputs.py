@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from sorl_megatron.data.qa import make_row, write_parquet
-from sorl_megatron.trainer.config import load_recipe
 from sorl_megatron.trainer.inputs import InputError, validate_inputs
+from sorl_megatron.trainer.recipe import load_recipe
 
 from .test_config import BASE, TINY_MOE, _hf_config
 

@@ -132,7 +132,7 @@ def _captured_figures(monkeypatch) -> dict:
 
 def _demo_like_run(path, em=(0.40, 0.42, 0.45), mismatch=1e-7):
     """A run directory as the trainer leaves it: config.yaml, RL metrics, the SFT stage's."""
-    from sorl_megatron.trainer.config import dump_config, load_recipe
+    from sorl_megatron.trainer.recipe import dump_config, load_recipe
 
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(dump_config(load_recipe(ROOT / "recipes" / "tiny_search_so_grpo.yaml")))

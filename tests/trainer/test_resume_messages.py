@@ -8,7 +8,7 @@ import pytest
 
 from sorl_megatron.bridge.manifest import write_manifest
 from sorl_megatron.engine.checkpoint import FORMAT_VERSION
-from sorl_megatron.trainer.config import load_recipe
+from sorl_megatron.trainer.recipe import load_recipe
 from sorl_megatron.trainer.rl_loop import RLTrainer, start_message
 
 BASE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_search_base.yaml"

@@ -175,7 +175,7 @@ def test_one_step_off_lags_one_version_with_dynamic_sampling(tiny_data, servers,
     sampling drops the groups whose rewards are all equal and refills the batch; its counts agree
     with the logged groups; overlong episodes are penalized."""
     monkeypatch.setattr("sorl_megatron.trainer.rl_loop.RewardRegistry", HalfConstantReward)
-    from sorl_megatron.trainer.config import load_recipe
+    from sorl_megatron.trainer.recipe import load_recipe
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
     name = "one_step_off"
@@ -336,7 +336,7 @@ def _fake_group(gid: int, versions: list[int], rewards: list[float]):
 
 def _collect_with(overrides, groups, version):
     from sorl_megatron.trainer.batch_source import make_rollout_source
-    from sorl_megatron.trainer.config import load_recipe
+    from sorl_megatron.trainer.recipe import load_recipe
     from sorl_megatron.trainer.runtime import DataStream
 
     cfg = load_recipe(BASE_RECIPE, [*overrides, "model.path=x", "data.train=x", "retrieval.url=http://127.0.0.1:1"])

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from sorl_megatron.common.typed_config import to_dict
-from sorl_megatron.trainer.config import ConfigError, load_recipe
+from sorl_megatron.trainer.config import RecipeError
 from sorl_megatron.trainer.metrics_log import WANDB_ID_FILE, MetricsLogger, open_wandb, read_metrics
+from sorl_megatron.trainer.recipe import load_recipe
 
 wandb = pytest.importorskip("wandb")  # in the dev extra, so `make test` has it
 
@@ -130,7 +131,7 @@ def test_disabled_by_default_and_nothing_written(tmp_path):
     ("logging.wandb.init_timeout_s=0", r"logging.wandb.init_timeout_s must be > 0"),
 ])
 def test_bad_wandb_settings_name_the_key(override, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(RecipeError, match=message):
         load_recipe(BASE, ["logging.wandb.mode=offline", override])
 
 
@@ -139,6 +140,6 @@ def test_missing_package_is_a_config_error(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"logging.wandb.mode=online needs the wandb package: pip install"):
+    with pytest.raises(RecipeError, match=r"logging.wandb.mode=online needs the wandb package: pip install"):
         load_recipe(BASE, ["logging.wandb.mode=online"])
     load_recipe(BASE)  # disabled: no package needed
