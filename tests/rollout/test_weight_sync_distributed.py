@@ -112,16 +112,16 @@ def test_each_sync_goes_to_the_servers_it_is_given(servers, moe_dir, monkeypatch
         stats = wsync.sync(first, SyncTargets((servers[0].url,)), "one-server")
         assert stats.bytes_sent == sum(t.numel() * 4 for t in first.values())
         assert servers[0].engine.served.weight_version == "one-server" != servers[1].engine.served.weight_version
-        assert list(servers[0].engine._groups) == ["sorl_wsync_r0"] and servers[1].engine._groups == {}
+        assert list(servers[0].engine.groups._groups) == ["sorl_wsync_r0"] and servers[1].engine.groups._groups == {}
         second = perturbed(moe_dir, 0.05, seed=22)
         wsync.sync(second, SyncTargets(tuple(s.url for s in servers)), "two-servers")
         for s in servers:
             assert s.engine.served.weight_version == "two-servers"
             assert all(torch.equal(s.engine.served.state[k], v) for k, v in second.items())
-            assert list(s.engine._groups) == ["sorl_wsync_r0"]
+            assert list(s.engine.groups._groups) == ["sorl_wsync_r0"]
     finally:
         wsync.close()
-    assert all(s.engine._groups == {} for s in servers)  # close left the group on both
+    assert all(s.engine.groups._groups == {} for s in servers)  # close left the group on both
 
 
 def test_fp8_buckets_are_the_quantizers_output(servers, moe_dir):
