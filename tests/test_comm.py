@@ -122,3 +122,18 @@ def test_a_waiting_rank_gives_up_naming_the_phase_and_the_setting():
     assert got[1][0] == "RankZeroPhaseError"
     assert "waited 0.5 s for rank 0 to finish the PVPO reference pass" in got[1][1]
     assert "parallelism.rank0_phase_timeout_s" in got[1][1]
+
+
+def test_the_process_group_takes_the_recipes_timeout():
+    """``parallelism.collective_timeout_s`` reaches the default group (init_distributed)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, torch.distributed as dist\n"
+            "from sorl_megatron.bridge.parallel import init_distributed\n"
+            "init_distributed(timeout_s=12.5)\n"
+            "print(dist.distributed_c10d._get_default_group()._get_backend(torch.device('cpu')).options._timeout)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("0:00:12.500000")

@@ -70,7 +70,8 @@ def save_megatron_checkpoint(
         meta = {
             "format_version": FORMAT_VERSION,
             "model_type": model.hf_config.model_type,
-            "saved_layout": dataclasses.asdict(model.layout),
+            "saved_layout": {f.name: getattr(model.layout, f.name)
+                             for f in dataclasses.fields(model.layout) if f.compare},  # not its timeouts
             "world_size": comm.world_size(),
             "value_head": model.options.value_head,
             "dtype": str(model.dtype).replace("torch.", ""),

@@ -6,7 +6,7 @@ created, so a bad layout fails in milliseconds with a message naming the numbers
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .families import FamilyConfigError, check_family, first_k_dense, shared_expert_size
@@ -45,6 +45,11 @@ class ParallelLayout:
     ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``): the
     layers of the first / last pipeline rank; the other layers split evenly over the middle
     ranks. None = even split. With VPP each pipeline rank's layers split evenly over its chunks.
+
+    The process group's bounds ride along (not part of the layout: equality ignores them):
+    collective_timeout_s: every collective's timeout (the NCCL watchdog's);
+    rank0_phase_timeout_s: how long the other ranks wait for a phase only rank 0 runs (rollouts,
+    validation, PVPO's reference pass, SFT's demonstrations) before they stop naming it.
     """
 
     tp: int = 1
@@ -56,6 +61,8 @@ class ParallelLayout:
     sequence_parallel: Optional[bool] = None
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
+    collective_timeout_s: float = field(default=1800.0, compare=False)
+    rank0_phase_timeout_s: float = field(default=7200.0, compare=False)
 
     @property
     def uneven(self) -> bool:

@@ -323,11 +323,15 @@ class DataConfig:
     val: Optional[str] = ""  # empty or null (``data.val=``): no validation
     max_prompt_tokens: int = 256  # longer prompts are an error naming the row; < rollout.max_total_tokens
     shuffle: bool = True
+    # rows each validation plays (0: all): a fixed seeded sample of the validation split, the same
+    # at every evaluation, so a 51,713-row split does not stall the run at each val_every
+    val_max_rows: int = 0
 
     def validate(self, prefix: str = "data") -> None:
         if not self.train:
             raise RecipeError(f"{prefix}.train is empty: give the training parquet file")
         _positive_int(f"{prefix}.max_prompt_tokens", self.max_prompt_tokens)
+        _positive_int(f"{prefix}.val_max_rows", self.val_max_rows, minimum=0)
 
 
 @dataclass
@@ -591,7 +595,8 @@ class TrainConfig:
 
 CONFIG_GROUPS: dict[str, str] = {
     "model": "HF checkpoint of the policy / critic and dtype",
-    "parallelism": "tp, pp, vpp, ep, etp, cp, sequence_parallel, first_stage_layers / last_stage_layers (uneven PP)",
+    "parallelism": "tp, pp, vpp, ep, etp, cp, sequence_parallel, first_stage_layers / last_stage_layers (uneven PP), "
+                   "collective_timeout_s, rank0_phase_timeout_s",
     "algorithm": (
         "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, "
         "routing_replay, value_clip, pvpo"
@@ -599,7 +604,7 @@ CONFIG_GROUPS: dict[str, str] = {
     "rollout": "SGLang URLs (or embedded servers), sglang-router, failover and restarts, precision, group size, "
     "sampling, turns and lengths",
     "retrieval": "retrieval URL (or embedded BM25 corpus), top-k",
-    "data": "train / val files (Search-R1 / verl parquet), prompt length",
+    "data": "train / val files (Search-R1 / verl parquet), prompt length, val_max_rows",
     "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule, distributed optimizer",
     "schedule": "steps, batch / mini-batch / micro-batch sizes, sequence packing and token budget, ppo_epochs, "
     "validation period, seed",
@@ -620,6 +625,9 @@ def _check_parallelism(p: ParallelLayout, prefix: str = "parallelism") -> None:
         _positive_int(f"{prefix}.etp", p.etp)
     if p.vpp > 1 and p.pp == 1:  # the rule of bridge/layout.py validate_layout
         raise RecipeError(f"{prefix}.vpp={p.vpp} needs {prefix}.pp > 1 (interleaving splits pipeline stages)")
+    _check_finite(p, prefix)
+    for key in ("collective_timeout_s", "rank0_phase_timeout_s"):
+        _positive_seconds(f"{prefix}.{key}", getattr(p, key))
     for key in ("first_stage_layers", "last_stage_layers"):
         if getattr(p, key) is not None:
             _positive_int(f"{prefix}.{key}", getattr(p, key))

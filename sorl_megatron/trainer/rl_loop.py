@@ -85,6 +85,14 @@ def start_message(cfg: TrainConfig, resume: Optional[Path], step: int) -> tuple[
     )
 
 
+def validation_sample(n: int, max_rows: int) -> list[int]:
+    """The validation rows each evaluation plays: every row, or at most ``max_rows`` of them
+    (``data.val_max_rows``), a fixed seeded sample in row order, the same at every evaluation."""
+    if max_rows <= 0 or max_rows >= n:
+        return list(range(n))
+    return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(0))[:max_rows].tolist())
+
+
 class RLTrainer:
     """Owns the engines, the checkpoints and the loop of one run.
 
@@ -257,11 +265,12 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         wall0, busy0 = time.perf_counter(), self.source.busy.seconds()
         with timer("rollout"):
-            payload = None
-            if self.conn is not None:
+            def rollout():
                 res, injected, batch_metrics = self.source.next_batch(step)
-                payload = (self._to_batch(res, injected), res.rewards, batch_metrics)
-            (batch, injected), rewards, rollout_metrics_ = comm.broadcast_object(payload)
+                return self._to_batch(res, injected), res.rewards, batch_metrics
+
+            phase = f"the rollout phase of step {step + 1}"
+            (batch, injected), rewards, rollout_metrics_ = self._on_rank0(rollout, phase)
         metrics.update(rollout_metrics_)
         metrics["rollout/injected_ground_truth"] = float(injected.sum())
         with timer("old_logprobs"):
@@ -317,26 +326,31 @@ class RLTrainer:
         if not self.val_rows:
             return {}
         timer = StepTimer()
-        payload = None
+
+        def play() -> dict[str, float]:
+            self.conn.check_servers("validation")
+            res = self.conn.rollouts(validation_sample(len(self.val_rows), self.cfg.data.val_max_rows), 1, seed=0,
+                                     greedy=True, rows=self.val_rows, rewards=RewardRegistry(metric_override="em"))
+            payload = {"val/em": float(res.rewards.mean()), **rollout_metrics(res.trajectories, res.rewards, "val")}
+            payload.pop("val/reward", None)
+            return payload
+
         with timer("validate"):
-            if self.conn is not None:
-                self.conn.check_servers("validation")
-                res = self.conn.rollouts(list(range(len(self.val_rows))), 1, seed=0, greedy=True, rows=self.val_rows,
-                                         rewards=RewardRegistry(metric_override="em"))
-                payload = {
-                    "val/em": float(res.rewards.mean()),
-                    **rollout_metrics(res.trajectories, res.rewards, prefix="val"),
-                }
-                payload.pop("val/reward", None)
-            payload = comm.broadcast_object(payload)
+            payload = self._on_rank0(play, "validation")
         return {**payload, **timer.times}
+
+    def _on_rank0(self, fn, phase: str):
+        """``fn()`` on rank 0 (which holds the connections), its result on every rank; the
+        others wait at most ``parallelism.rank0_phase_timeout_s`` (``comm.on_rank0``)."""
+        return comm.on_rank0(fn, phase, self.cfg.parallelism.rank0_phase_timeout_s)
 
     # -- the run -----------------------------------------------------------------------
 
     def run(self) -> dict[str, float]:
         """The whole run. Its input files are checked first (``InputError``, naming the file and
         row), before any server, engine or run directory exists."""
-        init_distributed()  # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
+        # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
+        init_distributed(timeout_s=self.cfg.parallelism.collective_timeout_s)
         cfg = self.cfg
         check_resume_dir(cfg)
         resume = self.latest_checkpoint()

@@ -38,12 +38,13 @@ def sft_stage(cfg: TrainConfig, run_dir: Path, rows: list[QARow], conn: Optional
     out = run_dir / "sft_model"
     if (out / "SFT_DONE").is_file():
         return str(out)
-    payload = None
-    if conn is not None:
+
+    def demonstrations():
         plans = cold_start_plans(rows, sft.direct_answer_fraction, cfg.schedule.seed)
         gold = conn.gold_trajectories(sorted(plans), plans=plans)
-        payload = [gold[i] for i in sorted(gold)]
-    trajs = comm.broadcast_object(payload)
+        return [gold[i] for i in sorted(gold)]
+
+    trajs = comm.on_rank0(demonstrations, "the SFT demonstrations", cfg.parallelism.rank0_phase_timeout_s)
     engine = PolicyEngine(cfg.model.path, cfg.parallelism, ActorConfig(
         loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
         batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size,
@@ -85,14 +86,16 @@ class PVPOStage:
         prompts without re-filtering them. Returns the ``pvpo/*`` metrics of the pass."""
         p = self.cfg.algorithm.pvpo
         timer = StepTimer()
-        payload = None
+        phase = f"the PVPO reference pass before step {step + 1}"
+
+        def play() -> PVPOState:
+            self.conn.check_servers(phase)
+            res = self.conn.rollouts(self.stream.indices, p.num_ref_rollouts,
+                                     seed=self.cfg.schedule.seed + 7 + 1_000_033 * step, rewards=self.rewards)
+            return reference_statistics(res.rewards, res.group_ids, step=step)
+
         with timer("pvpo_reference"):
-            if self.conn is not None:
-                self.conn.check_servers(f"the PVPO reference pass before step {step + 1}")
-                res = self.conn.rollouts(self.stream.indices, p.num_ref_rollouts,
-                                         seed=self.cfg.schedule.seed + 7 + 1_000_033 * step, rewards=self.rewards)
-                payload = reference_statistics(res.rewards, res.group_ids, step=step)
-            self.state = comm.broadcast_object(payload)
+            self.state = comm.on_rank0(play, phase, self.cfg.parallelism.rank0_phase_timeout_s)
         v = list(self.state.static_v.values())
         metrics = {"pvpo/static_v_mean": sum(v) / max(len(v), 1)}
         if step > 0:
@@ -105,7 +108,8 @@ class PVPOStage:
         log.info("PVPO: %d prompts kept, %d dropped as solved, %d unsolved",
                  len(split.keep), len(split.dropped), len(split.unsolved))
         if p.inject_ground_truth:
-            have = comm.broadcast_object(len(self.conn.gold_for(split.unsolved)) if self.conn is not None else None)
+            have = comm.on_rank0(lambda: len(self.conn.gold_for(split.unsolved)), "PVPO's ground-truth trajectories",
+                                 self.cfg.parallelism.rank0_phase_timeout_s)
             metrics["pvpo/ground_truth_available"] = have
             if split.unsolved and not have:
                 log.warning(

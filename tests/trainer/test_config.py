@@ -122,6 +122,9 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["rollout.weight_sync_bucket_mb=0"], r"rollout.weight_sync_bucket_mb"),
         (["rollout.weight_sync_init_timeout_s=0"], r"rollout.weight_sync_init_timeout_s must be > 0 seconds"),
         (["rollout.weight_sync_master_address='a b'"], r"rollout.weight_sync_master_address must be a host name"),
+        (["parallelism.collective_timeout_s=0"], r"parallelism.collective_timeout_s must be > 0 seconds"),
+        (["parallelism.rank0_phase_timeout_s=.inf"], r"parallelism.rank0_phase_timeout_s must be a finite number"),
+        (["data.val_max_rows=-1"], r"data.val_max_rows must be >= 0, got -1"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
@@ -751,3 +754,21 @@ def test_defaults_may_name_recipes_with_dots(tmp_path):
 def test_weight_sync_defaults_to_distributed():
     r = load_recipe(BASE, []).rollout
     assert (r.weight_sync, r.weight_sync_bucket_mb, r.weight_sync_master_address) == ("distributed", 512, None)
+
+
+def test_process_group_bounds_are_recipe_keys_and_not_the_layout():
+    """``parallelism.collective_timeout_s`` / ``rank0_phase_timeout_s`` ride on the layout
+    section but are not the layout: equal layouts with other timeouts are equal."""
+    cfg = load_recipe(BASE, ["parallelism.collective_timeout_s=42", "parallelism.rank0_phase_timeout_s=43"])
+    assert (cfg.parallelism.collective_timeout_s, cfg.parallelism.rank0_phase_timeout_s) == (42, 43)
+    assert cfg.parallelism == load_recipe(BASE, []).parallelism
+    assert "collective_timeout_s: 42" in dump_config(cfg)
+
+
+def test_validation_sample_is_fixed_and_capped():
+    from sorl_megatron.trainer.rl_loop import validation_sample
+
+    assert validation_sample(5, 0) == [0, 1, 2, 3, 4] and validation_sample(5, 9) == [0, 1, 2, 3, 4]
+    sample = validation_sample(1000, 10)
+    assert len(sample) == 10 == len(set(sample)) and sample == sorted(sample) and sample == validation_sample(1000, 10)
+    assert sample != list(range(10))  # spread over the split, not its head
