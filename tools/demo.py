@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default="runs/tiny", help="where the synthetic data and model go (default runs/tiny)")
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. schedule.total_steps=4")
     args = parser.parse_args(argv)
+    try:
+        from sorl_megatron.common.environment import require_environment
+    except ModuleNotFoundError:  # this python has not got the project installed: not its environment
+        print(f"tools/demo.py: sorl_megatron cannot be imported by {sys.executable}, which is not the project's "
+              "virtual environment; run: source .venv/bin/activate (or make setup)", file=sys.stderr)
+        return 2
+    require_environment("tools/demo.py")  # before the heavy imports
 
     from sorl_megatron.data.synthetic import main as make_data
     from sorl_megatron.trainer.config import ConfigError, load_recipe

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sorl_megatron.trainer.plots import plot_runs
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -26,6 +24,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="EMA smoothing weight in [0, 1) as TensorBoard's slider (default 0: raw curves); "
                         "the raw curve stays drawn faintly")
     args = parser.parse_args(argv)
+    try:
+        from sorl_megatron.common.environment import require_environment
+    except ModuleNotFoundError:  # this python has not got the project installed: not its environment
+        print(f"tools/plot.py: sorl_megatron cannot be imported by {sys.executable}, which is not the project's "
+              "virtual environment; run: source .venv/bin/activate (or make setup)", file=sys.stderr)
+        return 2
+    require_environment("tools/plot.py")  # before the heavy imports
+    from sorl_megatron.trainer.plots import plot_runs
+
     try:
         paths = plot_runs(args.runs, args.out, labels=args.labels.split(",") if args.labels else None,
                           smooth=args.smooth)
