@@ -16,20 +16,27 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from .common.run_lock import RunLockedError, acquire_run_lock
 from .common.typed_config import ConfigError, build_dataclass
 from .trainer.config import load_recipe, overrides_tree
 from .trainer.metrics_log import read_metrics
 from .trainer.plots import METRIC_AXES, style_axis
+from .trainer.run_settings import run_settings_problem
+from .trainer.servers import SignalInterrupt
 
 # What the summary plots and tables (SORL Figs. 2-8): score, KL, clip ratio, gradient norm, ||C||.
 FIGURE_METRICS: dict[str, str] = {
@@ -57,6 +64,8 @@ class StudyConfig:
     parallel: cells run at once (each is a trainer with its own servers).
     collapse_fraction: a run *collapses* when a validation EM after its first falls below this
         fraction of the best validation EM it reached before (and that best was >= 0.05).
+    stop_timeout_s: after Ctrl-C (or SIGTERM), how long each running cell may take to stop
+        its servers and exit before it is killed.
     """
 
     recipe: str
@@ -69,6 +78,7 @@ class StudyConfig:
     overrides: list[str] = field(default_factory=list)
     parallel: int = 1
     collapse_fraction: float = 0.5
+    stop_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.losses or not self.stress or not self.seeds:
@@ -81,6 +91,11 @@ class StudyConfig:
             bad = [n for n in group if "__" in n or "/" in n]
             if bad:
                 raise ValueError(f"names may not contain '__' or '/': {bad}")
+        repeated = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
+        if repeated:  # two cells would be one run directory
+            raise ValueError(f"seeds lists {repeated} more than once: each seed is one cell, one run directory")
+        if self.stop_timeout_s <= 0:
+            raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -128,33 +143,96 @@ def is_done(run_dir: Path, total_steps: int) -> bool:
         return False
 
 
-def run_cell(cfg: StudyConfig, cell: Cell, out: Path) -> tuple[Cell, int, str]:
-    """One cell in its own process (logs in ``<run>/study.log``); returns its exit code."""
+TRAIN_MODULE = "sorl_megatron.train"  # what each cell runs (a test puts a stand-in here)
+
+
+class _Cells:
+    """The cells' processes, so that an interrupted study stops the running ones and starts no more.
+
+    Each cell runs in its own process group: Ctrl-C at the terminal reaches the study alone,
+    which hands each running cell exactly one SIGINT (the trainer stops its servers and exits).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stopping = False
+        self.running: dict[Cell, subprocess.Popen] = {}
+
+    def stop(self, signum: int, timeout_s: float) -> None:
+        with self.lock:
+            self.stopping = True
+            procs = list(self.running.values())
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_cell(cfg: StudyConfig, cell: Cell, out: Path, procs: Optional[_Cells] = None) -> tuple[Cell, int, str]:
+    """One cell in its own process (logs in ``<run>/study.log``); returns its exit code. The
+    study holds the cell's run-directory lock while it runs and passes it to the trainer."""
+    if procs is not None and procs.stopping:
+        return cell, 130, "not started (interrupted)"
     overrides = cell_overrides(cfg, cell, out)
     train_cfg = load_recipe(cfg.recipe, overrides)  # a bad grid entry fails here, naming the key
     run_dir = out / "runs" / cell.name
+    problem = run_settings_problem(train_cfg)  # the grid changed under the same cell name
+    if problem:
+        return cell, 2, f"refused: {problem}"
     if is_done(run_dir, train_cfg.schedule.total_steps):
         return cell, 0, "done before"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cfg.parallel))
-    env = dict(os.environ, OMP_NUM_THREADS=threads)  # cells running side by side share the cores
-    cmd = [sys.executable, "-m", "sorl_megatron.train", "--config", cfg.recipe, *overrides]
-    with open(run_dir / "study.log", "ab") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
+    try:
+        lock = acquire_run_lock(run_dir, what="out")
+    except RunLockedError as err:  # another study (or a trainer) is running this cell
+        return cell, 2, f"refused: {err}"
+    procs = procs or _Cells()
+    with lock:
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cfg.parallel))
+        env = dict(os.environ, OMP_NUM_THREADS=threads, **lock.child_env())  # cells side by side share the cores
+        cmd = [sys.executable, "-m", TRAIN_MODULE, "--config", cfg.recipe, *overrides]
+        with open(run_dir / "study.log", "ab") as log:
+            with procs.lock:
+                if procs.stopping:
+                    return cell, 130, "not started (interrupted)"
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                        pass_fds=(lock.fd,), process_group=0)
+                procs.running[cell] = proc
+            code = proc.wait()
+            with procs.lock:
+                procs.running.pop(cell, None)
     return cell, code, "ran" if code == 0 else f"failed (exit {code}; see {run_dir / 'study.log'})"
 
 
 def run_study(cfg: StudyConfig, parallel: Optional[int] = None) -> list[tuple[Cell, int, str]]:
+    """Every cell not done yet, ``parallel`` at a time. On Ctrl-C (KeyboardInterrupt, or
+    SIGTERM as :class:`SignalInterrupt`) the running cells get the same signal and at most
+    ``stop_timeout_s`` to exit, no other cell starts, and the interrupt is raised again."""
     out = Path(cfg.out)
     if not Path(cfg.start_policy, "config.json").is_file():
         raise ConfigError(f"study.start_policy: {cfg.start_policy} has no config.json (run `make demo` for the "
                           "demo's SFT policy, or point it at an HF model directory)")
     todo = cells(cfg)
     results = []
-    with cf.ThreadPoolExecutor(max_workers=parallel or cfg.parallel) as pool:
-        for cell, code, what in pool.map(lambda c: run_cell(cfg, c, out), todo):
+    procs = _Cells()
+    pool = cf.ThreadPoolExecutor(max_workers=parallel or cfg.parallel)
+    try:
+        futures = [pool.submit(run_cell, cfg, c, out, procs) for c in todo]
+        for future in futures:  # in grid order
+            cell, code, what = future.result()
             print(f"[study] {cell.name}: {what}", flush=True)
             results.append((cell, code, what))
+    except KeyboardInterrupt as err:
+        pool.shutdown(wait=False, cancel_futures=True)
+        procs.stop(int(getattr(err, "signum", signal.SIGINT)), cfg.stop_timeout_s)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return results
 
 
@@ -166,14 +244,27 @@ def _series(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
             and math.isfinite(float(r[key]))}
 
 
+# statistic -> (column heading, what it is): docs/study.md's definitions of its results table
+SUMMARY_COLUMNS: dict[str, tuple[str, str]] = {
+    "final_em": ("final EM", "validation EM at the last step"),
+    "best_em": ("best EM after step 0", "the best validation EM after the starting policy's"),
+    "em_auc": ("EM area", "mean EM over the run (trapezoids over the validation steps)"),
+    "max_kl": ("max KL (k3)", "largest per-step KL(old || new), k3"),
+    "max_grad_norm": ("max grad norm", "largest per-step gradient norm before clipping"),
+}
+
+
 def cell_statistics(rows: list[dict[str, Any]], collapse_fraction: float) -> dict[str, float]:
-    """Final / best EM, area under the EM curve (mean EM over the steps it spans, trapezoids),
-    max KL, max gradient norm and whether the run collapsed (see ``StudyConfig``)."""
+    """The summary's columns for one run (:data:`SUMMARY_COLUMNS` says what each is, as
+    docs/study.md does) and whether it collapsed (see ``StudyConfig``)."""
     em = sorted(_series(rows, "val/em").items())
     out: dict[str, float] = {}
     if em:
         steps, values = zip(*em)
-        out["final_em"], out["best_em"] = values[-1], max(values)
+        out["final_em"] = values[-1]
+        trained = [v for t, v in em if t > 0]  # step 0 is the starting policy, the same for every loss
+        if trained:
+            out["best_em"] = max(trained)
         span = steps[-1] - steps[0]
         out["em_auc"] = (sum((steps[i + 1] - steps[i]) * (values[i] + values[i + 1]) / 2
                              for i in range(len(em) - 1)) / span) if span else values[0]
@@ -200,12 +291,14 @@ def summarize(cfg: StudyConfig) -> Path:
         except FileNotFoundError:
             continue
     lines = [f"# Study summary ({len(runs)} of {len(cells(cfg))} runs found)", "",
-             f"Collapse: a validation EM below {cfg.collapse_fraction:g} x the best EM reached before it "
-             "(best >= 0.05). Mean ± std over seeds; `collapsed` counts runs.", ""]
-    columns = ("final_em", "best_em", "em_auc", "max_kl", "max_grad_norm")
+             "Mean ± std over seeds of each run's " + "; ".join(f"{name}: {what}" for name, what in
+                                                             SUMMARY_COLUMNS.values()) + ". "
+             f"Collapsed: runs in which a validation EM fell below {cfg.collapse_fraction:g} x the best EM "
+             "reached before it (that best >= 0.05).", ""]
+    columns = tuple(SUMMARY_COLUMNS)
     for stress in cfg.stress:
         lines += [f"## stress: {stress} (`{' '.join(cfg.stress[stress])}`)", "",
-                  "| loss | seeds | " + " | ".join(columns) + " | collapsed |",
+                  "| loss | seeds | " + " | ".join(name for name, _ in SUMMARY_COLUMNS.values()) + " | collapsed |",
                   "|---|---|" + "---|" * (len(columns) + 1)]
         for loss in cfg.losses:
             mine = [c for c in runs if (c.loss, c.stress) == (loss, stress)]
@@ -301,6 +394,20 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
     return written
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (a scheduler, ``kill``) stops the study as Ctrl-C does (main thread only)."""
+
+    def interrupt(signum, frame):
+        raise SignalInterrupt(signum)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sorl_megatron.study", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -311,10 +418,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_study(args.config, args.overrides)
-        results = [] if args.summarize else run_study(cfg, args.parallel)
+        with sigterm_as_interrupt():
+            results = [] if args.summarize else run_study(cfg, args.parallel)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # one line, as train's, instead of a traceback
+        signum = int(getattr(err, "signum", signal.SIGINT))
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"[study] interrupted ({what}): stopped the running cells and their servers; run the same command "
+              "again to continue (finished cells are skipped, interrupted ones resume from their last checkpoint)",
+              file=sys.stderr, flush=True)
+        return 128 + signum
     path = summarize(cfg)
     print(f"[study] summary: {path}")
     return 1 if any(code for _, code, _ in results) else 0

@@ -110,8 +110,9 @@ def _with_overrides(args: Sequence[str], extra: Sequence[str]) -> list[str]:
 
 
 def rerun_command(*extra: str, argv: Optional[Sequence[str]] = None) -> Optional[str]:
-    """The command that ran this process, with the overrides ``extra`` set; None when this
-    process is not one of the package's entry points (a test, a notebook)."""
+    """The command that ran this process, with the overrides ``extra`` set; None when it cannot
+    be written: a process started by torchrun (whose options it does not see), or one that is
+    not an entry point of this repository (a test, a notebook)."""
     argv = list(sys.argv if argv is None else argv)
     if not argv:
         return None
@@ -126,9 +127,9 @@ def rerun_command(*extra: str, argv: Optional[Sequence[str]] = None) -> Optional
     except (OSError, ValueError):
         return None
     if module.parts[0] == package.name:
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun's own options are not in this process's argv
+            return None
         prefix = ["python", "-m", ".".join(module.parts)]
-        if os.environ.get("TORCHELASTIC_RUN_ID"):  # its own options are not in this process's argv
-            return f"the same torchrun command with {' '.join(extra)}"
     elif module.parts[0] == "tools":
         prefix = ["python", str(argv[0])]
     else:
