@@ -324,7 +324,7 @@ def run_table(runs: dict[Cell, list[dict[str, Any]]]) -> list[str]:
     """Every run seed by seed: its validation EM curve, KL and clip-ratio peaks, and the range of
     the clip-bias factor (each RL step's mean over its optimizer steps) over the run."""
     lines = ["## Every run", "",
-             "| run | validation EM | max KL (k3) | max clip ratio | factor per RL step (min-max) |",
+             "| run | validation EM | max KL (k3) | max clip ratio | mean factor per RL step (min-max) |",
              "|---|---|---|---|---|"]
     for cell, rows in runs.items():
         em = sorted(_series(rows, "val/em").items())

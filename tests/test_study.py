@@ -23,6 +23,10 @@ def test_cell_statistics_and_the_collapse_rule():
     assert s["em_auc"] == pytest.approx((4 * 0.5 + 4 * 0.4 + 4 * 0.35) / 12)
     assert cell_statistics(rows, 0.3)["collapsed"] == 0.0  # 0.2 is not below 0.3 x 0.6
     assert cell_statistics([{"step": 0, "val/em": 0.0}, {"step": 4, "val/em": 0.0}], 0.5)["collapsed"] == 0.0
+    # best EM after step 0 (docs/study.md): the starting policy's EM is not a loss's result
+    s = cell_statistics([{"step": 0, "val/em": 0.44}, {"step": 4, "val/em": 0.1}, {"step": 8, "val/em": 0.2}], 0.5)
+    assert (s["best_em"], s["final_em"]) == (0.2, 0.2)
+    assert "best_em" not in cell_statistics([{"step": 0, "val/em": 0.44}], 0.5)
 
 
 def test_the_run_table_lists_every_run_seed_by_seed():
