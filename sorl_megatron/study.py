@@ -34,7 +34,7 @@ from .common.run_lock import RunLockedError, acquire_run_lock
 from .common.typed_config import ConfigError, build_dataclass
 from .trainer.config import load_recipe, overrides_tree
 from .trainer.metrics_log import read_metrics
-from .trainer.plots import METRIC_AXES, style_axis
+from .trainer.plots import METRIC_AXES, identical_curves, identical_note, line_style, style_axis, symbol_notes
 from .trainer.run_settings import run_settings_problem
 from .trainer.servers import SignalInterrupt
 
@@ -42,11 +42,11 @@ from .trainer.servers import SignalInterrupt
 FIGURE_METRICS: dict[str, str] = {
     "val/em": "validation exact match",
     "rollout/reward": "training reward",
-    "actor/approx_kl_k3": "KL(old || new), k3",
+    "actor/approx_kl_k3": "KL(pi_old || pi), k3",
     "actor/clip_frac": "clip ratio",
     "actor/grad_norm": "gradient norm (before clipping)",
-    "actor/clip_bias/logprob_norm": "||C|| (log-prob space)",
-    "actor/clip_bias/factor": "normalization factor",
+    "actor/clip_bias/logprob_norm": "clip-bias norm ||C|| (log-prob space)",
+    "actor/clip_bias/factor": "clip-bias normalization factor",
 }
 
 @dataclass
@@ -348,8 +348,10 @@ def _mean_std(values: list[float]) -> str:
 
 
 def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: Path) -> list[Path]:
-    """Per metric: one panel per stress level, one line per loss (mean over seeds) with a
-    min-max band over seeds."""
+    """Per metric: one panel per stress level, one curve per loss (the mean over its seeds, a
+    min-max band where it has more than one), each loss with its own colour, line style and
+    marker in every panel; curves identical to another loss's are named in the panel's title,
+    the legend sits beside the panels and the symbols are explained under them."""
     import matplotlib  # only summaries pay for it; the file backend is chosen before pyplot loads
 
     matplotlib.use("Agg")
@@ -357,38 +359,49 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
 
     fig_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    # one colour per loss in every panel, whichever losses a panel has
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    colors = {loss: palette[i % len(palette)] for i, loss in enumerate(cfg.losses)}
+    looks = {loss: {"color": palette[i % len(palette)], **line_style(i)} for i, loss in enumerate(cfg.losses)}
     for key, title in FIGURE_METRICS.items():
-        fig, axes = plt.subplots(1, len(cfg.stress), figsize=(5 * len(cfg.stress), 3.4), squeeze=False)
-        drawn, legend = False, {}
+        fig, axes = plt.subplots(1, len(cfg.stress), figsize=(5 * len(cfg.stress), 3.6), squeeze=False)
+        legend: dict[str, Any] = {}
+        seeds: set[int] = set()
         for ax, stress in zip(axes[0], cfg.stress):
-            band_values: list[float] = []
+            drawn: list[float] = []
+            curves = []
             for loss in cfg.losses:
                 series = [_series(runs[c], key) for c in runs if (c.loss, c.stress) == (loss, stress)]
                 series = [s for s in series if s]
-                if not series:
-                    continue
-                steps = sorted(set.intersection(*(set(s) for s in series)))
+                steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
                 if not steps:
                     continue
                 values = [[s[t] for s in series] for t in steps]
                 mean = [sum(v) / len(v) for v in values]
-                legend[loss] = ax.plot(steps, mean, color=colors[loss], label=f"{loss} (n={len(series)})")[0]
-                low, high = [min(v) for v in values], [max(v) for v in values]
-                ax.fill_between(steps, low, high, color=colors[loss], alpha=0.2)
-                band_values += low + high
-                drawn = True
-            ax.set_title(f"stress: {stress}")
-            style_axis(ax, key, band_values, ylabel=None if key in METRIC_AXES else title)
-        if drawn:
-            # every loss drawn in any panel, with its seed count (per cell in summary.md)
-            axes[0][-1].legend(handles=list(legend.values()), fontsize=7)
-            fig.suptitle(f"{title}: mean over seeds, band min-max", fontsize=10)
+                legend.setdefault(loss, ax.plot(steps, mean, markersize=4, label=f"{loss} (n={len(series)})",
+                                                **looks[loss])[0])
+                if len(series) > 1:
+                    low, high = [min(v) for v in values], [max(v) for v in values]
+                    ax.fill_between(steps, low, high, color=looks[loss]["color"], alpha=0.15)
+                    drawn += low + high
+                drawn += mean
+                seeds.add(len(series))
+                curves.append((loss, steps, mean))
+            same = identical_note(identical_curves(curves))
+            ax.set_title(f"stress: {stress}" + (f"\n{same}" if same else ""), fontsize=10 if not same else 8)
+            style_axis(ax, key, drawn, ylabel=None if key in METRIC_AXES else title,
+                       steps=[t for _, xs, _ in curves for t in xs])
+            ax.grid(alpha=0.3)
+        if legend:
+            what = ("mean over seeds (n per loss in the legend), shaded band: min-max over seeds" if max(seeds) > 1
+                    else "one seed per loss, no band")
+            fig.suptitle(f"{title}: {what}", fontsize=10)
             fig.tight_layout()
+            # every loss drawn in any panel, with its seed count (per cell in summary.md), beside the panels
+            fig.legend(handles=list(legend.values()), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 0.9))
+            notes = symbol_notes([key])
+            if notes:
+                fig.text(0.01, 0.0, notes, fontsize=7, va="top", ha="left")
             path = fig_dir / f"{key.replace('/', '_')}.png"
-            fig.savefig(path, dpi=80)
+            fig.savefig(path, dpi=80, bbox_inches="tight")
             written.append(path)
         plt.close(fig)
     return written
