@@ -5,8 +5,11 @@
 Each RUN_DIR holds the metrics.jsonl a training run writes (logging.dir / logging.run_name),
 and sft/metrics.jsonl when the run had an SFT stage. Writes one PNG per logged metric (reward,
 validation EM, clipping ratio, KL, gradient norm, clip-bias norm, train/inference mismatch, the
-SFT loss, ...) and summary.png with all of them, runs overlaid, titled with the run names (and
-for one run its recipe). Axes: whole steps; y labelled, EM and rates on [0, 1].
+SFT loss, ...) and summary.png with all of them, runs overlaid (line style and marker per run,
+identical curves named, legend beside the panels), titled with the run names (and for one run
+its recipe). Axes: whole steps (a tick on each validation step); y labelled, scores on [0, 1],
+other metrics scaled to their data (log when spread over two decades); the symbols explained
+under each figure (docs/recipes.md).
 """
 
 from __future__ import annotations
