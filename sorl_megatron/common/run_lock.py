@@ -56,8 +56,9 @@ def describe_holder(text: str) -> str:
 class RunLock:
     """A held lock; :meth:`release` (or leaving the ``with`` block) gives it back."""
 
-    def __init__(self, path: Path, fd: int, inherited: bool, created_dir: bool):
-        self.path, self.fd, self.inherited, self._created_dir = path, fd, inherited, created_dir
+    def __init__(self, path: Path, fd: int, inherited: bool, created: list[Path]):
+        self.path, self.fd, self.inherited = path, fd, inherited
+        self._created = created  # the directories acquire made, the run directory first
 
     def child_env(self) -> dict[str, str]:
         """Environment entries that let a child started with ``pass_fds=(lock.fd,)`` share this lock."""
@@ -71,11 +72,15 @@ class RunLock:
             return
         try:
             run_dir = self.path.parent
-            if self._created_dir and [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
-                # nothing was written (an input error): leave no run directory behind. Unlinked while
-                # held: a process that opened the file meanwhile finds it replaced and opens again.
+            if self._created and [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
+                # nothing was written (an input error): leave no directory behind that acquire made.
+                # Unlinked while held: a process that opened the file meanwhile finds it replaced.
                 self.path.unlink()
-                run_dir.rmdir()
+                for directory in self._created:
+                    try:
+                        directory.rmdir()
+                    except OSError:  # not empty (another run's), or already gone
+                        break
             else:
                 os.ftruncate(fd, 0)  # released normally: no holder to report
         finally:
@@ -105,12 +110,15 @@ def acquire_run_lock(run_dir: str | os.PathLike, what: str = "logging.run_name")
     """Lock ``run_dir`` (created if missing) for this process, or raise :class:`RunLockedError`
     naming the holder. ``what`` names the setting that picks another directory (in the message)."""
     run_dir = Path(run_dir)
-    created_dir = not run_dir.exists()
+    created, missing = [], run_dir
+    while not missing.exists():
+        created.append(missing)
+        missing = missing.parent
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
     fd = _inherited(path)
     if fd is not None:
-        return RunLock(path, fd, inherited=True, created_dir=False)
+        return RunLock(path, fd, inherited=True, created=[])
     while True:
         run_dir.mkdir(parents=True, exist_ok=True)  # a releasing holder may have just removed an empty one
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -140,4 +148,4 @@ def acquire_run_lock(run_dir: str | os.PathLike, what: str = "logging.run_name")
             f"command: {' '.join(sys.argv)[:300]}\n")
     os.ftruncate(fd, 0)
     os.pwrite(fd, text.encode(), 0)
-    return RunLock(path, fd, inherited=False, created_dir=created_dir)
+    return RunLock(path, fd, inherited=False, created=created)

@@ -68,9 +68,9 @@ def test_a_second_writer_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_pa
 
 def test_a_lock_taken_for_nothing_leaves_no_directory(tmp_path):
     """An input error before anything was written: the run directory the lock made goes away."""
-    with acquire_run_lock(tmp_path / "new"):
-        assert (tmp_path / "new" / LOCK_NAME).is_file()
-    assert not (tmp_path / "new").exists()
+    with acquire_run_lock(tmp_path / "new" / "run"):
+        assert (tmp_path / "new" / "run" / LOCK_NAME).is_file()
+    assert not (tmp_path / "new").exists()  # logging.dir too, when the lock made it
     (tmp_path / "old").mkdir()
     with acquire_run_lock(tmp_path / "old"):
         pass
