@@ -249,7 +249,7 @@ SUMMARY_COLUMNS: dict[str, tuple[str, str]] = {
     "final_em": ("final EM", "validation EM at the last step"),
     "best_em": ("best EM after step 0", "the best validation EM after the starting policy's"),
     "em_auc": ("EM area", "mean EM over the run (trapezoids over the validation steps)"),
-    "max_kl": ("max KL (k3)", "largest per-step KL(old || new), k3"),
+    "max_kl": ("max KL (k3)", "largest per-step KL(pi_old || pi), k3"),
     "max_grad_norm": ("max grad norm", "largest per-step gradient norm before clipping"),
 }
 
