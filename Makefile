@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The CPU demo end to end: data, tokenizer and tiny MoE model, SFT, SO-GRPO RL, validation, plots.
+# ARGS go to tools/demo.py: make demo ARGS="schedule.total_steps=20" (the demo's messages that
+# suggest a command write it in this form, through SORL_MEGATRON_RERUN).
 demo: setup
-	$(PY) tools/demo.py
+	SORL_MEGATRON_RERUN='make demo ARGS="{}"' $(PY) tools/demo.py $(ARGS)
 
 # The algorithm core alone on a toy task (every loss, ~1 minute).
 toy-demo: setup

@@ -16,30 +16,37 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from .common.run_lock import RunLockedError, acquire_run_lock
 from .common.typed_config import ConfigError, build_dataclass
 from .trainer.metrics_log import read_metrics
-from .trainer.plots import METRIC_AXES, style_axis
+from .trainer.plots import METRIC_AXES, identical_curves, identical_note, line_style, style_axis, symbol_notes
 from .trainer.recipe import load_recipe, overrides_tree
+from .trainer.run_settings import run_settings_problem
+from .trainer.servers import SignalInterrupt
 
 # What the summary plots and tables (SORL Figs. 2-8): score, KL, clip ratio, gradient norm, ||C||.
 FIGURE_METRICS: dict[str, str] = {
     "val/em": "validation exact match",
     "rollout/reward": "training reward",
-    "actor/approx_kl_k3": "KL(old || new), k3",
+    "actor/approx_kl_k3": "KL(pi_old || pi), k3",
     "actor/clip_frac": "clip ratio",
     "actor/grad_norm": "gradient norm (before clipping)",
-    "actor/clip_bias/logprob_norm": "||C|| (log-prob space)",
-    "actor/clip_bias/factor": "normalization factor",
+    "actor/clip_bias/logprob_norm": "clip-bias norm ||C|| (log-prob space)",
+    "actor/clip_bias/factor": "clip-bias normalization factor",
 }
 
 @dataclass
@@ -57,6 +64,8 @@ class StudyConfig:
     parallel: cells run at once (each is a trainer with its own servers).
     collapse_fraction: a run *collapses* when a validation EM after its first falls below this
         fraction of the best validation EM it reached before (and that best was >= 0.05).
+    stop_timeout_s: after Ctrl-C (or SIGTERM), how long each running cell may take to stop
+        its servers and exit before it is killed.
     """
 
     recipe: str
@@ -69,6 +78,7 @@ class StudyConfig:
     overrides: list[str] = field(default_factory=list)
     parallel: int = 1
     collapse_fraction: float = 0.5
+    stop_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.losses or not self.stress or not self.seeds:
@@ -81,6 +91,11 @@ class StudyConfig:
             bad = [n for n in group if "__" in n or "/" in n]
             if bad:
                 raise ValueError(f"names may not contain '__' or '/': {bad}")
+        repeated = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
+        if repeated:  # two cells would be one run directory
+            raise ValueError(f"seeds lists {repeated} more than once: each seed is one cell, one run directory")
+        if self.stop_timeout_s <= 0:
+            raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -128,33 +143,96 @@ def is_done(run_dir: Path, total_steps: int) -> bool:
         return False
 
 
-def run_cell(cfg: StudyConfig, cell: Cell, out: Path) -> tuple[Cell, int, str]:
-    """One cell in its own process (logs in ``<run>/study.log``); returns its exit code."""
+TRAIN_MODULE = "sorl_megatron.train"  # what each cell runs (a test puts a stand-in here)
+
+
+class _Cells:
+    """The cells' processes, so that an interrupted study stops the running ones and starts no more.
+
+    Each cell runs in its own process group: Ctrl-C at the terminal reaches the study alone,
+    which hands each running cell exactly one SIGINT (the trainer stops its servers and exits).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stopping = False
+        self.running: dict[Cell, subprocess.Popen] = {}
+
+    def stop(self, signum: int, timeout_s: float) -> None:
+        with self.lock:
+            self.stopping = True
+            procs = list(self.running.values())
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_cell(cfg: StudyConfig, cell: Cell, out: Path, procs: Optional[_Cells] = None) -> tuple[Cell, int, str]:
+    """One cell in its own process (logs in ``<run>/study.log``); returns its exit code. The
+    study holds the cell's run-directory lock while it runs and passes it to the trainer."""
+    if procs is not None and procs.stopping:
+        return cell, 130, "not started (interrupted)"
     overrides = cell_overrides(cfg, cell, out)
     train_cfg = load_recipe(cfg.recipe, overrides)  # a bad grid entry fails here, naming the key
     run_dir = out / "runs" / cell.name
+    problem = run_settings_problem(train_cfg)  # the grid changed under the same cell name
+    if problem:
+        return cell, 2, f"refused: {problem}"
     if is_done(run_dir, train_cfg.schedule.total_steps):
         return cell, 0, "done before"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cfg.parallel))
-    env = dict(os.environ, OMP_NUM_THREADS=threads)  # cells running side by side share the cores
-    cmd = [sys.executable, "-m", "sorl_megatron.train", "--config", cfg.recipe, *overrides]
-    with open(run_dir / "study.log", "ab") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
+    try:
+        lock = acquire_run_lock(run_dir, what="out")
+    except RunLockedError as err:  # another study (or a trainer) is running this cell
+        return cell, 2, f"refused: {err}"
+    procs = procs or _Cells()
+    with lock:
+        threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cfg.parallel))
+        env = dict(os.environ, OMP_NUM_THREADS=threads, **lock.child_env())  # cells side by side share the cores
+        cmd = [sys.executable, "-m", TRAIN_MODULE, "--config", cfg.recipe, *overrides]
+        with open(run_dir / "study.log", "ab") as log:
+            with procs.lock:
+                if procs.stopping:
+                    return cell, 130, "not started (interrupted)"
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                        pass_fds=(lock.fd,), process_group=0)
+                procs.running[cell] = proc
+            code = proc.wait()
+            with procs.lock:
+                procs.running.pop(cell, None)
     return cell, code, "ran" if code == 0 else f"failed (exit {code}; see {run_dir / 'study.log'})"
 
 
 def run_study(cfg: StudyConfig, parallel: Optional[int] = None) -> list[tuple[Cell, int, str]]:
+    """Every cell not done yet, ``parallel`` at a time. On Ctrl-C (KeyboardInterrupt, or
+    SIGTERM as :class:`SignalInterrupt`) the running cells get the same signal and at most
+    ``stop_timeout_s`` to exit, no other cell starts, and the interrupt is raised again."""
     out = Path(cfg.out)
     if not Path(cfg.start_policy, "config.json").is_file():
         raise ConfigError(f"study.start_policy: {cfg.start_policy} has no config.json (run `make demo` for the "
                           "demo's SFT policy, or point it at an HF model directory)")
     todo = cells(cfg)
     results = []
-    with cf.ThreadPoolExecutor(max_workers=parallel or cfg.parallel) as pool:
-        for cell, code, what in pool.map(lambda c: run_cell(cfg, c, out), todo):
+    procs = _Cells()
+    pool = cf.ThreadPoolExecutor(max_workers=parallel or cfg.parallel)
+    try:
+        futures = [pool.submit(run_cell, cfg, c, out, procs) for c in todo]
+        for future in futures:  # in grid order
+            cell, code, what = future.result()
             print(f"[study] {cell.name}: {what}", flush=True)
             results.append((cell, code, what))
+    except KeyboardInterrupt as err:
+        pool.shutdown(wait=False, cancel_futures=True)
+        procs.stop(int(getattr(err, "signum", signal.SIGINT)), cfg.stop_timeout_s)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return results
 
 
@@ -166,14 +244,27 @@ def _series(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
             and math.isfinite(float(r[key]))}
 
 
+# statistic -> (column heading, what it is): docs/study.md's definitions of its results table
+SUMMARY_COLUMNS: dict[str, tuple[str, str]] = {
+    "final_em": ("final EM", "validation EM at the last step"),
+    "best_em": ("best EM after step 0", "the best validation EM after the starting policy's"),
+    "em_auc": ("EM area", "mean EM over the run (trapezoids over the validation steps)"),
+    "max_kl": ("max KL (k3)", "largest per-step KL(pi_old || pi), k3"),
+    "max_grad_norm": ("max grad norm", "largest per-step gradient norm before clipping"),
+}
+
+
 def cell_statistics(rows: list[dict[str, Any]], collapse_fraction: float) -> dict[str, float]:
-    """Final / best EM, area under the EM curve (mean EM over the steps it spans, trapezoids),
-    max KL, max gradient norm and whether the run collapsed (see ``StudyConfig``)."""
+    """The summary's columns for one run (:data:`SUMMARY_COLUMNS` says what each is, as
+    docs/study.md does) and whether it collapsed (see ``StudyConfig``)."""
     em = sorted(_series(rows, "val/em").items())
     out: dict[str, float] = {}
     if em:
         steps, values = zip(*em)
-        out["final_em"], out["best_em"] = values[-1], max(values)
+        out["final_em"] = values[-1]
+        trained = [v for t, v in em if t > 0]  # step 0 is the starting policy, the same for every loss
+        if trained:
+            out["best_em"] = max(trained)
         span = steps[-1] - steps[0]
         out["em_auc"] = (sum((steps[i + 1] - steps[i]) * (values[i] + values[i + 1]) / 2
                              for i in range(len(em) - 1)) / span) if span else values[0]
@@ -200,12 +291,14 @@ def summarize(cfg: StudyConfig) -> Path:
         except FileNotFoundError:
             continue
     lines = [f"# Study summary ({len(runs)} of {len(cells(cfg))} runs found)", "",
-             f"Collapse: a validation EM below {cfg.collapse_fraction:g} x the best EM reached before it "
-             "(best >= 0.05). Mean ± std over seeds; `collapsed` counts runs.", ""]
-    columns = ("final_em", "best_em", "em_auc", "max_kl", "max_grad_norm")
+             "Mean ± std over seeds of each run's " + "; ".join(f"{name}: {what}" for name, what in
+                                                             SUMMARY_COLUMNS.values()) + ". "
+             f"Collapsed: runs in which a validation EM fell below {cfg.collapse_fraction:g} x the best EM "
+             "reached before it (that best >= 0.05).", ""]
+    columns = tuple(SUMMARY_COLUMNS)
     for stress in cfg.stress:
         lines += [f"## stress: {stress} (`{' '.join(cfg.stress[stress])}`)", "",
-                  "| loss | seeds | " + " | ".join(columns) + " | collapsed |",
+                  "| loss | seeds | " + " | ".join(name for name, _ in SUMMARY_COLUMNS.values()) + " | collapsed |",
                   "|---|---|" + "---|" * (len(columns) + 1)]
         for loss in cfg.losses:
             mine = [c for c in runs if (c.loss, c.stress) == (loss, stress)]
@@ -231,7 +324,7 @@ def run_table(runs: dict[Cell, list[dict[str, Any]]]) -> list[str]:
     """Every run seed by seed: its validation EM curve, KL and clip-ratio peaks, and the range of
     the clip-bias factor (each RL step's mean over its optimizer steps) over the run."""
     lines = ["## Every run", "",
-             "| run | validation EM | max KL (k3) | max clip ratio | factor per RL step (min-max) |",
+             "| run | validation EM | max KL (k3) | max clip ratio | mean factor per RL step (min-max) |",
              "|---|---|---|---|---|"]
     for cell, rows in runs.items():
         em = sorted(_series(rows, "val/em").items())
@@ -255,8 +348,10 @@ def _mean_std(values: list[float]) -> str:
 
 
 def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: Path) -> list[Path]:
-    """Per metric: one panel per stress level, one line per loss (mean over seeds) with a
-    min-max band over seeds."""
+    """Per metric: one panel per stress level, one curve per loss (the mean over its seeds, a
+    min-max band where it has more than one), each loss with its own colour, line style and
+    marker in every panel; curves identical to another loss's are named in the panel's title,
+    the legend sits beside the panels and the symbols are explained under them."""
     import matplotlib  # only summaries pay for it; the file backend is chosen before pyplot loads
 
     matplotlib.use("Agg")
@@ -264,41 +359,66 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
 
     fig_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    # one colour per loss in every panel, whichever losses a panel has
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    colors = {loss: palette[i % len(palette)] for i, loss in enumerate(cfg.losses)}
+    looks = {loss: {"color": palette[i % len(palette)], **line_style(i)} for i, loss in enumerate(cfg.losses)}
     for key, title in FIGURE_METRICS.items():
-        fig, axes = plt.subplots(1, len(cfg.stress), figsize=(5 * len(cfg.stress), 3.4), squeeze=False)
-        drawn, legend = False, {}
+        fig, axes = plt.subplots(1, len(cfg.stress), figsize=(5 * len(cfg.stress), 3.6), squeeze=False)
+        legend: dict[str, Any] = {}
+        seeds: set[int] = set()
         for ax, stress in zip(axes[0], cfg.stress):
-            band_values: list[float] = []
+            drawn: list[float] = []
+            curves = []
             for loss in cfg.losses:
                 series = [_series(runs[c], key) for c in runs if (c.loss, c.stress) == (loss, stress)]
                 series = [s for s in series if s]
-                if not series:
-                    continue
-                steps = sorted(set.intersection(*(set(s) for s in series)))
+                steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
                 if not steps:
                     continue
                 values = [[s[t] for s in series] for t in steps]
                 mean = [sum(v) / len(v) for v in values]
-                legend[loss] = ax.plot(steps, mean, color=colors[loss], label=f"{loss} (n={len(series)})")[0]
-                low, high = [min(v) for v in values], [max(v) for v in values]
-                ax.fill_between(steps, low, high, color=colors[loss], alpha=0.2)
-                band_values += low + high
-                drawn = True
-            ax.set_title(f"stress: {stress}")
-            style_axis(ax, key, band_values, ylabel=None if key in METRIC_AXES else title)
-        if drawn:
-            # every loss drawn in any panel, with its seed count (per cell in summary.md)
-            axes[0][-1].legend(handles=list(legend.values()), fontsize=7)
-            fig.suptitle(f"{title}: mean over seeds, band min-max", fontsize=10)
+                legend.setdefault(loss, ax.plot(steps, mean, markersize=4, label=f"{loss} (n={len(series)})",
+                                                **looks[loss])[0])
+                if len(series) > 1:
+                    low, high = [min(v) for v in values], [max(v) for v in values]
+                    ax.fill_between(steps, low, high, color=looks[loss]["color"], alpha=0.15)
+                    drawn += low + high
+                drawn += mean
+                seeds.add(len(series))
+                curves.append((loss, steps, mean))
+            same = identical_note(identical_curves(curves))
+            ax.set_title(f"stress: {stress}" + (f"\n{same}" if same else ""), fontsize=10 if not same else 8)
+            style_axis(ax, key, drawn, ylabel=None if key in METRIC_AXES else title,
+                       steps=[t for _, xs, _ in curves for t in xs])
+            ax.grid(alpha=0.3)
+        if legend:
+            what = ("mean over seeds (n per loss in the legend), shaded band: min-max over seeds" if max(seeds) > 1
+                    else "one seed per loss, no band")
+            fig.suptitle(f"{title}: {what}", fontsize=10)
             fig.tight_layout()
+            # every loss drawn in any panel, with its seed count (per cell in summary.md), beside the panels
+            fig.legend(handles=list(legend.values()), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 0.9))
+            notes = symbol_notes([key])
+            if notes:
+                fig.text(0.01, 0.0, notes, fontsize=7, va="top", ha="left")
             path = fig_dir / f"{key.replace('/', '_')}.png"
-            fig.savefig(path, dpi=80)
+            fig.savefig(path, dpi=80, bbox_inches="tight")
             written.append(path)
         plt.close(fig)
     return written
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (a scheduler, ``kill``) stops the study as Ctrl-C does (main thread only)."""
+
+    def interrupt(signum, frame):
+        raise SignalInterrupt(signum)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,10 +431,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_study(args.config, args.overrides)
-        results = [] if args.summarize else run_study(cfg, args.parallel)
+        with sigterm_as_interrupt():
+            results = [] if args.summarize else run_study(cfg, args.parallel)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as err:  # one line, as train's, instead of a traceback
+        signum = int(getattr(err, "signum", signal.SIGINT))
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"[study] interrupted ({what}): stopped the running cells and their servers; run the same command "
+              "again to continue (finished cells are skipped, interrupted ones resume from their last checkpoint)",
+              file=sys.stderr, flush=True)
+        return 128 + signum
     path = summarize(cfg)
     print(f"[study] summary: {path}")
     return 1 if any(code for _, code, _ in results) else 0

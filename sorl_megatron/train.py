@@ -3,7 +3,9 @@
 The same command runs under ``torchrun --nnodes N --nproc_per_node G -m sorl_megatron.train
 --config ...`` (torchrun's standard rendezvous). The recipe, then its input files (data rows,
 retrieval corpus, resume directory), are validated before any process group, server or run
-directory exists; overrides are dotted keys (``algorithm.loss.name=so_ppo``).
+directory exists; overrides are dotted keys (``algorithm.loss.name=so_ppo``). One process at a
+time writes a run directory (a lock in it, ``run.lock``), and a run directory made with other
+defining settings (loss, estimator, model, data, batch geometry, seed) is refused.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import ExitStack
+from pathlib import Path
 
+from .common.run_lock import RunLockedError, acquire_run_lock
 from .common.typed_config import ConfigError
 from .trainer.config import CONFIG_GROUPS
 from .trainer.inputs import InputError
@@ -64,7 +69,14 @@ def _run(args: argparse.Namespace) -> int:
 
     show_trainer_log()
     try:
-        metrics = RLTrainer(cfg).run()  # checks the input files first (data rows, corpus, resume directory)
+        # rank 0 alone writes the run directory: one writer per directory (a second run is refused)
+        with ExitStack() as stack:
+            if int(os.environ.get("RANK", "0")) == 0:
+                stack.enter_context(acquire_run_lock(Path(cfg.logging.dir) / cfg.logging.run_name))
+            metrics = RLTrainer(cfg).run()  # checks the input files first (data rows, corpus, resume directory)
+    except RunLockedError as err:
+        print(f"run directory in use: {err}", file=sys.stderr)
+        return 2
     except InputError as err:
         print(f"input error: {err}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ spans that start with a program), and for each one checks that the program is in
 environment, that the module or script exists and answers ``--help`` with every flag the
 command uses, that training and study overrides pass the recipe schema, and that ``make``
 targets exist. Commands of other projects (SGLang) are named in ``EXTERNAL`` and skipped.
+The ``python`` code blocks run too, against embedded servers where they talk to one, unless
+marked ``<!-- not run: why -->`` (see "Python snippets" below).
 """
 
 from __future__ import annotations
@@ -300,3 +302,75 @@ def test_every_cli_flag_has_help(monkeypatch):
         parser = _capture_parser(monkeypatch, call)
         missing += [f"{name}: {flag}" for flag, action in _actions(parser) if not (action.help or "").strip()]
     assert not missing, f"flags without help text: {missing}"
+
+
+# -- Python snippets ----------------------------------------------------------------------------
+# Every ```python block of README.md and docs/*.md runs, unless the line before its opening
+# fence is `<!-- not run: REASON -->` (a fragment, or one that needs GPUs, torchrun or a model
+# directory). A snippet talks to the servers at the addresses the docs give them (rollout
+# http://127.0.0.1:30000, retrieval http://127.0.0.1:8000) and reads the demo's files under
+# runs/tiny/: the test starts both embedded servers on a tiny model and data set and rewrites
+# those addresses and that directory to its own.
+
+NOT_RUN = re.compile(r"<!--\s*not run\b(.*)-->")
+SERVED = {"http://127.0.0.1:30000": "rollout", "http://127.0.0.1:8000": "retrieval"}
+
+
+@dataclass
+class Snippet:
+    doc: str
+    line: int  # of the opening fence, 1-based
+    code: str
+    run: bool
+
+    @property
+    def needs_servers(self) -> bool:
+        return any(url in self.code for url in SERVED) or "runs/tiny/" in self.code
+
+
+def python_snippets() -> list[Snippet]:
+    found = []
+    for path in DOCS:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() != "```python":
+                continue
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            before = next((text for text in reversed(lines[:i]) if text.strip()), "")
+            marker = NOT_RUN.search(before)
+            if marker and not marker.group(1).strip(": "):
+                raise AssertionError(f"{path.name}:{i}: `<!-- not run -->` needs a reason: `<!-- not run: why -->`")
+            found.append(Snippet(path.name, i + 1, "\n".join(lines[i + 1:end]), run=marker is None))
+    return found
+
+
+SNIPPETS = python_snippets()
+
+
+def test_the_python_snippets_are_found():
+    runs = {(s.doc, s.needs_servers) for s in SNIPPETS if s.run}
+    assert {("README.md", False), ("algorithms.md", False), ("rollout.md", True)} <= runs
+    assert {s.doc for s in SNIPPETS if not s.run} >= {"conversion.md", "engine.md", "kernels.md"}
+
+
+@pytest.fixture(scope="module")
+def doc_servers(tmp_path_factory):
+    """The tiny data set (as runs/tiny/) and both embedded servers on it, API keys in the environment."""
+    from tests.trainer.e2e_helpers import make_tiny_data, shared_embedded_servers
+
+    data = make_tiny_data(tmp_path_factory.mktemp("docs_data"))
+    with shared_embedded_servers(data, tmp_path_factory.mktemp("docs_servers")) as servers:
+        yield data, servers
+
+
+@pytest.mark.parametrize("snippet", [pytest.param(s, marks=[pytest.mark.slow] if s.needs_servers else [])
+                                     for s in SNIPPETS if s.run], ids=lambda s: f"{s.doc}:{s.line}")
+def test_python_snippets_run(snippet, request, capsys):
+    code = snippet.code
+    if snippet.needs_servers:
+        data, servers = request.getfixturevalue("doc_servers")
+        for url, name in SERVED.items():
+            code = code.replace(url, servers[name])
+        code = code.replace("runs/tiny/", f"{data}/")
+    # compiled under the doc's name: a failure's traceback names the page and the snippet's line
+    exec(compile(code, f"{snippet.doc}:{snippet.line}", "exec"), {"__name__": "__doc_snippet__"})

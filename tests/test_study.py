@@ -23,6 +23,10 @@ def test_cell_statistics_and_the_collapse_rule():
     assert s["em_auc"] == pytest.approx((4 * 0.5 + 4 * 0.4 + 4 * 0.35) / 12)
     assert cell_statistics(rows, 0.3)["collapsed"] == 0.0  # 0.2 is not below 0.3 x 0.6
     assert cell_statistics([{"step": 0, "val/em": 0.0}, {"step": 4, "val/em": 0.0}], 0.5)["collapsed"] == 0.0
+    # best EM after step 0 (docs/study.md): the starting policy's EM is not a loss's result
+    s = cell_statistics([{"step": 0, "val/em": 0.44}, {"step": 4, "val/em": 0.1}, {"step": 8, "val/em": 0.2}], 0.5)
+    assert (s["best_em"], s["final_em"]) == (0.2, 0.2)
+    assert "best_em" not in cell_statistics([{"step": 0, "val/em": 0.44}], 0.5)
 
 
 def test_the_run_table_lists_every_run_seed_by_seed():
@@ -115,3 +119,36 @@ def test_figures_draw_seed_bands_on_labelled_axes(tmp_path, monkeypatch):
     assert [line.get_label() for line in ax.get_lines()] == ["grpo (n=2)", "so_grpo (n=2)"]
     assert len(ax.collections) == 2  # one band per loss
     assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([0.53 + 0.01 * s for s in range(0, 13, 4)])
+
+
+def test_figures_mark_identical_losses_and_draw_no_band_for_one_seed(tmp_path, monkeypatch):
+    """s_ppo equal to ppo seed for seed (the normalization never engaged) is named, each loss
+    has its own line style and marker, one seed gets no band and a title that says so, the
+    legend is beside the panels and ||C|| is explained under the figure."""
+    from matplotlib.figure import Figure
+
+    from sorl_megatron.study import StudyConfig, _figures
+
+    figures, save = {}, Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, *a, **k: figures.update({Path(path).name: fig})
+                        or save(fig, path, *a, **k))
+    cfg = StudyConfig(recipe="r.yaml", start_policy="p", losses={"ppo": [], "s_ppo": [], "grpo": []},
+                      stress={"low": [], "high": []}, seeds=[1])
+
+    def rows(loss, stress):
+        shift = {"grpo": 0.2, "s_ppo": 0.1 if stress == "high" else 0.0}.get(loss, 0.0)
+        return [{"step": s, "val/em": 0.4 + shift + 0.01 * s, "actor/clip_bias/logprob_norm": 0.05 + shift}
+                for s in range(0, 13, 4)]
+
+    runs = {Cell(loss, stress, 1): rows(loss, stress) for loss in cfg.losses for stress in cfg.stress}
+    _figures(cfg, runs, tmp_path)
+    fig = figures["val_em.png"]
+    low, high = fig.axes
+    assert low.get_title() == "stress: low\nidentical curves: s_ppo = ppo" and high.get_title() == "stress: high"
+    assert list(low.get_xticks()) == [0, 4, 8, 12]
+    assert len(low.collections) == 0  # n=1: no band
+    assert fig._suptitle.get_text() == "validation exact match: one seed per loss, no band"
+    assert len({(line.get_linestyle(), line.get_marker()) for line in low.get_lines()}) == 3
+    assert fig.legends and low.get_legend() is None
+    notes = " ".join(t.get_text() for t in figures["actor_clip_bias_logprob_norm.png"].texts)
+    assert "||C||: norm of the clipping bias C" in notes

@@ -12,7 +12,19 @@ See docs/conversion.md. The implementation is sorl_megatron.bridge.convert_cli.
 
 import sys
 
-from sorl_megatron.bridge.convert_cli import main
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        from sorl_megatron.common.environment import require_environment
+    except ModuleNotFoundError:  # this python has not got the project installed: not its environment
+        print(f"tools/convert.py: sorl_megatron cannot be imported by {sys.executable}, which is not the project's "
+              "virtual environment; run: source .venv/bin/activate (or make setup)", file=sys.stderr)
+        return 2
+    require_environment("tools/convert.py")  # before the heavy imports
+    from sorl_megatron.bridge.convert_cli import main as convert
+
+    return convert(argv)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,16 +5,17 @@
 Each RUN_DIR holds the metrics.jsonl a training run writes (logging.dir / logging.run_name),
 and sft/metrics.jsonl when the run had an SFT stage. Writes one PNG per logged metric (reward,
 validation EM, clipping ratio, KL, gradient norm, clip-bias norm, train/inference mismatch, the
-SFT loss, ...) and summary.png with all of them, runs overlaid, titled with the run names (and
-for one run its recipe). Axes: whole steps; y labelled, EM and rates on [0, 1].
+SFT loss, ...) and summary.png with all of them, runs overlaid (line style and marker per run,
+identical curves named, legend beside the panels), titled with the run names (and for one run
+its recipe). Axes: whole steps (a tick on each validation step); y labelled, scores on [0, 1],
+other metrics scaled to their data (log when spread over two decades); the symbols explained
+under each figure (docs/recipes.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-
-from sorl_megatron.trainer.plots import plot_runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +27,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="EMA smoothing weight in [0, 1) as TensorBoard's slider (default 0: raw curves); "
                         "the raw curve stays drawn faintly")
     args = parser.parse_args(argv)
+    try:
+        from sorl_megatron.common.environment import require_environment
+    except ModuleNotFoundError:  # this python has not got the project installed: not its environment
+        print(f"tools/plot.py: sorl_megatron cannot be imported by {sys.executable}, which is not the project's "
+              "virtual environment; run: source .venv/bin/activate (or make setup)", file=sys.stderr)
+        return 2
+    require_environment("tools/plot.py")  # before the heavy imports
+    from sorl_megatron.trainer.plots import plot_runs
+
     try:
         paths = plot_runs(args.runs, args.out, labels=args.labels.split(",") if args.labels else None,
                           smooth=args.smooth)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,6 +34,24 @@ from .packing import DUMMY, MicroBatchPlan, PackedRow, make_plan
 from .rl_batch import BatchError, RLBatch
 from .routing_replay import RoutingReplay
 from .vocab_parallel import shift_to_token_positions
+
+# torch 2.13 deprecates these two collectives (for all_gather_single / reduce_scatter_single);
+# megatron-core 0.16.1 calls them (sequence-parallel mappings in tensor_parallel/, the DDP and
+# distributed-optimizer buffers in distributed/param_and_grad_buffer.py); this package does not.
+# The FutureWarning is attributed to torch's c10d_logger wrapper, so no `module=` can aim at
+# megatron: the filter matches these two messages exactly and is installed where our engines
+# hand their passes to megatron (every torchrun rank printed both otherwise).
+# tests/engine/test_megatron_warnings.py checks the messages still match.
+MEGATRON_DEPRECATED_COLLECTIVES = (
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated\. "
+    r"Please use `torch\.distributed\.(all_gather_single|reduce_scatter_single)` instead"
+)
+
+
+def quiet_megatron_collective_deprecations() -> None:
+    """Ignore exactly the FutureWarnings of :data:`MEGATRON_DEPRECATED_COLLECTIVES` (idempotent:
+    ``filterwarnings`` replaces an equal filter)."""
+    warnings.filterwarnings("ignore", message=MEGATRON_DEPRECATED_COLLECTIVES, category=FutureWarning)
 
 
 def factor_scales(factor: float, apply_to: str, grad_norm: float, clip: float) -> dict[str, float]:
@@ -159,6 +178,7 @@ class EngineBase:
         model_options: Optional[ModelOptions] = None,
     ):
         check(temperature > 0, f"temperature must be > 0, got {temperature}")
+        quiet_megatron_collective_deprecations()
         self.batching = batching
         self.optim = optim if optim is not None else OptimConfig()
         self.trainable = trainable

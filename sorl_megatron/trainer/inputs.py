@@ -4,7 +4,8 @@
 (every row against the verl / Search-R1 schema, each ``data_source`` against the reward
 registry, each row's targets against its metric), ``retrieval.corpus`` when the embedded
 retrieval server will serve it (every line: UTF-8, JSON, ``contents``) and
-``checkpoint.resume`` when it names a directory. Problems raise :class:`InputError` naming
+``checkpoint.resume`` when it names a directory, and the run directory's ``config.yaml`` (a run
+with other defining settings is refused). Problems raise :class:`InputError` naming
 the key and the file, and each bad row or line as ``file:row: what is wrong``.
 """
 
@@ -21,6 +22,7 @@ from ..retrieval.corpus import read_corpus
 from ..rewards.qa import choice_letter, normalize_answer
 from ..rewards.registry import DEFAULT_SOURCES, RewardRegistry
 from .config import TrainConfig
+from .run_settings import run_settings_problem
 
 MAX_LISTED = 20  # bad rows named in one error
 
@@ -89,10 +91,14 @@ def load_tokenizer(path: str):
 
 
 def check_resume_dir(cfg: TrainConfig) -> None:
-    """``checkpoint.resume``, when it names a directory, is one (InputError otherwise)."""
+    """``checkpoint.resume``, when it names a directory, is one, and the run directory holds no
+    run with other defining settings (trainer/run_settings.py); InputError otherwise."""
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         raise InputError(f"checkpoint.resume: {resume} is not a directory (auto, none or a checkpoint directory)")
+    problem = run_settings_problem(cfg)
+    if problem:
+        raise InputError(problem)
 
 
 def _file(key: str, path: str) -> Path:

@@ -1,5 +1,6 @@
 """Run logging: JSONL metrics per step, TensorBoard scalars, optional Weights & Biases,
-console progress with ETA.
+console progress with ETA (a tqdm bar on a terminal; one plain line per step when the output
+goes to a file or a pipe, which a bar's carriage returns would fill with redraws).
 
 Only rank 0 writes. Each JSONL line is ``{"step": int, "time": float, <metric>: float, ...}``
 with the metric names the losses and engine produce (``actor/clip_frac``,
@@ -14,6 +15,7 @@ import logging
 import math
 import os
 import secrets
+import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -21,6 +23,13 @@ from typing import Any, Mapping, Optional
 from tqdm import tqdm
 
 from ..algorithms.diagnostics import Histogram
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no such method, or a closed stream
+        return False
 
 
 def show_trainer_log(level: int = logging.INFO) -> None:
@@ -113,8 +122,10 @@ class MetricsLogger:
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
             except ImportError:  # tensorboard is a declared dependency; tolerate its absence
                 self._tb = None
+        if progress == "tqdm" and not _is_terminal(sys.stderr):
+            progress = "plain"  # a redirected log gets one line per step, not tqdm's \r-redrawn bar
         if progress == "tqdm":
-                self._bar = tqdm(total=total_steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True)
         self._progress = progress
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -1,10 +1,15 @@
 """PNG training curves of one run or several overlaid (like SORL Figs. 5-8).
 
-Every panel has an x axis of whole steps (RL steps, or SFT steps for the cold start's curve)
-and a y axis labelled with what the metric counts, over a range that fits it: fractions and
-rates (exact match, reward, clip ratio, routing mismatch) on [0, 1], non-negative metrics from
-0, and small quantities (KL, the train/inference mismatch) up to at least a floor, so that
-float noise of 1e-7 stays a flat line instead of filling the panel.
+Every panel has an x axis of whole steps (RL steps, or SFT steps for the cold start's curve;
+a tick on each step drawn when there are few, such as the validation steps) and a y axis
+labelled with what the metric counts, over a range that fits it: scores (exact match, reward,
+the clip-bias factor) on [0, 1]; other non-negative metrics from 0 to their largest value (a
+clip ratio of 0.001-0.008 fills the panel), small quantities (KL, the train/inference
+mismatch) up to at least a floor, so that float noise of 1e-7 stays a flat line; KL, gradient
+and clip-bias norms spread over two decades or more on a log axis. Every symbol a figure uses
+(``||C||``, ``k3``, ``pi_old``, ...) is explained in a note under it; curves differ in line style
+and marker as well as colour, a curve identical to another is named in the panel's title (it
+hides the other), and legends sit beside the panels.
 """
 
 from __future__ import annotations
@@ -21,27 +26,49 @@ class Axis:
     """How a metric's y axis is drawn."""
 
     label: str
-    unit_interval: bool = False  # a fraction or a rate: [0, 1] (widened if a value falls outside)
-    floor: float = 0.0  # non-negative: from 0 up to at least this
+    unit_interval: bool = False  # a score on [0, 1] (widened if a value falls outside)
+    floor: float = 0.0  # non-negative: from 0 up to the data's largest value, at least this
+    log_when_spread: bool = False  # positive values spanning LOG_SPREAD x or more: a log axis
+    symbols: tuple[str, ...] = ()  # the SYMBOLS the label and title use (explained under the figure)
 
 
-# One owner of how each metric is read (the run plots here, the study's figures).
+LOG_SPREAD = 100.0
+
+# Every symbol a label or title uses, explained in a note under each figure that shows it.
+SYMBOLS: dict[str, str] = {
+    "pi_old": "pi_old: the policy that sampled the batch (before this RL step's updates); pi: the policy trained",
+    "k3": "k3: the KL estimate mean(r - 1 - log r) over sampled tokens, r = pi / pi_old",
+    "||C||": ("||C||: norm of the clipping bias C, the part of the policy gradient PPO's clip removes "
+              "(SORL, arXiv 2511.20718, eq. 7; measured as algorithm.loss.clip_bias.mode says)"),
+    "||C|| log-prob": ("log-prob space: ||C|| taken over the tokens' clip-bias terms (C's gradient with respect to "
+                       "each token's log-probability), not over the parameters"),
+    "delta": "delta: clip_bias.delta, the floor of the clip-bias normalization (SORL eqs. 9, 12, 15)",
+    "mu": "mu: the rollout engine's sampling distribution (train/inference mismatch, MiniRL arXiv 2512.01374)",
+    "R3": "R3: rollout routing replay, the trainer replaying the experts the rollout engine chose",
+    "NLL": "NLL: negative log-likelihood of the gold trajectories' policy tokens",
+}
+
+# One owner of how each metric is read (the run plots here, the study's figures). Fractions
+# that stay small (clip ratio 0.001-0.008) are drawn from 0 to their largest value, not on
+# [0, 1], where they would be a flat line at the bottom.
 METRIC_AXES: dict[str, Axis] = {
     "rollout/reward": Axis("reward (mean over trajectories)", unit_interval=True),
     "val/em": Axis("exact match (fraction of questions)", unit_interval=True),
-    "actor/clip_frac": Axis("fraction of tokens clipped", unit_interval=True),
-    "actor/approx_kl_k3": Axis("KL (nats per token)", floor=1e-3),
-    "actor/kl_ref": Axis("KL (nats per token)", floor=1e-3),
-    "actor/grad_norm": Axis("L2 norm before clipping"),
-    "actor/clip_bias/norm": Axis("||C||"),
-    "actor/clip_bias/logprob_norm": Axis("||C|| (log-prob space)"),
-    "actor/clip_bias/factor": Axis("factor 1 / max(||C||, delta)", unit_interval=True),
-    "actor/is/mismatch_abs_mean": Axis("|log pi_old - log mu| (nats per token)", floor=1e-3),
-    "old/routing/replay_mismatch_frac": Axis("fraction of routing decisions", unit_interval=True),
-    "actor/routing/replay_mismatch_frac": Axis("fraction of replayed routes", unit_interval=True),
+    "actor/clip_frac": Axis("fraction of tokens clipped", floor=1e-3),
+    "actor/approx_kl_k3": Axis("KL(pi_old || pi), nats/token", floor=1e-3, log_when_spread=True,
+                               symbols=("pi_old", "k3")),
+    "actor/kl_ref": Axis("KL to the reference policy (nats per token)", floor=1e-3, log_when_spread=True),
+    "actor/grad_norm": Axis("L2 norm before clipping", log_when_spread=True),
+    "actor/clip_bias/norm": Axis("||C||", log_when_spread=True, symbols=("||C||",)),
+    "actor/clip_bias/logprob_norm": Axis("||C|| (log-prob space)", log_when_spread=True,
+                                         symbols=("||C||", "||C|| log-prob")),
+    "actor/clip_bias/factor": Axis("factor 1 / max(||C||, delta)", unit_interval=True, symbols=("||C||", "delta")),
+    "actor/is/mismatch_abs_mean": Axis("|log pi_old - log mu| (nats per token)", floor=1e-3, symbols=("pi_old", "mu")),
+    "old/routing/replay_mismatch_frac": Axis("fraction of routing decisions", floor=1e-3, symbols=("R3",)),
+    "actor/routing/replay_mismatch_frac": Axis("fraction of replayed routes", floor=1e-3, symbols=("R3",)),
     "rollout/searches": Axis("searches per trajectory"),
     "rollout/response_length": Axis("tokens per trajectory"),
-    "sft/nll": Axis("NLL (nats per policy token)"),
+    "sft/nll": Axis("NLL (nats per policy token)", symbols=("NLL",)),
 }
 
 # (metric key, panel title); a panel is drawn when any run logged the key. ``sft/*`` keys come
@@ -62,6 +89,45 @@ DEFAULT_PANELS: tuple[tuple[str, str], ...] = (
     ("sft/nll", "SFT cold start: loss"),
 )
 
+# Curves told apart without colour: the i-th curve of a panel (a run, a loss) gets the i-th.
+LINE_STYLES: tuple[tuple[object, str], ...] = (
+    ("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"), ((0, (3, 1, 1, 1, 1, 1)), "P"),
+    ((0, (1, 1)), "X"), ((0, (8, 2, 2, 2)), "*"), ((0, (4, 2, 1, 2)), "h"),
+)
+MAX_TICKED_STEPS = 13  # at most this many distinct steps: a tick on each (validation every k steps)
+
+
+def line_style(i: int) -> dict[str, object]:
+    linestyle, marker = LINE_STYLES[i % len(LINE_STYLES)]
+    return {"linestyle": linestyle, "marker": marker}
+
+
+def identical_curves(curves: Sequence[tuple[str, Sequence[float], Sequence[float]]]) -> dict[str, str]:
+    """Each curve equal, point for point, to an earlier one -> that earlier one's label (the
+    later curve hides the earlier, so a figure must say so)."""
+    seen: dict[tuple, str] = {}
+    same: dict[str, str] = {}
+    for label, xs, ys in curves:
+        key = (tuple(xs), tuple(ys))
+        if key in seen:
+            same[label] = seen[key]
+        else:
+            seen[key] = label
+    return same
+
+
+def identical_note(same: dict[str, str]) -> str:
+    """``identical curves: b = a, d = c`` (empty without any)."""
+    return ("identical curves: " + ", ".join(f"{a} = {b}" for a, b in same.items())) if same else ""
+
+
+def symbol_notes(keys: Sequence[str], width: int = 130) -> str:
+    """The explanations of every symbol the metrics ``keys`` use, in order, wrapped to ``width``."""
+    import textwrap
+
+    names = list(dict.fromkeys(n for k in keys if k in METRIC_AXES for n in METRIC_AXES[k].symbols))
+    return "\n".join(textwrap.fill(SYMBOLS[n], width) for n in names)
+
 
 def smooth_ema(values: Sequence[float], weight: float) -> list[float]:
     """TensorBoard's smoothing: an exponential moving average with ``weight`` on the past,
@@ -76,20 +142,32 @@ def smooth_ema(values: Sequence[float], weight: float) -> list[float]:
     return out
 
 
-def style_axis(ax, key: str, values: Sequence[float], xlabel: str = "RL step", ylabel: Optional[str] = None) -> None:
-    """Integer step ticks, axis labels and the y range :data:`METRIC_AXES` gives ``key``
-    (unknown keys: labels and ticks only)."""
+def style_axis(ax, key: str, values: Sequence[float], xlabel: str = "RL step", ylabel: Optional[str] = None,
+               steps: Sequence[float] = ()) -> None:
+    """Step ticks (one on each drawn step when there are few, such as validation steps; whole
+    numbers otherwise), axis labels and the y range :data:`METRIC_AXES` gives ``key``: [0, 1]
+    for scores, 0 to the data for other non-negative metrics, a log axis for positive values
+    spread over two decades or more (unknown keys: labels and ticks only)."""
     from matplotlib.ticker import MaxNLocator
 
     ax.set_xlabel(xlabel)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    distinct = sorted(set(steps))
+    if 0 < len(distinct) <= MAX_TICKED_STEPS:
+        ax.set_xticks(distinct)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis = METRIC_AXES.get(key)
-    ax.set_ylabel(ylabel or (axis.label if axis else key))
+    label = ylabel or (axis.label if axis else key)
+    ax.set_ylabel(label)
     if axis is None or not values:
         return
     low, high = min(values), max(values)
     if axis.unit_interval:
         low, high = min(0.0, low), max(1.0, high)
+    elif low > 0 and axis.log_when_spread and high / low >= LOG_SPREAD:
+        ax.set_yscale("log")  # KL from 1e-3 to 2 on one axis: the early steps are not a line at 0
+        ax.set_ylabel(f"{label} (log)")
+        return
     elif low >= 0:
         low, high = 0.0, max(high, axis.floor) or 1.0  # all zeros: a flat line at the bottom, not mid-panel
     else:
@@ -159,45 +237,65 @@ def plot_runs(runs: Sequence[str | Path], out_dir: str | Path, panels: Sequence[
     else:
         heading = "runs " + ", ".join(labels)
 
-    def draw(ax, key, title, alone: bool):
+    def draw(ax, key, title, alone: bool) -> list:
+        """One metric's panel; returns its curves (for a legend outside the panels)."""
         drawn: list[float] = []
-        for rows, label in zip(data[source(key)], labels):
+        steps: list[float] = []
+        curves, handles = [], []
+        for i, (rows, label) in enumerate(zip(data[source(key)], labels)):
             pts = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
             if not pts:
                 continue
             xs, ys = zip(*pts)
-            marker = "o" if len(pts) < 30 else None
+            style = {**line_style(i), "markersize": 3 if len(pts) < 30 else 0}
             if smooth > 0:
-                line = ax.plot(xs, ys, alpha=0.3, linewidth=1)[0]
-                ax.plot(xs, smooth_ema(ys, smooth), color=line.get_color(), label=label)
+                line = ax.plot(xs, ys, alpha=0.3, linewidth=1, linestyle=style["linestyle"])[0]
+                handles.append(ax.plot(xs, smooth_ema(ys, smooth), color=line.get_color(), label=label,
+                                       linestyle=style["linestyle"])[0])
             else:
-                ax.plot(xs, ys, marker=marker, markersize=3, label=label)
+                handles.append(ax.plot(xs, ys, label=label, **style)[0])
+            curves.append((label, xs, ys))
             drawn += ys
-        ax.set_title(f"{title} ({labels[0]})" if alone and len(runs) == 1 else title, fontsize=10)
-        style_axis(ax, key, drawn, xlabel="SFT step" if source(key) == "sft" else "RL step")
+            steps += xs
+        same = identical_note(identical_curves(curves)) if len(runs) > 1 else ""
+        heading = f"{title} ({labels[0]})" if alone and len(runs) == 1 else title
+        ax.set_title(heading + (f"\n{same}" if same else ""), fontsize=10 if not same else 9)
+        style_axis(ax, key, drawn, xlabel="SFT step" if source(key) == "sft" else "RL step", steps=steps)
         ax.grid(alpha=0.3)
-        if len(runs) > 1:
-            ax.legend(fontsize=7)
+        return handles
+
+    def notes(fig, keys) -> None:
+        text = symbol_notes(keys)
+        if text:
+            fig.text(0.01, 0.0, text, fontsize=7, va="top", ha="left")
 
     for key, title in present:
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        draw(ax, key, title, alone=True)
+        handles = draw(ax, key, title, alone=True)
+        if len(runs) > 1:  # beside the panel: it never hides a curve
+            ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
         fig.tight_layout()
+        notes(fig, [key])
         path = out / (key.replace("/", "_") + ".png")
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(path)
     cols = min(3, len(present))
     rows_n = (len(present) + cols - 1) // cols
     fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 3.4 * rows_n + 0.4), squeeze=False)
+    legend: dict[str, object] = {}
     for ax, (key, title) in zip(axes.flat, present):
-        draw(ax, key, title, alone=False)
+        for handle in draw(ax, key, title, alone=False):
+            legend.setdefault(handle.get_label(), handle)
     for ax in list(axes.flat)[len(present):]:
         ax.axis("off")
     fig.suptitle(heading + (f" (smoothed, weight {smooth:g})" if smooth > 0 else ""), fontsize=11)
     fig.tight_layout()
+    if len(runs) > 1:
+        fig.legend(handles=list(legend.values()), fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 0.95))
+    notes(fig, [k for k, _ in present])
     summary = out / "summary.png"
-    fig.savefig(summary, dpi=100)
+    fig.savefig(summary, dpi=100, bbox_inches="tight")
     plt.close(fig)
     written.append(summary)
     return written

@@ -72,16 +72,22 @@ def start_message(cfg: TrainConfig, resume: Optional[Path], step: int) -> tuple[
         return True, f"starting run {name}: {total} RL steps, logs and checkpoints in {run_dir}"
     if step < total:
         return True, f"resuming run {name} from step {step} of {total} ({resume})"
+    from .run_settings import rerun_command  # imported here: edits of this module stay in this function
+
+    def command(override: str) -> str:  # the command as it was typed (make demo ARGS=..., python -m ...)
+        typed = rerun_command(override)
+        return f"`{typed}`" if typed else f"the same command with {override}"
+
     o = cfg.optimizer
     if o.lr_schedule != "constant" and o.decay_steps is None:
         extend = (f"its LR schedule (optimizer.lr_schedule={o.lr_schedule}) decays over the run's length, so it "
                   "cannot be extended")
     else:
-        extend = f"to train it further, run the same command with schedule.total_steps={max(step, total) + total}"
+        extend = f"to train it further, run {command(f'schedule.total_steps={max(step, total) + total}')}"
     return False, (
         f"run {name} is finished: its checkpoint {resume} is at step {step} of schedule.total_steps={total}. "
-        f"Nothing to do; {extend}; to start over, add checkpoint.resume=none, remove {run_dir} or pick another "
-        "logging.run_name"
+        f"Nothing to do; {extend}; to start over, run {command('checkpoint.resume=none')}, remove {run_dir} or "
+        "pick another logging.run_name"
     )
 
 

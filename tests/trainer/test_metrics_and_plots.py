@@ -215,3 +215,42 @@ def test_plot_cli_smooth_flag(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "a"), "--out",
                            str(tmp_path / "p"), "--smooth", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "smoothing weight must be in [0, 1), got 1.0" in proc.stderr
+
+
+def test_axes_tick_the_validation_steps_and_scale_to_small_and_spread_values():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sorl_megatron.trainer.plots import style_axis
+
+    fig, (em, clip, kl) = plt.subplots(1, 3)
+    style_axis(em, "val/em", [0.4, 0.5], steps=[0, 4, 8, 12])
+    assert list(em.get_xticks()) == [0, 4, 8, 12]
+    clip.plot([1, 2, 3], [0.001, 0.008, 0.004])
+    style_axis(clip, "actor/clip_frac", [0.001, 0.008, 0.004], steps=[1, 2, 3])
+    assert clip.get_ylim()[0] <= 0 and 0.008 < clip.get_ylim()[1] < 0.01  # the data fills the panel, not [0, 1]
+    kl.plot([1, 2], [1e-3, 2.0])
+    style_axis(kl, "actor/approx_kl_k3", [1e-3, 2.0], steps=list(range(1, 30)))
+    assert kl.get_yscale() == "log" and kl.get_ylabel().endswith("(log)")
+    assert all(float(t).is_integer() for t in kl.get_xticks())
+    plt.close(fig)
+
+
+def test_overlaid_runs_name_identical_curves_keep_legends_outside_and_explain_symbols(tmp_path, monkeypatch):
+    figures = _captured_figures(monkeypatch)
+    _demo_like_run(tmp_path / "a", em=(0.2, 0.6, 0.4))
+    _demo_like_run(tmp_path / "b", em=(0.2, 0.6, 0.4))
+    _demo_like_run(tmp_path / "c", em=(0.3, 0.3, 0.3))
+    plot_runs([tmp_path / "a", tmp_path / "b", tmp_path / "c"], tmp_path / "plots")
+    em = figures["val_em.png"].axes[0]
+    assert em.get_title() == "validation exact match\nidentical curves: b = a"
+    styles = [(line.get_linestyle(), line.get_marker()) for line in em.get_lines()]
+    assert len(set(styles)) == 3  # told apart without colour, and b drawn over a stays visible
+    legend = em.get_legend()
+    assert legend.get_bbox_to_anchor().x0 > em.get_window_extent().x1  # beside the panel
+    summary = figures["summary.png"]
+    assert summary.legends and all(ax.get_legend() is None for ax in summary.axes)
+    notes = " ".join(t.get_text() for t in figures["actor_is_mismatch_abs_mean.png"].texts)
+    assert "pi_old: the policy that sampled the batch" in notes and "mu: the rollout engine's" in notes
