@@ -20,7 +20,7 @@ def _no_process_group(monkeypatch):
     in os.environ for the process (the checkpoint helpers work without a group)."""
     import sorl_megatron.trainer.rl_loop as rl_loop
 
-    monkeypatch.setattr(rl_loop, "init_distributed", lambda: None)
+    monkeypatch.setattr(rl_loop, "init_distributed", lambda **kw: None)
 
 
 def _cfg(tmp_path, *extra):

@@ -140,7 +140,7 @@ def test_other_defining_settings_under_the_same_run_name_are_refused(tmp_path):
 def test_a_finished_run_with_other_settings_is_refused_not_called_finished(tmp_path, monkeypatch):
     import sorl_megatron.trainer.rl_loop as rl_loop
 
-    monkeypatch.setattr(rl_loop, "init_distributed", lambda: None)
+    monkeypatch.setattr(rl_loop, "init_distributed", lambda **kw: None)
     _started(_cfg(tmp_path))
     with pytest.raises(InputError, match="schedule.seed: 1234 there, 7 now"):
         rl_loop.RLTrainer(_cfg(tmp_path, "schedule.seed=7")).run()
