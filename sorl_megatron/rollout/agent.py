@@ -117,11 +117,18 @@ class AgentConfig:
 
 
 def parse_action(text: str) -> tuple[str | None, str]:
-    """``("search", query)``, ``("answer", answer)`` or ``(None, "")`` for an invalid turn."""
-    m = _ACTION_RE.search(text)
-    if m is None:
+    """``("search", query)``, ``("answer", answer)`` or ``(None, "")`` for an invalid turn.
+
+    A turn with an answer block answers, with its *last* one: the block the reward reads
+    (``rewards.qa.extract_answer``), so the episode's answer and its score never disagree (a
+    server that ignores the stop strings can return several). Otherwise its first search."""
+    blocks = _ACTION_RE.findall(text)
+    answers = [content for kind, content in blocks if kind == "answer"]
+    if answers:
+        return "answer", answers[-1].strip()
+    if not blocks:
         return None, ""
-    kind, content = m.group(1), m.group(2).strip()
+    kind, content = blocks[0][0], blocks[0][1].strip()
     if kind == "search" and not content:
         return None, ""
     return kind, content

@@ -151,6 +151,17 @@ def test_parse_action():
     assert parse_action("x <answer>Paris</answer>") == ("answer", "Paris")
     assert parse_action("<search>   </search>") == (None, "")
     assert parse_action("no tags") == (None, "")
+
+
+def test_the_agent_and_the_reward_read_the_same_answer():
+    """Several answer blocks in one turn (a server that ignored the stop strings): the episode's
+    answer is the one the reward scores, the last."""
+    from sorl_megatron.rewards.qa import extract_answer
+
+    text = "<answer>Lyon</answer> on second thought <answer> Paris </answer><search>x</search>"
+    assert parse_action(text) == ("answer", "Paris")
+    assert extract_answer(text) == "Paris"
+    assert parse_action("<search>a</search><search>b</search>") == ("search", "a")
     assert parse_action("<search>unclosed") == (None, "")
 
 
