@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Optional
@@ -137,6 +138,33 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _output_overlap(args: argparse.Namespace) -> Optional[str]:
+    """Why ``--out`` cannot be written, or None: it is, contains or lies inside an input
+    (``--hf``, ``--ckpt``), compared as real paths (symlinks resolved). Writing there replaces
+    or mixes with the files being read (``megatron-to-hf --hf X --out X --fp8`` replaced X's weights)."""
+    out = getattr(args, "out", None)
+    if not out:
+        return None
+    real_out = os.path.realpath(out)
+    for flag in ("hf", "ckpt"):
+        src = getattr(args, flag, None)
+        if not src:
+            continue
+        real_src = os.path.realpath(src)
+        common = os.path.commonpath([real_out, real_src])
+        if real_out == real_src:
+            relation = "is"
+        elif common == real_src:
+            relation = "is inside"
+        elif common == real_out:
+            relation = "contains"
+        else:
+            continue
+        where = "" if (out, src) == (real_out, real_src) else f" ({real_out} and {real_src} once symlinks are resolved)"
+        return f"--out {out} {relation} the input --{flag} {src}{where}: choose an output directory outside it"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="convert.py",
@@ -182,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    overlap = _output_overlap(args)
+    if overlap:
+        print(f"error: {overlap}", file=sys.stderr, flush=True)
+        return 2
     if not args.verbose:
         # megatron/torch deprecation chatter would bury the one-line results.
         import warnings

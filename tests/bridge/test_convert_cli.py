@@ -94,3 +94,38 @@ def test_verify_each_new_family(models_dir, family):
     assert result["ok"] is True and result["max_abs_diff"] <= 1e-5, result
     note = "note: 1 multi-token-prediction layer(s) (num_nextn_predict_layers) not converted"
     assert (note in proc.stdout) == (family != "qwen2_moe"), proc.stdout
+
+
+def _dir_state(path):
+    return sorted((p.relative_to(path).as_posix(), p.stat().st_mtime_ns) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "argv,relation",
+    [
+        (["megatron-to-hf", "--hf", "{model}", "--out", "{model}", "--fp8"], "is the input --hf"),
+        (["megatron-to-hf", "--hf", "{model}", "--out", "{model}/fp8"], "is inside the input --hf"),
+        (["megatron-to-hf", "--hf", "{model}", "--out", "{root}"], "contains the input --hf"),
+        (["megatron-to-hf", "--hf", "{model}", "--out", "{link}"], "is the input --hf"),  # a symlink to it
+        (["megatron-to-hf", "--ckpt", "{model}", "--out", "{link}/x"], "is inside the input --ckpt"),
+        (["hf-to-megatron", "--hf", "{model}", "--out", "{link}/ckpt"], "is inside the input --hf"),
+        (["hf-to-megatron", "--hf", "{link}", "--out", "{model}"], "is the input --hf"),
+    ],
+)
+def test_output_that_overlaps_an_input_is_refused(tmp_path, capsys, argv, relation):
+    """`megatron-to-hf --hf X --out X --fp8` replaced X's weights; every subcommand refuses an
+    output that is, contains or lies inside an input, symlinks resolved, before reading anything."""
+    from sorl_megatron.bridge import convert_cli
+
+    model = tmp_path / "root" / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    link = tmp_path / "link"
+    link.symlink_to(model)
+    before = _dir_state(tmp_path)
+    fill = {"model": str(model), "root": str(tmp_path / "root"), "link": str(link)}
+    assert convert_cli.main([a.format(**fill) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --out ") and relation in err[0], err
+    assert _dir_state(tmp_path) == before
