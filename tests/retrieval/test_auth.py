@@ -100,14 +100,20 @@ def test_every_route_of_the_retrieval_server_with_every_method():
         srv.stop()
 
 
-def _rollout_server_module():
-    # The rollout server is moving from rollout/server.py to sglang_cpu/server.py: whichever exists.
-    for name in ("sorl_megatron.sglang_cpu.server", "sorl_megatron.rollout.server"):
+ROLLOUT_APP_MODULES = ("sorl_megatron.rollout.server", "sorl_megatron.sglang_cpu.app", "sorl_megatron.sglang_cpu.server")
+
+
+def _rollout_server_module(candidates=ROLLOUT_APP_MODULES):
+    # The rollout server's app is moving from rollout/server.py to the sglang_cpu package: the
+    # first module that has both build_app and ServerOptions.
+    for name in candidates:
         try:
-            return importlib.import_module(name)
+            mod = importlib.import_module(name)
         except ModuleNotFoundError:
             continue
-    pytest.fail("no rollout server module")
+        if hasattr(mod, "build_app") and hasattr(mod, "ServerOptions"):
+            return mod
+    pytest.fail(f"no rollout server app in {candidates}")
 
 
 class _NoEngine:
