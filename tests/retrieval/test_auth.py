@@ -100,7 +100,9 @@ def test_every_route_of_the_retrieval_server_with_every_method():
         srv.stop()
 
 
-ROLLOUT_APP_MODULES = ("sorl_megatron.rollout.server", "sorl_megatron.sglang_cpu.app", "sorl_megatron.sglang_cpu.server")
+ROLLOUT_APP_MODULES = (
+    "sorl_megatron.rollout.server", "sorl_megatron.sglang_cpu.app", "sorl_megatron.sglang_cpu.server",
+)
 
 
 def _rollout_server_module(candidates=ROLLOUT_APP_MODULES):
