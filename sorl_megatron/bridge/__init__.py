@@ -32,6 +32,7 @@ _EXPORTS = {
     "quantize_block_fp8": "..common.fp8",
     "causal_attention_mask": "forward",
     "forward_logits": "forward",
+    "CheckpointContentError": "hf_config",
     "CheckpointFileError": "hf_config",
     "load_hf_config": "hf_config",
     "SUPPORTED_MODEL_TYPES": "layout",

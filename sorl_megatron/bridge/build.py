@@ -12,7 +12,8 @@ from transformers import PretrainedConfig
 
 from .cpu_compat import apply_cpu_compat
 from .families import family_config_overrides, local_spec_layout_problem
-from .hf_config import check_hf_dir_has_weights, load_hf_config
+from .hf_checkpoint import read_checkpoint
+from .hf_config import load_hf_config
 from .layout import LayoutError, ParallelLayout, megatron_pipeline_split, num_experts_of, validate_layout
 from .model import MegatronModel, ModelOptions, attach_value_head
 from .parallel import current_layout, init_parallel
@@ -80,7 +81,7 @@ def build_model(
     if num_experts_of(hf_config) and layout.tp > 1 and not layout.use_sequence_parallel:
         raise LayoutError(f"MoE with TP={layout.tp} needs sequence parallelism (megatron requires it)")
     if load_weights and source_dir is not None:
-        check_hf_dir_has_weights(source_dir)
+        read_checkpoint(source_dir)  # index, file references, headers: refused before anything is built
 
     apply_cpu_compat()  # before megatron's first import (it quiets the CPU-only import warnings)
     problem = None if _use_te(options) else local_spec_layout_problem(hf_config, layout.tp)

@@ -3,13 +3,16 @@
 
   hf-to-megatron  HF directory -> Megatron distributed checkpoint at a chosen layout
   megatron-to-hf  Megatron checkpoint (or HF directory) -> HF directory, fp32/bf16 or FP8
-  verify          transformers logits vs Megatron logits on random tokens; prints the max diff
+  verify          the model's weights vs the HF directory's (bit for bit), and transformers logits vs
+                  Megatron logits on random tokens (within a bound relative to the logits' scale)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from typing import Optional
@@ -44,9 +47,42 @@ def _rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+_JSON_OUT: Optional[int] = None  # with --json: the real stdout's descriptor (fd 1 then points at stderr)
+
+
 def _say(msg: str) -> None:
     if _rank0():
         print(msg, flush=True)
+
+
+def _json_only_stdout() -> None:
+    """With --json, stdout carries the JSON alone: everything else written to fd 1 (our lines,
+    libraries' prints and progress bars, C code) goes to stderr; ``_emit_json`` writes the
+    original stdout."""
+    global _JSON_OUT
+    sys.stdout.flush()
+    _JSON_OUT = os.dup(1)
+    os.dup2(2, 1)
+
+
+def _finite_json(value):
+    """``value`` with NaN / infinities as strings: strict JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_json(v) for v in value]
+    return value
+
+
+def _emit_json(result: dict) -> None:
+    text = json.dumps(_finite_json(result), allow_nan=False) + "\n"
+    if _JSON_OUT is None:
+        print(text, end="", flush=True)
+    else:
+        sys.stdout.flush()
+        os.write(_JSON_OUT, text.encode())
 
 
 def _say_skipped_mtp(model) -> None:
@@ -96,6 +132,81 @@ def cmd_megatron_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+# Logits agree when max |diff| <= rtol * max |HF logit| + atol: float noise grows with the
+# logits' scale (a trained model's logits reach ~10, a random tiny model's ~0.5), so the bound
+# scales with them; atol covers logits near 0. Measured megatron vs transformers noise and the
+# choice: docs/conversion.md#verify.
+DEFAULT_TOLERANCES = {"float32": (1e-4, 1e-6), "bfloat16": (0.25, 5e-2)}
+
+
+def _tolerances(args: argparse.Namespace, dtype) -> tuple[float, float]:
+    """(rtol, atol): --tolerance is an absolute bound alone (rtol 0), as before --rtol/--atol."""
+    rtol, atol = DEFAULT_TOLERANCES[str(dtype).removeprefix("torch.")]
+    if args.tolerance is not None:
+        rtol, atol = 0.0, args.tolerance
+    return (rtol if args.rtol is None else args.rtol), (atol if args.atol is None else args.atol)
+
+
+def _compare_weights(model, hf_dir: str) -> Optional[dict]:
+    """The model's weights exported under HF names against ``hf_dir``'s tensors, bit for bit (in
+    the lower of the two dtypes: a bf16 source built in fp32 must come back exactly). Every rank
+    runs the export (gathers inside); rank 0 compares and returns the summary."""
+    import torch
+    from safetensors import safe_open
+
+    from . import iter_hf_weights
+    from .hf_checkpoint import read_checkpoint, unused_allowed
+
+    tensors = read_checkpoint(hf_dir)
+    handles: dict = {}
+    exported, equal, differ, shapes, extra, max_diff = set(), 0, [], [], [], 0.0
+    for name, ours in iter_hf_weights(model):
+        if not _rank0():
+            continue
+        exported.add(name)
+        if name not in tensors:
+            extra.append(name)
+            continue
+        entry = tensors[name]
+        if entry.file not in handles:
+            handles[entry.file] = safe_open(entry.file, framework="pt", device="cpu")
+        theirs = handles[entry.file].get_tensor(name)
+        ours = ours.cpu()
+        common = ours.dtype if ours.element_size() <= theirs.element_size() else theirs.dtype
+        a, b = ours.to(common), theirs.to(common)
+        if a.shape == b.shape and torch.equal(a, b):
+            equal += 1
+            continue
+        differ.append(name)
+        if a.shape != b.shape:
+            shapes.append(f"{name} {list(a.shape)} vs {list(b.shape)}")
+        elif a.numel():
+            max_diff = max(max_diff, (a.float() - b.float()).abs().max().item())
+    if not _rank0():
+        return None
+    missing = sorted(n for n in tensors if n not in exported
+                     and not unused_allowed(model.hf_config, n, exported, model.options.value_head))
+    return {"compared": equal + len(differ), "equal": equal, "differ": sorted(differ)[:20], "num_differ": len(differ),
+            "max_abs_diff": max_diff, "shape_differ": shapes[:20], "missing": missing[:20], "num_missing": len(missing),
+            "extra": sorted(extra)[:20], "num_extra": len(extra),
+            "ok": not differ and not missing and not extra}
+
+
+def _weights_line(w: dict, hf_dir: str) -> str:
+    if w["ok"]:
+        return f"weights: all {w['equal']} tensors equal to {hf_dir}'s, bit for bit"
+    parts = []
+    if w["num_differ"]:
+        shapes = f", shapes differ: {'; '.join(w['shape_differ'][:3])}" if w["shape_differ"] else ""
+        parts.append(f"{w['num_differ']} of {w['compared']} tensors differ (max |diff| {w['max_abs_diff']:.3e}; "
+                     f"first: {', '.join(w['differ'][:3])}{shapes})")
+    if w["num_missing"]:
+        parts.append(f"{w['num_missing']} of {hf_dir}'s tensors not exported (first: {', '.join(w['missing'][:3])})")
+    if w["num_extra"]:
+        parts.append(f"{w['num_extra']} exported tensors not in {hf_dir} (first: {', '.join(w['extra'][:3])})")
+    return "weights: " + "; ".join(parts) + ": DIFFERENT"
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
@@ -106,6 +217,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         model = build_model(args.hf, _layout(args.layout), ModelOptions(dtype=_dtype(args.dtype)))
     _say_skipped_mtp(model)
+    weights = _compare_weights(model, args.hf)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = int(model.hf_config.vocab_size)
     tokens = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen)
@@ -123,18 +235,51 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with torch.no_grad():
             ref = hf(tokens).logits.float()
         diff = (logits - ref).abs()
-        tol = args.tolerance if args.tolerance is not None else (1e-5 if model.dtype == torch.float32 else 5e-2)
-        ok = bool(diff.max().item() <= tol)
-        result.update(max_abs_diff=diff.max().item(), mean_abs_diff=diff.mean().item(), tolerance=tol, ok=ok)
-        print(f"max |logit diff| = {result['max_abs_diff']:.3e} (mean {result['mean_abs_diff']:.3e}, "
-              f"tolerance {tol:g}) at {result['layout']}, {result['dtype']}: {'OK' if ok else 'MISMATCH'}", flush=True)
+        rtol, atol = _tolerances(args, model.dtype)
+        scale = ref.abs().max().item()
+        bound = rtol * scale + atol
+        logits_ok = bool(diff.max().item() <= bound)
+        ok = logits_ok and weights["ok"]
+        result.update(max_abs_diff=diff.max().item(), mean_abs_diff=diff.mean().item(), max_abs_logit=scale,
+                      rtol=rtol, atol=atol, bound=bound, logits_ok=logits_ok, weights=weights, ok=ok)
+        _say(_weights_line(weights, args.hf))
+        _say(f"max |logit diff| = {result['max_abs_diff']:.3e} (mean {result['mean_abs_diff']:.3e}) vs bound "
+             f"{bound:.3e} = rtol {rtol:g} x max |logit| {scale:.3g} + atol {atol:g} at {result['layout']}, "
+             f"{result['dtype']}: {'OK' if logits_ok else 'MISMATCH'}")
         if args.json:
-            print(json.dumps(result), flush=True)
+            _emit_json(result)
     if torch.distributed.is_initialized():
         flag = torch.tensor([1 if ok else 0])
         torch.distributed.broadcast(flag, src=0)
         ok = bool(flag.item())
     return 0 if ok else 1
+
+
+def _output_overlap(args: argparse.Namespace) -> Optional[str]:
+    """Why ``--out`` cannot be written, or None: it is, contains or lies inside an input
+    (``--hf``, ``--ckpt``), compared as real paths (symlinks resolved). Writing there replaces
+    or mixes with the files being read (``megatron-to-hf --hf X --out X --fp8`` replaced X's weights)."""
+    out = getattr(args, "out", None)
+    if not out:
+        return None
+    real_out = os.path.realpath(out)
+    for flag in ("hf", "ckpt"):
+        src = getattr(args, flag, None)
+        if not src:
+            continue
+        real_src = os.path.realpath(src)
+        common = os.path.commonpath([real_out, real_src])
+        if real_out == real_src:
+            relation = "is"
+        elif common == real_src:
+            relation = "is inside"
+        elif common == real_out:
+            relation = "contains"
+        else:
+            continue
+        where = "" if (out, src) == (real_out, real_src) else f" ({real_out} and {real_src} once symlinks are resolved)"
+        return f"--out {out} {relation} the input --{flag} {src}{where}: choose an output directory outside it"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,14 +319,30 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--batch", type=int, default=2, help="random token sequences compared (default 2)")
     v.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
     v.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
-    v.add_argument("--tolerance", type=float, default=None, help="max allowed |diff| (default 1e-5 fp32, 5e-2 bf16)")
-    v.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    v.add_argument("--rtol", type=float, default=None,
+                   help="logits agree when max |diff| <= rtol x max |logit| + atol (default 1e-4 fp32, 0.25 bf16)")
+    v.add_argument("--atol", type=float, default=None, help="see --rtol (default 1e-6 fp32, 5e-2 bf16)")
+    v.add_argument("--tolerance", type=float, default=None,
+                   help="an absolute bound on max |diff| instead (rtol 0, atol TOLERANCE)")
+    v.add_argument("--json", action="store_true",
+                   help="print the result as one JSON line: stdout carries only it, every other line goes to stderr")
     v.set_defaults(func=cmd_verify)
     return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    overlap = _output_overlap(args)
+    if overlap:
+        print(f"error: {overlap}", file=sys.stderr, flush=True)
+        return 2
+    bad_tol = [f"--{k} {v}" for k in ("rtol", "atol", "tolerance")
+               if (v := getattr(args, k, None)) is not None and not 0 <= v < float("inf")]
+    if bad_tol:
+        print(f"error: {bad_tol[0]} must be a finite number >= 0", file=sys.stderr, flush=True)
+        return 2
+    if getattr(args, "json", False):
+        _json_only_stdout()
     if not args.verbose:
         # megatron/torch deprecation chatter would bury the one-line results.
         import warnings
@@ -190,12 +351,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             warnings.filterwarnings("ignore", category=category)
     import torch
 
-    from .hf_config import CheckpointFileError
+    from .hf_config import CheckpointContentError, CheckpointFileError
     from .layout import LayoutError, UnsupportedModelError
 
     try:
         return args.func(args)
-    except (LayoutError, UnsupportedModelError, CheckpointFileError) as e:
+    except (LayoutError, UnsupportedModelError, CheckpointFileError, CheckpointContentError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:

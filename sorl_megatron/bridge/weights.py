@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from ..common import comm
 from ..common.buckets import buckets
 from ..common.fp8 import FP8_BLOCK, fp8_quantization_config, quantize_hf_tensor
-from .hf_config import CheckpointFileError, check_hf_dir_has_weights, tokenizer_and_generation_files
+from .hf_checkpoint import FiniteIO, check_against_model, read_checkpoint
+from .hf_config import tokenizer_and_generation_files
 from .model import MegatronModel, detached_value_heads
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -23,19 +24,22 @@ DEFAULT_SHARD_BYTES = 4 * 1024**3
 
 
 def load_hf_weights(model: MegatronModel, hf_dir: str) -> None:
-    """Load the HF safetensors in `hf_dir` into the chunks (any layout; all ranks call it)."""
-    check_hf_dir_has_weights(hf_dir)
-    try:
-        with detached_value_heads(model), torch.no_grad():
-            model.bridge.load_weights(model.chunks, hf_dir)
-    except KeyError as e:  # mbridge indexes model.safetensors.index.json directly
-        raise CheckpointFileError(
-            f"weight {e.args[0]!r} is not listed in {os.path.join(hf_dir, 'model.safetensors.index.json')}"
-        ) from None
-    except ValueError as e:
-        if "not found in safetensors" in str(e):
-            raise CheckpointFileError(f"missing weights in {hf_dir!r}: {e}") from None
-        raise
+    """Load the HF safetensors in `hf_dir` into the chunks (any layout; all ranks call it).
+
+    A checkpoint may come from a stranger (hf_checkpoint.py): its files stay inside `hf_dir`,
+    every tensor is floating point, used by the model (or one transformers ignores too) and
+    fits its parameter, and holds finite values; otherwise every rank raises the same
+    CheckpointContentError naming the file and the tensor, before or while loading."""
+    tensors = read_checkpoint(hf_dir)
+    bridge = model.bridge
+    make_io = bridge._get_safetensor_io
+    with detached_value_heads(model), torch.no_grad():
+        check_against_model(model, hf_dir, tensors)
+        bridge._get_safetensor_io = lambda path: FiniteIO(make_io(path), tensors)
+        try:
+            bridge.load_weights(model.chunks, hf_dir)
+        finally:
+            del bridge._get_safetensor_io  # back to the class's reader
     model.source_dir = model.source_dir or hf_dir
 
 

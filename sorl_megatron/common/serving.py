@@ -6,8 +6,9 @@
   stream buffer to the whole ``client_max_size`` and buffers up to it before refusing.
 - JSON is parsed strictly (no ``NaN``/``Infinity``), and every parse failure, including
   nesting too deep for the parser, is a 400 that says what is wrong.
-- ``--api-key``: SGLang's scheme (``Authorization: Bearer <key>``; ``/health*`` and ``OPTIONS``
-  stay open so that load balancers can probe), compared in constant time.
+- ``--api-key``: SGLang's scheme (``Authorization: Bearer <key>``, compared in constant time).
+  Every method on every path needs it except ``GET``/``HEAD`` of the health probes, which load
+  balancers call without credentials. An empty key is refused (it would authenticate nothing).
 """
 
 from __future__ import annotations
@@ -83,15 +84,35 @@ class OffLoop:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def api_key_middleware(api_key: str, open_prefixes: tuple[str, ...] = ("/health",)):
-    """401 unless ``Authorization: Bearer <api_key>`` (SGLang's ``--api-key`` semantics)."""
-    if not api_key:
-        raise ValueError("--api-key must not be empty")
+# Paths a load balancer probes without credentials (SGLang's); GET and HEAD only.
+HEALTH_PATHS = ("/health", "/health_generate")
+
+
+def check_api_key(api_key: str | None) -> str | None:
+    """``api_key`` if it can authenticate: None (no authentication) or a non-empty printable
+    string; anything else is a ValueError. An empty ``--api-key ""`` must not pass for "no key"."""
+    if api_key is not None and not (isinstance(api_key, str) and api_key and api_key.isprintable()):
+        raise ValueError("--api-key must be a non-empty printable string (leave it unset for no authentication)")
+    return api_key
+
+
+def api_key_middlewares(api_key: str | None, open_paths: tuple[str, ...] = HEALTH_PATHS) -> list:
+    """The middlewares for a server's ``--api-key``: none without a key (None), the key check otherwise."""
+    return [] if check_api_key(api_key) is None else [api_key_middleware(api_key, open_paths)]
+
+
+def api_key_middleware(api_key: str, open_paths: tuple[str, ...] = HEALTH_PATHS):
+    """401 unless ``Authorization: Bearer <api_key>`` (SGLang's ``--api-key`` semantics), for
+    every method and path but ``GET``/``HEAD`` of ``open_paths`` (exact paths: ``/health/x``,
+    ``/healthz`` and ``OPTIONS /health`` need the key, as do paths no route serves)."""
+    if check_api_key(api_key) is None:
+        raise ValueError("--api-key must be a non-empty printable string")
     expected = f"Bearer {api_key}".encode()
+    open_set = frozenset(open_paths)
 
     @web.middleware
     async def authenticate(request: web.Request, handler):
-        if request.method == "OPTIONS" or request.path.startswith(open_prefixes):
+        if request.method in ("GET", "HEAD") and request.path in open_set:
             return await handler(request)
         got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(got, expected):

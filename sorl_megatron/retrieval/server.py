@@ -6,7 +6,9 @@ Request ``{"queries": [str], "topk": int, "return_scores": bool}``; answer
 ``{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}`` (documents alone
 without ``return_scores``). Bad requests answer HTTP 400 ``{"error": ...}`` with the reason;
 bodies above ``--max-body-mb`` get 413 before they are buffered; with ``--api-key`` every
-endpoint but ``/health`` needs ``Authorization: Bearer <key>``.
+method on every path but ``GET /health`` needs ``Authorization: Bearer <key>``. Every flag is
+range-checked at start (a server that would refuse or break every request does not start),
+and so is the corpus (one whose passages hold only stop words indexes to nothing).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +26,8 @@ from aiohttp import web
 
 from ..common.background import BackgroundServer
 from ..common.protocol import RETRIEVAL_API_KEY_ENV, check_text, short
-from ..common.serving import BodyError, MiB, OffLoop, api_key_middleware, parse_json, read_body
-from .bm25 import BM25Index
+from ..common.serving import BodyError, MiB, OffLoop, api_key_middlewares, check_api_key, parse_json, read_body
+from .bm25 import BM25Index, check_bm25_params
 
 log = logging.getLogger("sorl_megatron.retrieval.server")
 
@@ -39,6 +42,19 @@ class RetrievalServerConfig:
     max_query_chars: int = 4096
     max_body_mb: int = 32  # 1024 queries x 4096 characters fit even if all are \u-escaped (24 MiB)
     api_key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        """Refuse settings under which the server would refuse or break every request."""
+        if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for flag, value in (("--max-topk", self.max_topk), ("--max-queries", self.max_queries),
+                            ("--max-query-chars", self.max_query_chars), ("--max-body-mb", self.max_body_mb)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+        if isinstance(self.default_topk, bool) or not isinstance(self.default_topk, int) \
+                or not 1 <= self.default_topk <= self.max_topk:
+            raise ValueError(f"--topk must be an integer in [1, --max-topk {self.max_topk}], got {self.default_topk}")
+        check_api_key(self.api_key)
 
 
 class BadRequest(ValueError):
@@ -91,7 +107,11 @@ def build_app(index: BM25Index, cfg: RetrievalServerConfig) -> web.Application:
         except BadRequest as exc:
             return web.json_response({"error": str(exc)}, status=400)
         async with lock:  # bm25s is not documented as thread-safe
-            hits = await asyncio.get_running_loop().run_in_executor(None, index.search, queries, topk)
+            try:
+                hits = await asyncio.get_running_loop().run_in_executor(None, index.search, queries, topk)
+            except ValueError as exc:  # scores that are not finite: never sent as NaN
+                log.error("retrieval failed: %s", exc)
+                return web.json_response({"error": str(exc)}, status=500)
         result = [
             [
                 {"document": {"id": p.id, "contents": p.contents}, "score": p.score}
@@ -106,7 +126,7 @@ def build_app(index: BM25Index, cfg: RetrievalServerConfig) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "num_passages": len(index)})
 
-    middlewares = [api_key_middleware(cfg.api_key)] if cfg.api_key else []
+    middlewares = api_key_middlewares(cfg.api_key, open_paths=("/health",))
     # Bodies are read by read_body (refused before buffering); aiohttp's limit is a backstop.
     app = web.Application(client_max_size=limit, middlewares=middlewares)
     app.on_cleanup.append(off_loop.close)
@@ -143,25 +163,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /retrieve (/health stays open); default: the environment "
-        f"variable {RETRIEVAL_API_KEY_ENV}, which unlike argv is not visible to other local users",
+        help="require 'Authorization: Bearer KEY' on every method and path but GET /health (non-empty); default: "
+        f"the environment variable {RETRIEVAL_API_KEY_ENV}, which unlike argv is not visible to other local users",
     )
-    p.add_argument("--bm25-k1", type=float, default=1.5, help="BM25 k1 (default 1.5)")
-    p.add_argument("--bm25-b", type=float, default=0.75, help="BM25 b (default 0.75)")
+    p.add_argument("--bm25-k1", type=float, default=1.5, help="BM25 k1, finite and >= 0 (default 1.5)")
+    p.add_argument("--bm25-b", type=float, default=0.75, help="BM25 b, in [0, 1] (default 0.75)")
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)
     if args.api_key is None:
         args.api_key = os.environ.get(RETRIEVAL_API_KEY_ENV) or None
+    try:  # every flag in range before the corpus is read: one line, exit 2
+        server_config(args)
+        check_bm25_params(args.bm25_k1, args.bm25_b)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    t0 = time.perf_counter()
-    index = BM25Index.from_jsonl(args.corpus, k1=args.bm25_k1, b=args.bm25_b)
-    log.info("indexed %d passages from %s in %.1f s", len(index), args.corpus, time.perf_counter() - t0)
-    cfg = RetrievalServerConfig(
+def server_config(args: argparse.Namespace) -> RetrievalServerConfig:
+    return RetrievalServerConfig(
         host=args.host,
         port=args.port,
         default_topk=args.topk,
@@ -171,6 +191,19 @@ def main(argv: list[str] | None = None) -> None:
         max_body_mb=args.max_body_mb,
         api_key=args.api_key,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    t0 = time.perf_counter()
+    try:
+        index = BM25Index.from_jsonl(args.corpus, k1=args.bm25_k1, b=args.bm25_b)
+    except (OSError, ValueError) as exc:  # missing file, bad row, nothing to index: named, one line
+        print(f"error: --corpus {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    log.info("indexed %d passages from %s in %.1f s", len(index), args.corpus, time.perf_counter() - t0)
+    cfg = server_config(args)
     web.run_app(build_app(index, cfg), host=cfg.host, port=cfg.port, print=lambda s: log.info("%s", s))
 
 

@@ -3,7 +3,8 @@
 ``validate_inputs(cfg)`` reads every file the recipe names: ``data.train`` and ``data.val``
 (every row against the verl / Search-R1 schema, each ``data_source`` against the reward
 registry, each row's targets against its metric), ``retrieval.corpus`` when the embedded
-retrieval server will serve it (every line: UTF-8, JSON, ``contents``) and
+retrieval server will serve it (every line: UTF-8, JSON, ``contents``; some passage must keep a
+word after the index's stop-word removal, else the server cannot build its index),
 ``checkpoint.resume`` when it names a directory, and the run directory's ``config.yaml`` (a run
 with other defining settings is refused). Problems raise :class:`InputError` naming
 the key and the file, and each bad row or line as ``file:row: what is wrong``.
@@ -18,6 +19,7 @@ from typing import Optional
 
 from ..common.typed_config import ConfigError
 from ..data.qa import DataError, QARow, read_parquet
+from ..retrieval.bm25 import NO_TERMS, has_index_terms
 from ..retrieval.corpus import read_corpus
 from ..rewards.qa import choice_letter, normalize_answer
 from ..rewards.registry import DEFAULT_SOURCES, RewardRegistry
@@ -146,10 +148,16 @@ def _reward_problem(row: QARow, registry: RewardRegistry) -> str | None:
 
 
 def _corpus(path: str) -> int:
+    count, indexable = 0, False
     try:
-        count = sum(1 for _ in read_corpus(path))
+        for passage in read_corpus(path):
+            count += 1
+            # tokenized until the first passage with a word (a real corpus: its first)
+            indexable = indexable or has_index_terms([passage.contents])
     except ValueError as err:  # names file and line
         raise InputError(f"retrieval.corpus: {err}") from None
     if count == 0:
         raise InputError(f"retrieval.corpus: {path} has no passages")
+    if not indexable:
+        raise InputError(f"retrieval.corpus: {path}: {NO_TERMS}")
     return count

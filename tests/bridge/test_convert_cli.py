@@ -4,6 +4,8 @@ logit verification of that checkpoint, and the error path."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,10 +51,11 @@ def test_hf_to_megatron_under_torchrun(converted):
 
 @pytest.mark.slow
 def test_verify_prints_max_difference(converted):
-    out = converted["verify"].stdout
-    assert "max |logit diff|" in out and "OK" in out
-    result = json.loads(out.strip().splitlines()[-1])
+    err = converted["verify"].stderr  # with --json, the human lines go to stderr
+    assert "max |logit diff|" in err and "OK" in err and "weights: all " in err
+    result = json.loads(converted["verify"].stdout)
     assert result["max_abs_diff"] <= 1e-5 and result["ok"] is True and result["tokens"] == [2, 16]
+    assert result["weights"]["ok"] and result["weights"]["equal"] == result["weights"]["compared"] > 0
 
 
 @pytest.mark.slow
@@ -90,7 +93,90 @@ def test_verify_each_new_family(models_dir, family):
     and GLM-4.5 have one MTP layer in their tiny configs, Qwen2-MoE none). TP=2, EP=2 and PP=2 of
     the same build_model / forward_logits path run in tests/bridge/worker.py's 2-process launch."""
     proc = _ok(run_command([PYTHON, CLI, "verify", "--hf", str(models_dir / family), "--seq-len", "16", "--json"]))
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout)
     assert result["ok"] is True and result["max_abs_diff"] <= 1e-5, result
+    assert result["weights"]["ok"] and result["weights"]["num_missing"] == 0  # MTP tensors are not "missing"
     note = "note: 1 multi-token-prediction layer(s) (num_nextn_predict_layers) not converted"
-    assert (note in proc.stdout) == (family != "qwen2_moe"), proc.stdout
+    assert (note in proc.stderr) == (family != "qwen2_moe"), proc.stderr
+
+
+def _dir_state(path):
+    return sorted((p.relative_to(path).as_posix(), p.stat().st_mtime_ns) for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "argv,relation",
+    [
+        (["megatron-to-hf", "--hf", "{model}", "--out", "{model}", "--fp8"], "is the input --hf"),
+        (["megatron-to-hf", "--hf", "{model}", "--out", "{model}/fp8"], "is inside the input --hf"),
+        (["megatron-to-hf", "--hf", "{model}", "--out", "{root}"], "contains the input --hf"),
+        (["megatron-to-hf", "--hf", "{model}", "--out", "{link}"], "is the input --hf"),  # a symlink to it
+        (["megatron-to-hf", "--ckpt", "{model}", "--out", "{link}/x"], "is inside the input --ckpt"),
+        (["hf-to-megatron", "--hf", "{model}", "--out", "{link}/ckpt"], "is inside the input --hf"),
+        (["hf-to-megatron", "--hf", "{link}", "--out", "{model}"], "is the input --hf"),
+    ],
+)
+def test_output_that_overlaps_an_input_is_refused(tmp_path, capsys, argv, relation):
+    """`megatron-to-hf --hf X --out X --fp8` replaced X's weights; every subcommand refuses an
+    output that is, contains or lies inside an input, symlinks resolved, before reading anything."""
+    from sorl_megatron.bridge import convert_cli
+
+    model = tmp_path / "root" / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    link = tmp_path / "link"
+    link.symlink_to(model)
+    before = _dir_state(tmp_path)
+    fill = {"model": str(model), "root": str(tmp_path / "root"), "link": str(link)}
+    assert convert_cli.main([a.format(**fill) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --out ") and relation in err[0], err
+    assert _dir_state(tmp_path) == before
+
+
+@pytest.fixture(scope="module")
+def large_logits(tmp_path_factory):
+    from .tiny_models import save_large_logit_model
+
+    return Path(save_large_logit_model(str(tmp_path_factory.mktemp("large") / "model")))
+
+
+@pytest.mark.slow
+def test_verify_bounds_the_difference_by_the_logits_scale(large_logits):
+    """A model with logits up to ~13 (as a trained one's) was a MISMATCH under the old absolute
+    1e-5 although every weight round-trips bit-exactly; --json prints only JSON on stdout."""
+    proc = run_command([PYTHON, CLI, "verify", "--hf", str(large_logits), "--seq-len", "32", "--json"])
+    result = json.loads(proc.stdout)  # the whole of stdout
+    assert proc.returncode == 0, (result, proc.stderr[-3000:])
+    assert result["max_abs_diff"] > 1e-5  # above the old bound: float32 noise at this scale
+    assert result["max_abs_logit"] > 5 and result["max_abs_diff"] <= 1e-4 * result["max_abs_logit"] + 1e-6
+    assert (result["rtol"], result["atol"]) == (1e-4, 1e-6) and result["logits_ok"] is True
+    assert result["weights"]["ok"] and result["weights"]["equal"] == result["weights"]["compared"] == 27
+    assert "weights: all 27 tensors equal to" in proc.stderr and ": OK" in proc.stderr
+    # an explicit absolute bound still means what it says
+    strict = run_command([PYTHON, CLI, "verify", "--hf", str(large_logits), "--seq-len", "32", "--tolerance", "1e-5"])
+    assert strict.returncode == 1 and "MISMATCH" in strict.stdout and "weights: all 27 tensors equal" in strict.stdout
+
+
+@pytest.mark.slow
+def test_verify_reports_weights_apart_from_logits(large_logits, tmp_path):
+    """A checkpoint whose one tensor differs by one float32 step from the reference: the logits
+    agree, the weights do not, and verify says which (exit 1)."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "ckpt"
+    _ok(run_command([PYTHON, CLI, "hf-to-megatron", "--hf", str(large_logits), "--out", str(ckpt)]))
+    ref = tmp_path / "nudged"
+    shutil.copytree(large_logits, ref)
+    state = load_file(str(ref / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    state[name][0, 0] = torch.nextafter(state[name][0, 0], torch.tensor(float("inf")))
+    save_file(state, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    proc = run_command([PYTHON, CLI, "verify", "--hf", str(ref), "--ckpt", str(ckpt), "--seq-len", "32", "--json"])
+    result = json.loads(proc.stdout)
+    assert proc.returncode == 1 and result["ok"] is False and result["logits_ok"] is True, result
+    w = result["weights"]
+    assert (w["num_differ"], w["differ"], w["equal"], w["compared"]) == (1, [name], 26, 27)
+    assert 0 < w["max_abs_diff"] < 1e-6
+    assert "weights: 1 of 27 tensors differ" in proc.stderr and name in proc.stderr

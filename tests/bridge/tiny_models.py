@@ -30,9 +30,8 @@ def _common(**kw):
 def qwen2_config(tied: bool = False, layers: int = 2, **kw):
     from transformers import Qwen2Config
 
-    return Qwen2Config(
-        **_common(intermediate_size=96, tie_word_embeddings=tied, rope_theta=10000.0, num_hidden_layers=layers, **kw)
-    )
+    kw = {"intermediate_size": 96, **kw}
+    return Qwen2Config(**_common(tie_word_embeddings=tied, rope_theta=10000.0, num_hidden_layers=layers, **kw))
 
 
 def qwen3_config():
@@ -240,6 +239,29 @@ def save_tiny_model(kind: str, out_dir: str, seed: int = 0, with_tokenizer: bool
         _add_mtp_weights(config, out_dir)
     if with_tokenizer:
         _write_tokenizer(out_dir)
+    return out_dir
+
+
+def save_large_logit_model(out_dir: str, seed: int = 0) -> str:
+    """A tiny Qwen2 (hidden 128, 2 layers) whose logits reach ~13, as a trained model's do:
+    random weights at three times unit gain. Its float32 megatron vs transformers noise is
+    ~3e-5 in absolute terms (above the 1e-5 absolute bound verify used to apply), 2e-6 relative."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = qwen2_config(hidden_size=128, intermediate_size=256)
+    with HF_BUILD_LOCK:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 3.0 / p.shape[-1] ** 0.5)
+    model.save_pretrained(out_dir)
+    _write_tokenizer(out_dir)
     return out_dir
 
 

@@ -130,3 +130,66 @@ def test_cli_help_documents_new_flags():
     )
     assert out.returncode == 0
     assert "--max-body-mb" in out.stdout and "--api-key" in out.stdout and "SORL_RETRIEVAL_API_KEY" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--max-topk", "0"], "--max-topk must be an integer >= 1, got 0"),
+        (["--topk", "1000"], "--topk must be an integer in [1, --max-topk 100], got 1000"),
+        (["--topk", "0"], "--topk must be an integer in [1, --max-topk 100], got 0"),
+        (["--max-queries", "0"], "--max-queries must be an integer >= 1, got 0"),
+        (["--max-query-chars", "-5"], "--max-query-chars must be an integer >= 1, got -5"),
+        (["--max-body-mb", "-1"], "--max-body-mb must be an integer >= 1, got -1"),
+        (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+        (["--bm25-k1", "nan"], "--bm25-k1 must be a finite number >= 0, got nan"),
+        (["--bm25-k1", "-1"], "--bm25-k1 must be a finite number >= 0, got -1.0"),
+        (["--bm25-b", "1.5"], "--bm25-b must be in [0, 1], got 1.5"),
+        (["--bm25-b", "nan"], "--bm25-b must be in [0, 1], got nan"),
+    ],
+)
+def test_flags_out_of_range_refuse_to_start(argv, msg, tmp_path, capsys):
+    """Each of these used to start a server that refused or broke every request."""
+    from sorl_megatron.retrieval.server import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--corpus", str(tmp_path / "never_read.jsonl"), *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"error: {msg}" in err, err
+
+
+def test_nan_bm25_parameters_never_reach_the_scores():
+    from sorl_megatron.retrieval import BM25Index, Passage
+
+    passages = [Passage("0", "Paris is big"), Passage("1", "Berlin is big")]
+    with pytest.raises(ValueError, match="--bm25-k1 must be a finite number"):
+        BM25Index(passages, k1=float("nan"))
+    index = BM25Index(passages, k1=0.0, b=1.0)  # the ends of the ranges are fine
+    assert all(p.score is not None and p.score == p.score for p in index.search(["paris big"], 2)[0])
+
+
+STOP_WORDS_ONLY = [{"id": "0", "contents": "The\nand of the"}, {"id": "1", "contents": "is a\nI"}]
+
+
+def test_a_corpus_of_stop_words_is_refused_at_load(tmp_path):
+    """bm25s died with 'max() arg is an empty sequence' while indexing it."""
+    from sorl_megatron.retrieval import BM25Index
+
+    corpus = tmp_path / "stop.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in STOP_WORDS_ONLY))
+    with pytest.raises(ValueError, match=rf"{corpus}: no passage has a word BM25 can index"):
+        BM25Index.from_jsonl(corpus)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sorl_megatron.retrieval.server", "--corpus", str(corpus), "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: --corpus {corpus}: {_no_terms()}"]
+    (tmp_path / "one.jsonl").write_text(json.dumps({"id": "0", "contents": "the Eiffel tower"}) + "\n")
+    assert len(BM25Index.from_jsonl(tmp_path / "one.jsonl")) == 1  # one indexable word is enough
+
+
+def _no_terms() -> str:
+    from sorl_megatron.retrieval.bm25 import NO_TERMS
+
+    return NO_TERMS

@@ -152,3 +152,16 @@ def test_a_tokenizer_that_needs_the_models_own_code_is_refused_naming_model_path
     with pytest.raises(InputError, match=r"model.path: .*custom_tok has no tokenizer transformers can load "
                                          r"without running the model's own code .*tokenizer.json"):
         load_tokenizer(str(model))
+
+
+def test_a_corpus_that_indexes_to_nothing_is_refused(inputs, monkeypatch, capsys):
+    """Passages of stop words only: the embedded retrieval server would die building its index."""
+    tmp_path, files = inputs
+    corpus = tmp_path / "stop.jsonl"
+    rows = [{"id": "0", "contents": "The\nof the"}, {"id": "1", "contents": "is a"}]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, err = launch(files, monkeypatch, capsys, **{"retrieval.corpus": str(corpus)})
+    assert code == 2 and f"input error: retrieval.corpus: {corpus}: no passage has a word BM25 can index" in err
+    assert not (tmp_path / "runs").exists()
+    corpus.write_text(corpus.read_text() + json.dumps({"id": "2", "contents": "Eiffel"}) + "\n")
+    assert validate_inputs(cfg_of(files, **{"retrieval.corpus": str(corpus)})).passages == 3
