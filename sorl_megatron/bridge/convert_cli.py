@@ -42,9 +42,9 @@ def _size(text: str) -> int:
 
 
 def _rank0() -> bool:
-    import torch
+    from ..common import comm  # torch loads after --help
 
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    return comm.rank() == 0
 
 
 _JSON_OUT: Optional[int] = None  # with --json: the real stdout's descriptor (fd 1 then points at stderr)
@@ -248,10 +248,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
              f"{result['dtype']}: {'OK' if logits_ok else 'MISMATCH'}")
         if args.json:
             _emit_json(result)
-    if torch.distributed.is_initialized():
-        flag = torch.tensor([1 if ok else 0])
-        torch.distributed.broadcast(flag, src=0)
-        ok = bool(flag.item())
+    from ..common import comm
+
+    ok = bool(comm.broadcast(torch.tensor([1 if ok else 0]), src=0).item())  # rank 0 judged: every rank exits alike
     return 0 if ok else 1
 
 
