@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from ..common.protocol import GenRequest, ProtocolError, SamplingParams, check_text, short
-from ..common.serving import BodyError, MiB, OffLoop, api_key_middleware, parse_json, read_body
+from ..common.serving import BodyError, MiB, OffLoop, api_key_middlewares, parse_json, read_body
 from ..weight_sync.group import BucketSpec, GroupSpec, WeightGroupError, parse_group_name
 from .engine import PAUSE_MODES, RolloutEngine
 from .options import ServerOptions
@@ -362,7 +362,7 @@ class Handlers:
 def build_app(engine: RolloutEngine, opts: ServerOptions | None = None) -> web.Application:
     opts = opts or ServerOptions()
     h = Handlers(engine, opts)
-    middlewares = [api_key_middleware(opts.api_key)] if opts.api_key else []
+    middlewares = api_key_middlewares(opts.api_key)
     # Bodies are read by read_body with per-endpoint limits; aiohttp's own limit is a backstop.
     app = web.Application(client_max_size=max(h.body_limit, h.weight_limit), middlewares=middlewares)
     app.on_cleanup.append(h.off_loop.close)

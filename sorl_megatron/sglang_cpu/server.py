@@ -21,6 +21,7 @@ from aiohttp import web
 
 from ..common.background import BackgroundServer
 from ..common.protocol import PRECISIONS, ROLLOUT_API_KEY_ENV
+from ..common.serving import check_api_key
 from .options import EngineConfig, ServerOptions
 
 if TYPE_CHECKING:  # torch/transformers load lazily so that --help answers at once
@@ -173,6 +174,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)
+    try:
+        check_api_key(args.api_key)  # --api-key "" would mean no authentication: refused
+    except ValueError as err:
+        p.error(str(err))
     if args.api_key is None:
         args.api_key = os.environ.get(ROLLOUT_API_KEY_ENV) or None
     if args.precision is None:

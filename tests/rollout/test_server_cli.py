@@ -146,3 +146,13 @@ def test_model_and_tokenizer_paths_that_are_not_checkpoints(tmp_path, capsys, mo
     # the engine checks the same in-process (the trainer's tests and embedders build it directly)
     with pytest.raises(CheckpointFileError, match=rf"rollout model path '{empty}' is not an HF model checkpoint"):
         RolloutEngine(EngineConfig(model_path=str(empty)))
+
+
+def test_an_empty_api_key_is_refused_in_one_line():
+    """``--api-key ""`` would mean no authentication at all: refused before anything loads."""
+    out = subprocess.run([sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--model-path", "x",
+                          "--api-key", ""], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].endswith(
+        "error: --api-key must be a non-empty printable string (leave it unset for no authentication)")
+    assert "Traceback" not in out.stderr
