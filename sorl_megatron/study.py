@@ -218,6 +218,8 @@ def run_study(cfg: StudyConfig, parallel: Optional[int] = None) -> list[tuple[Ce
         raise ConfigError(f"study.start_policy: {cfg.start_policy} has no config.json (run `make demo` for the "
                           "demo's SFT policy, or point it at an HF model directory)")
     todo = cells(cfg)
+    for cell in todo:  # the whole grid before the first cell trains: a typo in the last one fails now
+        load_recipe(cfg.recipe, cell_overrides(cfg, cell, out))
     results = []
     procs = _Cells()
     pool = cf.ThreadPoolExecutor(max_workers=parallel or cfg.parallel)

@@ -50,6 +50,24 @@ def test_bad_study_recipes_name_the_key(tmp_path):
         load_study(path)
 
 
+def test_a_typo_in_the_last_cell_fails_before_the_first_trains(tmp_path, monkeypatch):
+    """The whole grid is loaded before any cell starts: a bad override in the second stress
+    level used to train the first cell fully before the error."""
+    import sorl_megatron.study as study_mod
+    from sorl_megatron.trainer.config import RecipeError
+
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "config.json").write_text("{}")
+    started = []
+    monkeypatch.setattr(study_mod, "run_cell", lambda *a, **k: started.append(a) or (a[1], 0, "ran"))
+    cfg = study_mod.StudyConfig(recipe=str(ROOT / "recipes" / "tiny_search_grpo.yaml"),
+                                start_policy=str(tmp_path / "policy"), out=str(tmp_path / "out"),
+                                losses={"grpo": []}, stress={"low": [], "high": ["schedule.ppo_epoch=3"]})
+    with pytest.raises(RecipeError, match="schedule.ppo_epoch"):
+        study_mod.run_study(cfg)
+    assert started == []
+
+
 @pytest.mark.slow
 def test_quick_study_runs_resumes_and_summarizes(tmp_path, capsys):
     data = tmp_path / "data"

@@ -39,6 +39,9 @@ class RecipeError(ConfigError):
     """
 
 
+MAX_SEED = 2**31 - 1  # schedule.seed's upper bound
+
+
 @dataclass
 class ModelConfig:
     """HF checkpoint of the policy (and the critic's initialization)."""
@@ -404,6 +407,10 @@ class ScheduleConfig:
         for key in ("total_steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "critic_epochs"):
             _positive_int(f"{prefix}.{key}", getattr(self, key))
         _positive_int(f"{prefix}.val_every", self.val_every, minimum=0)
+        # every RNG the run seeds (torch, numpy, the servers' per-request sampling_seed, derived
+        # per group and step) takes a 32-bit seed; a larger one crashed the embedded server
+        if not 0 <= self.seed <= MAX_SEED:
+            raise RecipeError(f"{prefix}.seed must be in [0, {MAX_SEED}], got {self.seed}")
         budget = self.max_tokens_per_micro_batch
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
             raise RecipeError(f"{prefix}.max_tokens_per_micro_batch must be an integer or null, got {budget!r}")
@@ -507,6 +514,10 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self, prefix: str = "logging") -> None:
+        name = self.run_name
+        if not name or name in (".", "..") or "/" in name or "\\" in name or not name.isprintable():
+            raise RecipeError(f"{prefix}.run_name must be one path component (no '/', not '.' or '..'), got "
+                              f"{name!r}: the run directory is {prefix}.dir/<run_name>")
         self.wandb.validate(f"{prefix}.wandb")
 
 

@@ -206,7 +206,9 @@ def retrieval_server_spec(corpus: str, topk: int) -> ServerSpec:
     if not corpus or not Path(corpus).is_file():
         raise FileNotFoundError(f"retrieval.corpus: {corpus!r} is not a file (and no retrieval.url was given)")
     return ServerSpec(
-        "retrieval", "sorl_megatron.retrieval.server", ["--corpus", corpus, "--topk", str(topk)],
+        # the recipe's topk is the embedded server's cap too (its default cap is 100)
+        "retrieval", "sorl_megatron.retrieval.server",
+        ["--corpus", corpus, "--topk", str(topk), "--max-topk", str(max(topk, 100))],
         health_timeout_s=120.0, api_key_env=RETRIEVAL_API_KEY_ENV,
     )
 

@@ -125,6 +125,11 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["parallelism.collective_timeout_s=0"], r"parallelism.collective_timeout_s must be > 0 seconds"),
         (["parallelism.rank0_phase_timeout_s=.inf"], r"parallelism.rank0_phase_timeout_s must be a finite number"),
         (["data.val_max_rows=-1"], r"data.val_max_rows must be >= 0, got -1"),
+        ([f"schedule.seed={2**70}"], r"schedule.seed must be in \[0, 2147483647\], got 1180591620717411303424"),
+        (["schedule.seed=-1"], r"schedule.seed must be in \[0, 2147483647\]"),
+        (["logging.run_name=../../x"], r"logging.run_name must be one path component"),
+        (["logging.run_name=/abs/x"], r"logging.run_name must be one path component"),
+        (["logging.run_name=.."], r"logging.run_name must be one path component"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -79,3 +79,17 @@ def test_deterministic_rollouts_reach_the_embedded_server_as_its_flag():
     flag = "--enable-deterministic-inference"
     assert flag in rollout_server_spec("m", "fp32", False, 1, deterministic=True).args
     assert flag not in rollout_server_spec("m", "fp32", False, 1).args
+
+
+def test_the_embedded_retrieval_server_takes_the_recipes_topk_as_its_cap(tmp_path):
+    """retrieval.topk=1000 was accepted while the embedded server capped requests at 100, so
+    every search was rejected as the run went on: the recipe's topk is its cap too."""
+    from sorl_megatron.retrieval.server import parse_args
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "0", "contents": "a b"}\n')
+    for topk, cap in ((3, 100), (1000, 1000)):
+        args = retrieval_server_spec(str(corpus), topk).args
+        assert args[args.index("--max-topk") + 1] == str(cap)
+        parsed = parse_args(args)
+        assert (parsed.topk, parsed.max_topk) == (topk, cap)
