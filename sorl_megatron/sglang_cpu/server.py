@@ -65,6 +65,30 @@ def start_rollout_server(
     return RolloutServer(engine, http.start())
 
 
+# flags that are counts or sizes (>= 1; None: the default applies) and bounds in seconds (> 0, finite):
+# a 0 or a negative one started a server that refused or broke every request
+_AT_LEAST_ONE = ("fp8_block_size", "max_running_requests", "context_length", "prefix_cache_max_tokens",
+                 "max_body_mb", "max_weight_body_mb", "max_prompts_per_request", "max_tokens_per_request",
+                 "num_threads")
+_SECONDS = ("weight_group_timeout_s", "control_timeout_s")
+
+
+def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every numeric flag in its range, else argparse's one-line error naming the flag."""
+    for name in _AT_LEAST_ONE:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in _SECONDS:
+        value = getattr(args, name)
+        if not 0 < value < float("inf"):
+            p.error(f"--{name.replace('_', '-')} must be a finite number of seconds > 0, got {value}")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in [0, 65535], got {args.port}")
+    if not 0 <= args.random_seed < 2**63:
+        p.error(f"--random-seed must be in [0, 2^63), got {args.random_seed}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m sorl_megatron.sglang_cpu.server",
@@ -174,6 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)
+    _check_ranges(p, args)
     try:
         check_api_key(args.api_key)  # --api-key "" would mean no authentication: refused
     except ValueError as err:

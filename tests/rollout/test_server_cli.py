@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from sorl_megatron.common.background import free_port, wait_healthy
 from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient
@@ -156,3 +158,19 @@ def test_an_empty_api_key_is_refused_in_one_line():
     assert out.stderr.strip().splitlines()[-1].endswith(
         "error: --api-key must be a non-empty printable string (leave it unset for no authentication)")
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--context-length", "-1"], "--context-length must be >= 1, got -1"),
+    (["--fp8-block-size", "0", "--quantization", "fp8"], "--fp8-block-size must be >= 1, got 0"),
+    (["--max-body-mb", "-1"], "--max-body-mb must be >= 1, got -1"),
+    (["--control-timeout-s", "nan"], "--control-timeout-s must be a finite number of seconds > 0, got nan"),
+    (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+])
+def test_out_of_range_flags_stop_the_server_in_one_line(flags, message, capsys):
+    """Each used to start a server that refused or broke every request."""
+    from sorl_megatron.sglang_cpu.server import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model-path", "x", *flags])
+    assert exc.value.code == 2 and capsys.readouterr().err.strip().endswith(message)
