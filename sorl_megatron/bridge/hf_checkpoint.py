@@ -28,6 +28,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import torch
 
+from ..common.comm import all_gather_object
 from .families import mtp_layers
 from .hf_config import (
     CheckpointContentError,
@@ -36,7 +37,6 @@ from .hf_config import (
     inside_checkpoint,
     tokenizer_and_generation_files,
 )
-from .manifest import all_gather_object
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024**2  # safetensors' own limit
