@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo toy-demo test clean
+.PHONY: setup demo toy-demo test clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -31,6 +31,18 @@ toy-demo: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
+
+# The first thing to run on a GPU machine (docs/gpu.md): environment, Triton kernels, the engine,
+# FP8, one RL step per weight-sync transport. Not part of `make test` (tests/test_gpu_check.py
+# runs its --device cpu half). Uses .venv's python when there is one, else the system python3
+# (a GPU machine without network, with the wheels of `make gpu-wheels` installed).
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py $(ARGS)
+
+# The wheels that GPU machine lacks (megatron-core, mbridge, this package, ...), into wheels/ (gitignored).
+gpu-wheels:
+	PYTHON=$(PY) tools/gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV)

@@ -54,7 +54,12 @@ def _use_te(options: ModelOptions) -> bool:
     # local_spec imports megatron.core (seconds): only when a model is actually built.
     from .local_spec import transformer_engine_available
 
-    return transformer_engine_available() if options.use_te is None else bool(options.use_te)
+    use_te = transformer_engine_available() if options.use_te is None else bool(options.use_te)
+    if options.fp8 is not None and options.fp8.enabled and not use_te:
+        # FP8 is TE's: the local layer spec has no FP8 GEMMs, and running it in bf16 would hide that
+        raise ValueError("model.fp8.enabled=true needs the TransformerEngine layer spec "
+                         f"(transformer_engine importable, use_te not false; use_te={options.use_te})")
+    return use_te
 
 
 def build_model(

@@ -10,6 +10,7 @@ import torch
 from transformers import PretrainedConfig
 
 from .layout import ParallelLayout
+from .te_fp8 import Fp8Options
 
 
 @dataclass
@@ -22,6 +23,7 @@ class ModelOptions:
     config_overrides: extra TransformerConfig fields (e.g. moe_enable_routing_replay=True).
     wrap_with_ddp / ddp_config: passed to mbridge's get_model (training wants DDP).
     seed: RNG seed for parallel init when build_model initializes the groups itself.
+    fp8: TransformerEngine FP8 (``te_fp8.py``); None or disabled = the model's dtype only.
     """
 
     dtype: Optional[torch.dtype] = None
@@ -31,6 +33,7 @@ class ModelOptions:
     wrap_with_ddp: bool = False
     ddp_config: Optional[dict[str, Any]] = None
     seed: int = 1234
+    fp8: Optional[Fp8Options] = None
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype is not None:

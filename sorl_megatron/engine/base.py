@@ -15,6 +15,7 @@ gradient of the mini-batch loss (``calculate_per_token_loss`` stays off).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -28,6 +29,7 @@ from ..bridge.forward import causal_attention_mask
 from ..bridge.hf_config import load_hf_config
 from ..bridge.layout import ParallelLayout, num_experts_of
 from ..bridge.model import MegatronModel, ModelOptions
+from ..bridge.te_fp8 import forward_only_fp8
 from ..common import comm
 from .config import BatchingConfig, OptimConfig, check
 from .packing import DUMMY, MicroBatchPlan, PackedRow, make_plan
@@ -196,6 +198,8 @@ class EngineBase:
             overrides.setdefault("moe_aux_loss_coeff", moe_aux_loss_coeff)
             if moe_aux_loss_coeff == 0.0:
                 overrides.setdefault("moe_router_load_balancing_type", "none")
+        if options.fp8 is not None:
+            overrides.update(options.fp8.build_overrides())  # FP8 training only; forward-only: _run
         if recompute:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         ddp_config = None
@@ -214,6 +218,7 @@ class EngineBase:
             wrap_with_ddp=trainable,
             ddp_config=ddp_config,
             seed=options.seed,
+            fp8=options.fp8,
         )
         self.model: MegatronModel = build_model(hf, layout, options)
         self.layout = self.model.layout
@@ -422,16 +427,18 @@ class EngineBase:
         was_training = [c.training for c in chunks]
         for c in chunks:
             c.train(not forward_only)
+        fp8 = forward_only_fp8(self.config, self.model.options.fp8) if forward_only else contextlib.nullcontext()
         try:
-            store = get_forward_backward_func()(
-                forward_step_func=step,
-                data_iterator=iterators,
-                model=chunks if len(chunks) > 1 else chunks[0],
-                num_microbatches=len(micro),
-                seq_length=s,
-                micro_batch_size=b,
-                forward_only=forward_only,
-            )
+            with fp8:
+                store = get_forward_backward_func()(
+                    forward_step_func=step,
+                    data_iterator=iterators,
+                    model=chunks if len(chunks) > 1 else chunks[0],
+                    num_microbatches=len(micro),
+                    seq_length=s,
+                    micro_batch_size=b,
+                    forward_only=forward_only,
+                )
         finally:
             self._replay_stats = replay.end() if replay is not None else torch.zeros(2, dtype=torch.float64)
             for c, mode in zip(chunks, was_training):

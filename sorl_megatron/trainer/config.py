@@ -26,6 +26,7 @@ from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ..algorithms.config import PolicyLossConfig
 from ..algorithms.loss_registry import POLICY_LOSSES
 from ..bridge.layout import ParallelLayout
+from ..bridge.te_fp8 import Fp8Error, Fp8Options
 from ..common.typed_config import ConfigError
 from ..engine.config import OptimConfig
 
@@ -49,10 +50,15 @@ class ModelConfig:
     path: str = ""
     critic_path: Optional[str] = None  # default: same as `path`
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    fp8: Fp8Options = field(default_factory=Fp8Options)  # TE FP8 (bridge/te_fp8.py); checked at launch
 
     def validate(self, prefix: str = "model") -> None:
         if not self.path:
             raise RecipeError(f"{prefix}.path is empty: give the policy's HF model directory")
+        try:
+            self.fp8.validate(f"{prefix}.fp8")
+        except Fp8Error as err:
+            raise RecipeError(str(err)) from None
 
 
 @dataclass
@@ -605,7 +611,7 @@ class TrainConfig:
 
 
 CONFIG_GROUPS: dict[str, str] = {
-    "model": "HF checkpoint of the policy / critic and dtype",
+    "model": "HF checkpoint of the policy / critic, dtype, fp8 (TransformerEngine FP8 on GPU)",
     "parallelism": "tp, pp, vpp, ep, etp, cp, sequence_parallel, first_stage_layers / last_stage_layers (uneven PP), "
                    "collective_timeout_s, rank0_phase_timeout_s",
     "algorithm": (

@@ -7,6 +7,7 @@ server starts; ``--print-config`` skips them (it needs neither).
 from __future__ import annotations
 
 from ..bridge.layout import num_experts_of
+from ..bridge.te_fp8 import Fp8Error, require_fp8
 from .config import RecipeError, TrainConfig
 
 
@@ -17,6 +18,10 @@ def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
     an error. The layout rules are bridge/layout.py's ``validate_layout`` (the ones the
     engines apply when they build), run early, with errors naming the recipe keys to change.
     """
+    try:  # TE and an FP8-capable GPU: here, not in the schema, so --print-config works anywhere
+        require_fp8(cfg.model.fp8)
+    except Fp8Error as err:
+        raise RecipeError(str(err)) from None
     p = cfg.parallelism
     mp = p.tp * p.pp
     if world_size % mp:
