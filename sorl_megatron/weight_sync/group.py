@@ -248,8 +248,11 @@ class WeightGroup:
         works = []
         try:
             for t in tensors:
-                if self.spec.backend == "gloo" and t.dtype == torch.float8_e4m3fn:
-                    t = t.view(torch.uint8)  # gloo has no float8 type: the same bytes
+                if self.spec.backend == "gloo":
+                    if t.is_cuda and self.rank == 0:
+                        t = t.cpu()  # a CUDA trainer sending to CPU servers: the gloo group is on the CPU
+                    if t.dtype == torch.float8_e4m3fn:
+                        t = t.view(torch.uint8)  # gloo has no float8 type: the same bytes
                 opts = BroadcastOptions()
                 opts.rootRank, opts.rootTensor = 0, 0
                 works.append(pg.broadcast([t], opts))
