@@ -10,6 +10,7 @@ only when it cannot be reached. Resolving downloads metadata and builds some of 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -46,8 +47,9 @@ def resolve(*requirements: str) -> dict[str, str]:
         if "metadata-generation-failed" in tail and "URLError" in tail:
             # a stub source package that downloads its wheel from its vendor's own index (SGLang's
             # cuda-tile comes from NVIDIA's) when that index cannot be reached from here
-            pytest.skip(f"a dependency's metadata must be downloaded from a host this machine cannot reach: "
-                        f"{tail[-400:]}")
+            package = re.findall(r"╰─> (\S+)", tail)
+            pytest.skip(f"the metadata of {package[-1] if package else 'a dependency'} must be downloaded from its "
+                        "vendor's package index, which this machine cannot reach (URLError)")
         pytest.fail(f"pip cannot resolve {requirements}:\n{tail}")
     report = json.loads(out.stdout)
     return {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"] for i in report["install"]}
