@@ -5,7 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo toy-demo test clean gpu-check gpu-wheels
+SGLANG_VENV := .venv-sglang
+
+.PHONY: setup sglang-env demo toy-demo test clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -17,6 +19,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# SGLang's own environment for the rollout servers on GPU machines (python -m sorl_megatron.cluster
+# launches them with its Python). SGLang pins exact torch and transformers versions, so it lives
+# beside the trainer's .venv/, not in it; requirements-sglang.txt pins the SGLang release whose
+# torch is the trainer's (the NCCL weight broadcast joins only peers of the same NCCL build).
+sglang-env: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: requirements-sglang.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -r requirements-sglang.txt
+	touch $@
 
 # The CPU demo end to end: data, tokenizer and tiny MoE model, SFT, SO-GRPO RL, validation, plots.
 # ARGS go to tools/demo.py: make demo ARGS="schedule.total_steps=20" (the demo's messages that
@@ -45,4 +59,4 @@ gpu-wheels:
 	PYTHON=$(PY) tools/gpu_wheels.sh
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SGLANG_VENV)

@@ -5,8 +5,10 @@ The job is heterogeneous, one group per node (TorchX's Slurm scheduler: one ``he
 per role replica), in this order:
 
 - group 0: the retrieval server over ``--corpus`` (CPU; left out with ``retrieval.url=...``);
-- groups 1..N: one SGLang server per inference node (``python -m sglang.launch_server``
-  with ``--sglang-args``);
+- groups 1..N: one SGLang server per inference node (``sglang.launch_server`` with
+  ``--sglang-args``), run by ``--server-python``: SGLang's own environment, ``.venv-sglang/``
+  (``make sglang-env``; SGLang pins a transformers other than the trainer's, so it cannot live
+  in the trainer's environment, and the torch both share, for NCCL's sake);
 - group N+1: ``sglang-router`` in front of them (CPU), ``--router-policy``;
 - the last M groups: ``torchrun`` on the training nodes (c10d rendezvous on the first of
   them), with the recipe and its overrides plus the fleet's ``rollout.urls``,
@@ -30,6 +32,7 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
 from .common.typed_config import ConfigError
@@ -37,6 +40,7 @@ from .trainer.recipe import load_recipe
 
 _HET = re.compile(r"\{het:(\d+)\}")
 RETRIEVAL_PORT, SGLANG_PORT, ROUTER_PORT, RDZV_PORT = 8000, 30000, 30100, 29500
+SGLANG_PYTHON = ".venv-sglang/bin/python"  # what `make sglang-env` builds (requirements-sglang.txt)
 
 
 @dataclass
@@ -56,6 +60,7 @@ class FleetJob:
     router_policy: str = "cache_aware"
     workdir: str = "."  # the job's working directory on the shared file system (TorchX's Slurm "image")
     wait_timeout_s: float = 1800.0  # the longest wait of a command for the servers it needs
+    server_python: str = SGLANG_PYTHON  # the SGLang servers' interpreter; relative: to workdir
 
     def validate(self):
         """The trainer's recipe and overrides (the fleet's keys added), checked against the
@@ -65,6 +70,12 @@ class FleetJob:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.wait_timeout_s > 0:
             raise ConfigError(f"--wait-timeout-s must be > 0, got {self.wait_timeout_s}")
+        python = Path(self.workdir) / self.server_python  # an absolute server_python stays as it is
+        if not python.is_file():
+            raise ConfigError(
+                f"--server-python {self.server_python}: {python} does not exist. SGLang runs in its own environment: "
+                f"build it with `make sglang-env` in {self.workdir} (it makes {SGLANG_PYTHON}), or pass "
+                "--server-python with the interpreter of an environment that has SGLang")
         given = {o.split("=", 1)[0].lstrip("+") for o in self.overrides}
         if self.corpus is None and "retrieval.url" not in given:
             raise ConfigError("give --corpus (a retrieval server in the job) or the override retrieval.url=...")
@@ -108,7 +119,7 @@ class FleetJob:
                                             "--port", str(RETRIEVAL_PORT)], cpu))
         model = cfg.model.path
         for i in range(self.inference_nodes):  # one role each: its own het group, its own host
-            roles.append(role(f"rollout{i}", ["python", "-m", "sglang.launch_server", "--model-path", model,
+            roles.append(role(f"rollout{i}", [self.server_python, "-m", "sglang.launch_server", "--model-path", model,
                                               "--host", "0.0.0.0", "--port", str(SGLANG_PORT),
                                               *shlex.split(self.sglang_args)], gpu))
         roles.append(role("router", ["python", "-m", "sorl_megatron.rollout.router", "--worker-urls",
@@ -163,7 +174,8 @@ def _slurm(args: argparse.Namespace) -> int:
         config=args.config, overrides=list(args.overrides), inference_nodes=args.inference_nodes,
         training_nodes=args.training_nodes, gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node,
         mem_mb_per_node=args.mem_mb_per_node, sglang_args=args.sglang_args, corpus=args.corpus,
-        router_policy=args.router_policy, workdir=args.workdir, wait_timeout_s=args.wait_timeout_s)
+        router_policy=args.router_policy, workdir=args.workdir, wait_timeout_s=args.wait_timeout_s,
+        server_python=args.server_python)
     try:
         from torchx.schedulers.slurm_scheduler import create_scheduler
     except ImportError:
@@ -196,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpus-per-node", type=int, default=32, help="CPUs per node, every component (default 32)")
     s.add_argument("--mem-mb-per-node", type=int, default=512_000, help="memory per node in MB (default 512000)")
     s.add_argument("--sglang-args", default="", help="flags of sglang.launch_server, e.g. '--tp 8 --quantization fp8'")
+    s.add_argument("--server-python", default=SGLANG_PYTHON,
+                   help=f"the SGLang servers' Python, relative to --workdir unless absolute (default {SGLANG_PYTHON}, "
+                        "made by `make sglang-env`)")
     s.add_argument("--corpus", default=None, help="the retrieval server's JSONL corpus (else override retrieval.url)")
     s.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "round_robin", "power_of_two"],
                    help="sglang-router's --policy (default cache_aware: an episode's turns stay with its prefix)")

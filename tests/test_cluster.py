@@ -3,6 +3,7 @@ on CPU), the checks before it, and the ``exec`` step each node runs."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -18,9 +19,19 @@ RECIPE = str(ROOT / "recipes" / "tiny_search_base.yaml")
 BASE = ["model.path=/models/policy", "data.train=/data/train.parquet"]
 
 
-def test_dry_run_renders_the_whole_fleet(capsys):
+def sglang_env(workdir: Path) -> Path:
+    """A stand-in for what `make sglang-env` builds in the job's directory."""
+    python = workdir / ".venv-sglang" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    return python
+
+
+def test_dry_run_renders_the_whole_fleet(capsys, tmp_path):
     pytest.importorskip("torchx")
-    code = main(["slurm", "--config", RECIPE, "--inference-nodes", "2", "--training-nodes", "2",
+    sglang_env(tmp_path)
+    code = main(["slurm", "--config", RECIPE, "--workdir", str(tmp_path), "--inference-nodes", "2",
+                 "--training-nodes", "2",
                  "--gpus-per-node", "4", "--corpus", "/data/corpus.jsonl", "--sglang-args", "--tp 4 --quantization fp8",
                  "--partition", "gpu", "--time", "24:00:00", "--dry-run", *BASE, "schedule.total_steps=7"])
     script = capsys.readouterr().out
@@ -34,8 +45,9 @@ def test_dry_run_renders_the_whole_fleet(capsys):
     servers, router, trainers = rest[:2], rest[2], rest[3:]
     assert "sorl_megatron.retrieval.server --corpus /data/corpus.jsonl" in retrieval
     for server in servers:
-        assert ("sglang.launch_server --model-path /models/policy --host 0.0.0.0 --port 30000 --tp 4 "
-                "--quantization fp8") in server and "--gpus-per-task=4" not in server  # (resources: #SBATCH lines)
+        assert (".venv-sglang/bin/python -m sglang.launch_server --model-path /models/policy --host 0.0.0.0 "
+                "--port 30000 --tp 4 --quantization fp8") in server
+        assert "--gpus-per-task=4" not in server  # (resources: #SBATCH lines)
     assert "--wait 'http://{het:1}:30000' --wait 'http://{het:2}:30000'" in router  # starts once both answer
     assert "sorl_megatron.rollout.router --worker-urls 'http://{het:1}:30000' 'http://{het:2}:30000'" in router
     for trainer in trainers:
@@ -49,21 +61,28 @@ def test_dry_run_renders_the_whole_fleet(capsys):
     assert "SORL_ROLLOUT_API_KEY" not in script  # keys travel in the environment, not the script
 
 
-def test_job_is_checked_before_rendering():
-    ok = FleetJob(RECIPE, BASE, corpus="/c.jsonl")
+def test_job_is_checked_before_rendering(tmp_path):
+    with pytest.raises(ConfigError, match=r"--server-python .venv-sglang/bin/python: .*`make sglang-env`"):
+        FleetJob(RECIPE, BASE, corpus="/c.jsonl", workdir=str(tmp_path)).validate()
+    sglang_env(tmp_path)
+    FleetJob(RECIPE, BASE, corpus="/c.jsonl", workdir=str(tmp_path)).validate()  # found in the job's directory
+    with pytest.raises(ConfigError, match=r"--server-python /nowhere/python: /nowhere/python does not exist"):
+        FleetJob(RECIPE, BASE, corpus="/c.jsonl", server_python="/nowhere/python").validate()
+    Job = functools.partial(FleetJob, workdir=str(tmp_path))
+    ok = Job(RECIPE, BASE, corpus="/c.jsonl")
     cfg, overrides = ok.validate()
     assert cfg.rollout.router == "sglang_router" and len(cfg.rollout.urls) == 1
     for job, match in [
-        (FleetJob(RECIPE, BASE), r"give --corpus .* or the override retrieval.url"),
-        (FleetJob(RECIPE, BASE, corpus="/c", inference_nodes=0), r"--inference-nodes must be >= 1"),
-        (FleetJob(RECIPE, [*BASE, "rollout.urls=[http://a:1]"], corpus="/c"), r"\['rollout.urls'\] are set by the job"),
-        (FleetJob(RECIPE, [*BASE, "rollout.groupsize=4"], corpus="/c"), r"rollout.groupsize \(did you mean"),
-        (FleetJob(RECIPE, BASE, corpus="/c", wait_timeout_s=0), r"--wait-timeout-s must be > 0"),
+        (Job(RECIPE, BASE), r"give --corpus .* or the override retrieval.url"),
+        (Job(RECIPE, BASE, corpus="/c", inference_nodes=0), r"--inference-nodes must be >= 1"),
+        (Job(RECIPE, [*BASE, "rollout.urls=[http://a:1]"], corpus="/c"), r"\['rollout.urls'\] are set by the job"),
+        (Job(RECIPE, [*BASE, "rollout.groupsize=4"], corpus="/c"), r"rollout.groupsize \(did you mean"),
+        (Job(RECIPE, BASE, corpus="/c", wait_timeout_s=0), r"--wait-timeout-s must be > 0"),
     ]:
         with pytest.raises(ConfigError, match=match):
             job.validate()
     # an external retrieval server instead of one in the job
-    cfg, _ = FleetJob(RECIPE, [*BASE, "retrieval.url=http://search:8000"]).validate()
+    cfg, _ = Job(RECIPE, [*BASE, "retrieval.url=http://search:8000"]).validate()
     assert cfg.retrieval.url == "http://search:8000"
 
 

@@ -31,7 +31,8 @@ VENV_BIN = Path(sys.executable).parent
 EXTERNAL = {"sglang.launch_server", "sglang_router.launch_router", "pytest"}  # other projects' modules
 # their first word is a subcommand
 SUBCOMMANDS = {"tools/convert.py", "sorl_megatron.bridge.convert_cli", "sorl_megatron.cluster"}
-OTHER_PROGRAMS = {"make", "source", "pip", "rm"}
+OTHER_PROGRAMS = {"make", "source", "pip", "rm",
+                  ".venv-sglang/bin/python"}  # SGLang's own environment (make sglang-env), not the trainer's
 DEMO_RUN = Path("runs/tiny_search/so_grpo")  # the demo's run directory: examples must not write into it
 
 

@@ -350,6 +350,7 @@ class Handlers:
                 **engine.info(),
                 **self.opts.public(),
                 "tp_size": 1,  # ranks this server holds in a weight-update group
+                "device": engine.groups.device,  # where it receives weights: the trainer picks gloo or NCCL by it
                 "num_waves": engine.num_waves,  # prefill forwards (admissions into the running batch)
                 "num_decode_steps": engine.num_steps,
                 "max_running_batch": engine.max_batch,

@@ -31,11 +31,20 @@ class WeightGroups:
         with self._lock:
             return len(self._groups)
 
+    @property
+    def device(self) -> str:
+        """Where this server holds its weights, so where it receives them (``/server_info``'s
+        ``device``: the trainer picks the group's backend from it)."""
+        return next(iter(self.served.state.values())).device.type
+
     def join(self, spec: GroupSpec, timeout_s: float) -> str:
         """Join ``spec`` as rank ``rank_offset``; returns once every member has."""
         with self._lock:
             if spec.group_name in self._groups:
                 raise WeightError(f"group_name {spec.group_name!r} is already initialized (destroy it first)")
+            if spec.backend == "nccl" and self.device != "cuda":
+                raise WeightError(f"this server holds its weights on {self.device}, where NCCL cannot receive "
+                                  "them: initialize the group with backend 'gloo'")
             self._groups[spec.group_name] = (None, threading.Lock())  # reserved while it forms
         try:
             group = WeightGroup(spec, spec.rank_offset, timeout_s)
@@ -71,7 +80,7 @@ class WeightGroups:
         if not lock.acquire(timeout=timeout):
             raise WeightError(f"group {spec.group_name!r} is busy with another bucket for more than {timeout:g} s")
         try:
-            tensors = [torch.empty(s, dtype=d) for s, d in zip(spec.shapes, spec.dtypes)]
+            tensors = [torch.empty(s, dtype=d, device=self.device) for s, d in zip(spec.shapes, spec.dtypes)]
             try:
                 group.broadcast(tensors)
             except Exception:

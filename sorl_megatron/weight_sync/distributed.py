@@ -1,6 +1,7 @@
 """The distributed transport (``rollout.weight_sync: distributed``): SGLang's own update, a
-torch.distributed broadcast (NCCL on GPU, gloo on CPU) from the trainer's sending ranks to
-every server rank.
+torch.distributed broadcast from the trainer's sending ranks to every server rank: NCCL when
+the trainer and every server hold CUDA tensors, gloo otherwise (:func:`group_backend`; a
+server's device comes from its ``/server_info``).
 
 Every rank exports its own part of the model (``export.iter_owned_hf_weights``: tensor-parallel
 gathers only); the senders (``export.weight_sync_roles``: a stage's dense layers, each expert
@@ -64,6 +65,21 @@ def address_towards(url: str) -> str:
         return s.getsockname()[0]
 
 
+def server_device(info: dict) -> str:
+    """Where a server holds its weights, from its ``/server_info``: the embedded server says
+    (``device``), as does SGLang's (its ``--device``); a server that does not is real SGLang on
+    a GPU."""
+    device = info.get("device") if isinstance(info, dict) else None
+    return device if isinstance(device, str) and device else "cuda"
+
+
+def group_backend(trainer_cuda: bool, server_devices: Iterable[str]) -> str:
+    """NCCL when every end of the group holds CUDA tensors (the trainer and each server), gloo
+    otherwise: NCCL moves CUDA memory only, and a CPU server in an NCCL group cannot receive."""
+    devices = list(server_devices)
+    return "nccl" if trainer_cuda and devices and all(d == "cuda" for d in devices) else "gloo"
+
+
 class StoreMutex:
     """A mutex over a torch ``Store`` shared by the sending ranks (the training world's store):
     ``compare_set`` claims it; every wait is bounded by ``timeout_s``."""
@@ -101,7 +117,7 @@ class DistributedSender:
                  master_address: str | None = None):
         self.group_name = group_name
         self.timeout_s = init_timeout_s
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.backend = backend  # None: chosen per group from both ends' devices (group_backend)
         self.master_address = master_address
         self.group: WeightGroup | None = None
         self.group_urls: tuple[str, ...] = ()  # the servers the group was formed with
@@ -145,10 +161,11 @@ class DistributedSender:
         for u, info in zip(urls, infos):
             offsets.append(size)
             size += int(info.get("tp_size") or 1)
+        backend = self.backend or group_backend(torch.cuda.is_available(), [server_device(i) for i in infos])
         address = self.master_address or address_towards(urls[0])
         store = TCPStore(address, 0, size, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=self.timeout_s))
-        base = GroupSpec(address, int(store.port), 1, size, self.group_name, self.backend)
+        base = GroupSpec(address, int(store.port), 1, size, self.group_name, backend)
         policy = RetryPolicy(timeout_s=self.timeout_s + 30, retries=0)
 
         async def init(url: str, offset: int):

@@ -9,10 +9,11 @@ and broadcasts the tensors in that order, one broadcast per tensor.
 The group is built outside the training world (its own ``TCPStore`` on ``master_address:
 master_port``, hosted by rank 0, never the default process group), with the store keys SGLang's
 own join uses (``PrefixStore(group_name)``, then torch's ``"<group_name>/"`` and ``"<device>/"``
-prefixes), so either end interoperates with the other's implementation. A gloo group makes the
-same two contexts (``cpu/`` and ``cuda/``) that torch makes for a ``"gloo"`` group, in that
-order; NCCL makes one (``cuda/``). Every wait (store, connection, broadcast) is bounded by the
-group's timeout.
+prefixes) and the group's sequence number that torch's group creation exchanges, so either end
+interoperates with the other's implementation (tests/weight_sync/test_sglang_interop.py runs
+SGLang's own join against it). A gloo group makes the one context torch makes for a ``"gloo"``
+group (``cpu/``); NCCL makes one (``cuda/``). Every wait (store, connection, broadcast) is
+bounded by the group's timeout.
 
 This module holds only what both ends share (field names and checks, dtype names, the group);
 the trainer's sender is ``weight_sync.distributed``, the embedded server's receiver its engine.
@@ -211,20 +212,22 @@ class WeightGroup:
             self._store = store  # rank 0 hosts it: keep it alive as long as the group
             base = PrefixStore(f"{spec.group_name}/", PrefixStore(spec.group_name, store))
             self.device = "cuda" if spec.backend == "nccl" else "cpu"
-            self._backends = []
             if spec.backend == "gloo":
                 from torch.distributed import ProcessGroupGloo
 
-                for dev in ("cpu", "cuda"):  # what torch builds for a "gloo" group, in its order
-                    self._backends.append(
-                        ProcessGroupGloo(PrefixStore(f"{dev}/", base), rank, spec.world_size, self.timeout))
+                # torch builds one gloo context for a "gloo" group, under its first device's prefix
+                backend = ProcessGroupGloo(PrefixStore("cpu/", base), rank, spec.world_size, self.timeout)
             else:
                 from torch.distributed import ProcessGroupNCCL
 
                 opts = ProcessGroupNCCL.Options()
                 opts.is_high_priority_stream = False
                 opts._timeout = self.timeout
-                self._backends.append(ProcessGroupNCCL(PrefixStore("cuda/", base), rank, spec.world_size, opts))
+                backend = ProcessGroupNCCL(PrefixStore("cuda/", base), rank, spec.world_size, opts)
+            # as torch's group creation does: rank 0 publishes the group's sequence number in the
+            # store and the other ranks wait for it (SGLang's join does not finish without it)
+            backend._set_sequence_number_for_group()
+            self._backends = [backend]
         except Exception as exc:
             hint = "" if _is_loopback(spec.master_address) else (
                 f" (can every member reach {spec.master_address}:{spec.master_port}?)")
@@ -245,8 +248,11 @@ class WeightGroup:
         works = []
         try:
             for t in tensors:
-                if self.spec.backend == "gloo" and t.dtype == torch.float8_e4m3fn:
-                    t = t.view(torch.uint8)  # gloo has no float8 type: the same bytes
+                if self.spec.backend == "gloo":
+                    if t.is_cuda and self.rank == 0:
+                        t = t.cpu()  # a CUDA trainer sending to CPU servers: the gloo group is on the CPU
+                    if t.dtype == torch.float8_e4m3fn:
+                        t = t.view(torch.uint8)  # gloo has no float8 type: the same bytes
                 opts = BroadcastOptions()
                 opts.rootRank, opts.rootTensor = 0, 0
                 works.append(pg.broadcast([t], opts))

@@ -23,8 +23,15 @@ from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.sglang_cpu.options import EngineConfig, ServerOptions
 from sorl_megatron.sglang_cpu.server import start_rollout_server
-from sorl_megatron.weight_sync.distributed import DistributedSender, begin_update, end_update
+from sorl_megatron.weight_sync.distributed import (
+    DistributedSender,
+    begin_update,
+    end_update,
+    group_backend,
+    server_device,
+)
 from sorl_megatron.weight_sync.group import WeightGroupError
+from tests.http_calls import call
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -141,6 +148,44 @@ async def post(url, path, body):
     async with aiohttp.ClientSession() as s:
         async with s.post(url + path, json=body) as r:
             return r.status, await r.json()
+
+
+@pytest.mark.parametrize("trainer_cuda, devices, backend", [
+    (True, ["cuda", "cuda"], "nccl"),
+    (True, ["cuda", "cpu"], "gloo"),  # one CPU server: NCCL cannot reach it
+    (True, ["cpu"], "gloo"),  # the embedded server on a GPU host
+    (False, ["cuda"], "gloo"),  # a CPU trainer
+    (False, ["cpu"], "gloo"),
+])
+def test_the_group_backend_is_nccl_only_when_both_ends_hold_cuda(trainer_cuda, devices, backend):
+    assert group_backend(trainer_cuda, devices) == backend
+
+
+def test_server_device_from_server_info():
+    assert server_device({"device": "cpu"}) == "cpu"
+    assert server_device({"tp_size": 8}) == "cuda"  # real SGLang that does not say: a GPU server
+    assert server_device({"device": None}) == "cuda"
+
+
+def test_the_server_reports_its_device_and_the_sender_follows(servers):
+    url = servers[0].url
+    status, info = call(url, "GET", "/server_info")
+    assert status == 200 and info["device"] == "cpu"
+
+    async def formed_backend():
+        async with client_of(servers[:1]) as c:
+            sender = DistributedSender(c, "g_device", init_timeout_s=20)
+            await sender.connect()
+            try:
+                return sender.group.spec.backend
+            finally:
+                await sender.close()
+
+    assert run(formed_backend()) == "gloo"  # on a GPU host too: the server receives on the CPU
+    # asked for NCCL (SGLang's default backend), the CPU server refuses before joining anything
+    status, res = run(post(url, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "group_name": "g_nccl"}))
+    assert status == 400 and "backend 'gloo'" in res["message"], res
 
 
 def test_bad_requests_are_4xx_and_leave_weights(servers, moe_dir):
