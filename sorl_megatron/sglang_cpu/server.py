@@ -171,6 +171,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bound in seconds on /flush_cache, /pause_generation and /continue_generation waiting for the "
         "scheduler (they run at its next step; default 60); past it, or with the scheduler dead, they answer 5xx",
     )
+    p.add_argument(
+        "--sglang-version",
+        default="0.5.21",
+        help="the SGLang release this server answers as (/server_info's version; default 0.5.21): before 0.5.21 "
+        "it has no /begin_weight_update and /end_weight_update and applies each update at once; from 0.5.21 it "
+        "refuses tensor and distributed updates outside them",
+    )
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)
     if args.api_key is None:
@@ -222,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         api_key=args.api_key,
         weight_group_timeout_s=args.weight_group_timeout_s,
         control_timeout_s=args.control_timeout_s,
+        sglang_version=args.sglang_version,
     )
     engine = RolloutEngine(cfg).start()
     auth = "API key required" if opts.api_key else "no API key: anyone who can connect may update weights"

@@ -9,6 +9,7 @@ back on a new URL.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -18,8 +19,11 @@ from typing import Optional, Protocol
 import torch
 
 from ..common.fp8 import quantize_hf_tensor
-from ..common.http import RetryPolicy
+from ..common.http import RequestRejectedError, RetryPolicy
 from ..rollout.client import FailureHook, RolloutClient, RolloutClientConfig
+from ..rollout.server_facts import WeightFormat, served_weight_format
+
+log = logging.getLogger("sorl_megatron.weight_sync")
 
 
 class SyncSettings(Protocol):
@@ -34,6 +38,7 @@ class SyncSettings(Protocol):
     weight_sync_init_timeout_s: float
     weight_sync_bucket_mb: int
     weight_sync_master_address: Optional[str]
+    flush_idle_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -97,3 +102,33 @@ def external_fp8(settings: SyncSettings) -> bool:
     """Whether the tensor and disk transports send FP8: external servers with ``rollout.precision:
     fp8`` get the quantizer's pairs; the embedded ones quantize what they receive themselves."""
     return settings.precision == "fp8" and bool(settings.urls)
+
+
+async def weight_format(client: RolloutClient, settings: SyncSettings) -> WeightFormat:
+    """What every server takes (``rollout.server_facts.served_weight_format``: block-FP8 pairs
+    only into a server started from an FP8-serialized checkpoint), the same for all; a server
+    that agrees with neither ``rollout.precision`` nor anything a sync sends is refused, with the
+    command that makes the right checkpoint."""
+    facts = await client.server_facts()
+    formats = {served_weight_format(f, settings.precision, "<model.path>") for f in facts.values()}
+    if len(formats) > 1:
+        raise RuntimeError(f"the rollout servers take different weight formats {sorted(formats)}: "
+                           "start them all from one checkpoint with the same flags")
+    return formats.pop()
+
+
+async def flush_after_sync(client: RolloutClient, wait_idle_s: float) -> bool:
+    """``/flush_cache`` once the servers hold the new weights (their prefix cache was computed
+    with the old ones); True when every server flushed. SGLang refuses a flush while requests run
+    (async ``pause_mode`` in_place or off): each server holds it until idle, at most
+    ``wait_idle_s`` (``rollout.flush_idle_timeout_s``); a server still busy then keeps its cache
+    until the next sync's flush, with a warning."""
+    try:
+        await client.flush_cache(wait_idle_s=wait_idle_s)
+    except RequestRejectedError as err:
+        if err.status != 400:
+            raise
+        log.warning("prefix cache not flushed after the weight sync (requests kept running for "
+                    "rollout.flush_idle_timeout_s = %g s): %s", wait_idle_s, err)
+        return False
+    return True
