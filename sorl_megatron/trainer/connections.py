@@ -74,6 +74,8 @@ class Connections:
             health_timeout_s=r.start_timeout_s, deterministic=r.deterministic))
         stack.callback(self.fleet.close)
         self.rollout_urls = self.fleet.urls()
+        # refuse at once a server this run cannot use (its SGLang version, --skip-tokenizer-init)
+        asyncio.run(self.with_client(lambda c: c.server_facts()))
 
     def get_fleet(self) -> RolloutFleet:
         """The run's fleet; one made of ``rollout_urls`` (external servers, no router) when

@@ -368,9 +368,9 @@ class DistributedWeightSync(WeightSync):
                 error = exc
             failed = comm.any_rank(error is not None)
         if comm.rank() == 0:
-            flush_s = self.settings.flush_idle_timeout_s
+            flush_s, ok = self.settings.flush_idle_timeout_s, not failed
             try:
-                asyncio.run(self._with_client(urls, self.api_key, lambda c: end_update(c, version, not failed, flush_s)))
+                asyncio.run(self._with_client(urls, self.api_key, lambda c: end_update(c, version, ok, flush_s)))
             except BaseException as exc:
                 error, failed = error or exc, True
         if error is not None:
