@@ -95,7 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="allow return_routed_experts in /generate (MoE models; R3 routing replay)",
     )
     p.add_argument(
-        "--skip-tokenizer-init", action="store_true", help="tokens in, tokens out: no tokenizer, no text field"
+        "--skip-tokenizer-init", action="store_true",
+        help="SGLang's flag, mirrored: no tokenizer, no text field, requests with stop strings refused "
+        "(the trainer refuses such a server: its agent sends stop strings)"
     )
     p.add_argument(
         "--max-running-requests", type=int, default=32, help="most sequences decoded together in one batch (default 32)"
