@@ -246,7 +246,7 @@ def test_end_to_end_on_embedded_servers(moe_server, moe_model, tokenizer, prompt
 
     async def go():
         async with (
-            RolloutClient(RolloutClientConfig(urls=(moe_server.url,))) as policy,
+            RolloutClient(RolloutClientConfig(urls=(moe_server.url,), routing_shape=(2, 2))) as policy,
             RetrievalClient(retrieval.url) as retr,
         ):
             agent = SearchAgent(

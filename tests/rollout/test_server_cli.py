@@ -9,7 +9,7 @@ import sys
 
 from sorl_megatron.common.background import free_port, wait_healthy
 from sorl_megatron.common.protocol import SamplingParams
-from sorl_megatron.rollout.client import RolloutClient
+from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.sglang_cpu.server import parse_args
 
 FLAGS = [
@@ -93,7 +93,7 @@ def test_subprocess_server_skip_tokenizer_init(moe_dir):
         wait_healthy(url, timeout_s=120, proc=proc)
 
         async def go():
-            async with RolloutClient(url) as c:
+            async with RolloutClient(RolloutClientConfig(urls=(url,), routing_shape=(2, 2))) as c:
                 return await c.generate(
                     [4, 5, 6], SamplingParams(max_new_tokens=5, ignore_eos=True, n=2), return_routed_experts=True
                 )

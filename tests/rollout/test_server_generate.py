@@ -25,7 +25,7 @@ def run(coro):
 
 
 async def _generate_all(url, prompts, sp, routed=False):
-    async with RolloutClient(RolloutClientConfig(urls=(url,))) as c:
+    async with RolloutClient(RolloutClientConfig(urls=(url,), routing_shape=(2, 2))) as c:  # the tiny MoE's
         outs = await asyncio.gather(*(c.generate(p, sp, return_routed_experts=routed) for p in prompts))
     return [o[0] for o in outs]
 
