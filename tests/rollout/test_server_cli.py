@@ -38,6 +38,7 @@ FLAGS = [
     "--max-tokens-per-request",
     "--weight-group-timeout-s",
     "--control-timeout-s",
+    "--sglang-version",
     "--log-level",
 ]
 
@@ -74,6 +75,8 @@ def test_sglang_style_aliases():
     assert parse_args(["--model-path", "m", "--dtype", "bfloat16"]).precision == "bf16"
     assert parse_args(["--model-path", "m", "--dtype", "bfloat16", "--precision", "fp32"]).precision == "fp32"
     assert parse_args(["--model-path", "m"]).host == "127.0.0.1"
+    assert parse_args(["--model-path", "m"]).sglang_version == "0.5.21"
+    assert parse_args(["--model-path", "m", "--sglang-version", "0.5.18"]).sglang_version == "0.5.18"
 
 
 def test_subprocess_server_skip_tokenizer_init(moe_dir):
