@@ -435,6 +435,12 @@ class RolloutClient:
             self._facts = facts
         return self._facts
 
+    async def check_for_rollouts(self) -> None:
+        """Refuse, naming it, a server the agent cannot use (:meth:`server_facts`, plus its flags:
+        ``--skip-tokenizer-init`` refuses every request with stop strings)."""
+        for facts in (await self.server_facts()).values():
+            facts.check_rollouts()
+
     async def weight_update_sessions(self) -> bool:
         """Whether the servers take updates only inside ``/begin_weight_update`` ...
         ``/end_weight_update`` (SGLang >= 0.5.21; older ones lack both endpoints)."""

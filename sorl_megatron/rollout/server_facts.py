@@ -7,7 +7,8 @@ agent's requests, and how it quantizes the weights a sync sends it.
   ``/begin_weight_update`` ... ``/end_weight_update``; before 0.5.21 those endpoints do not
   exist (404). The client opens a session exactly where the server has them.
 - ``skip_tokenizer_init``: such a server refuses every request carrying stop strings (the
-  agent's turns all do), so it is refused at once rather than failing every episode.
+  agent's turns all do), so the trainer refuses it when it starts (:meth:`ServerFacts.check_rollouts`)
+  rather than see every episode fail.
 - FP8 (:func:`served_weight_format`): SGLang loads block-FP8 pairs (``weight`` +
   ``weight_scale_inv``) only into a server started from an FP8-serialized checkpoint (its
   ``config.json`` has ``quantization_config`` with ``quant_method: fp8`` and
@@ -72,14 +73,17 @@ class ServerFacts:
             raise ServerMismatchError(
                 f"rollout server {url} reports SGLang version {info.get('version')!r}; this trainer needs "
                 f"SGLang >= {_dotted(OLDEST_SUPPORTED)} (weight-update sessions from {_dotted(SESSIONS_SINCE)})")
-        if info.get("skip_tokenizer_init"):
+        return cls(url=url, version=str(info["version"]), tp_size=int(info.get("tp_size") or 1),
+                   skip_tokenizer_init=bool(info.get("skip_tokenizer_init")),
+                   quantization=info.get("quantization") or None, model_path=info.get("model_path") or None)
+
+    def check_rollouts(self) -> None:
+        """:class:`ServerMismatchError` where the agent's requests cannot be served."""
+        if self.skip_tokenizer_init:
             raise ServerMismatchError(
-                f"rollout server {url} was started with --skip-tokenizer-init: SGLang then refuses every "
+                f"rollout server {self.url} was started with --skip-tokenizer-init: SGLang then refuses every "
                 "request with stop strings, and every agent turn sends them (the tool-call tags). Start it "
                 "without that flag (the client sends and reads token ids either way)")
-        return cls(url=url, version=str(info["version"]), tp_size=int(info.get("tp_size") or 1),
-                   skip_tokenizer_init=False, quantization=info.get("quantization") or None,
-                   model_path=info.get("model_path") or None)
 
 
 def same_protocol(facts: dict[str, ServerFacts]) -> bool:

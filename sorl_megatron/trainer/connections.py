@@ -75,7 +75,7 @@ class Connections:
         stack.callback(self.fleet.close)
         self.rollout_urls = self.fleet.urls()
         # refuse at once a server this run cannot use (its SGLang version, --skip-tokenizer-init)
-        asyncio.run(self.with_client(lambda c: c.server_facts()))
+        asyncio.run(self.with_client(lambda c: c.check_for_rollouts()))
 
     def get_fleet(self) -> RolloutFleet:
         """The run's fleet; one made of ``rollout_urls`` (external servers, no router) when

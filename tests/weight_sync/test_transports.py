@@ -248,7 +248,7 @@ def test_a_server_this_trainer_cannot_use_is_refused_naming_it():
         rec = Recorder(**info)
         try:
             with pytest.raises(ServerMismatchError, match=msg) as err:
-                run_client(rec.url, lambda c: c.server_facts())
+                run_client(rec.url, lambda c: c.check_for_rollouts())
             assert rec.url in str(err.value)
         finally:
             rec.server.stop()
