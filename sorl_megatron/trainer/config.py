@@ -201,8 +201,8 @@ class RolloutConfig:
     # without the endpoint answers 404 and the update lands between its requests)
     pause_mode: Literal["retract", "in_place", "off"] = "retract"
     # a sync ends with /flush_cache, which SGLang refuses while requests run (pause_mode in_place
-    # or off): each server holds it until idle, at most this long; still busy, the flush is left
-    # to the next sync with a warning (the prefix cache keeps entries from the older weights)
+    # or off): a background call then asks each server to flush once idle, waiting at most this
+    # long; still busy, a warning (the next sync flushes again)
     flush_idle_timeout_s: float = 30.0
     # DAPO dynamic sampling: a group whose rewards are all equal (no GRPO signal) is dropped and
     # replaced by a fresh prompt's group until the batch is full; at most this many groups are

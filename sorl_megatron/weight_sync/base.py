@@ -9,7 +9,9 @@ back on a new URL.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -118,17 +120,33 @@ async def weight_format(client: RolloutClient, settings: SyncSettings) -> Weight
 
 
 async def flush_after_sync(client: RolloutClient, wait_idle_s: float) -> bool:
-    """``/flush_cache`` once the servers hold the new weights (their prefix cache was computed
-    with the old ones); True when every server flushed. SGLang refuses a flush while requests run
-    (async ``pause_mode`` in_place or off): each server holds it until idle, at most
-    ``wait_idle_s`` (``rollout.flush_idle_timeout_s``); a server still busy then keeps its cache
-    until the next sync's flush, with a warning."""
+    """``/flush_cache`` once the servers hold the new weights (their prefix caches hold KV of the
+    old ones); True when every server flushed at once. SGLang refuses a flush (400) while
+    requests run, as in async mode with ``pause_mode`` in_place or off: the flush is then left
+    to a background call that each server holds until it is idle, at most ``wait_idle_s``
+    (``rollout.flush_idle_timeout_s``; SGLang's own deferral), so the trainer never waits on
+    requests it cannot end; its outcome is logged."""
     try:
-        await client.flush_cache(wait_idle_s=wait_idle_s)
+        await client.flush_cache()
+        return True
     except RequestRejectedError as err:
         if err.status != 400:
             raise
-        log.warning("prefix cache not flushed after the weight sync (requests kept running for "
-                    "rollout.flush_idle_timeout_s = %g s): %s", wait_idle_s, err)
-        return False
-    return True
+        log.info("the rollout servers are busy: the cache flush waits for them to be idle (%s)", err)
+    if wait_idle_s > 0:
+        threading.Thread(target=_flush_when_idle, args=(client.cfg, wait_idle_s), daemon=True,
+                         name="flush-when-idle").start()
+    return False
+
+
+def _flush_when_idle(cfg: RolloutClientConfig, wait_idle_s: float) -> None:
+    async def go() -> None:
+        async with RolloutClient(cfg) as client:
+            await client.flush_cache(wait_idle_s=wait_idle_s)
+
+    try:
+        asyncio.run(go())
+        log.info("the rollout servers' caches were flushed once idle")
+    except Exception as err:  # a background call: its failure is reported, the run goes on
+        log.warning("prefix cache not flushed after the weight sync (the servers were not idle within "
+                    "rollout.flush_idle_timeout_s = %g s; the next sync flushes again): %s", wait_idle_s, err)
