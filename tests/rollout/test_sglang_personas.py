@@ -88,24 +88,25 @@ def test_flush_cache_is_refused_while_requests_run_and_waits_for_idle_when_asked
         return t
 
     gen = in_thread("gen", url, "POST", "/generate", {"input_ids": PROMPT, "sampling_params": {
-        "max_new_tokens": 200, "ignore_eos": True}})
+        "max_new_tokens": 800, "ignore_eos": True}}, timeout=600)  # still running when paused
     deadline = time.monotonic() + 60
     while server.engine.num_live_requests == 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert call(url, "POST", "/pause_generation", {"mode": "in_place"})[0] == 200
     try:
+        assert server.engine.num_live_requests == 1  # paused in place, in the batch
         status, text = call(url, "POST", "/flush_cache")
         assert status == 400 and "requests are running" in str(text)
         status, text = call(url, "POST", "/flush_cache?timeout=0.2")
         assert status == 400 and "Timed out waiting for idle state" in str(text)
-        flush = in_thread("flush", url, "POST", "/flush_cache?timeout=120", timeout=180)
+        flush = in_thread("flush", url, "POST", "/flush_cache?timeout=500", timeout=600)
         time.sleep(0.5)
         assert "flush" not in box  # held: the request is still there
     finally:
         assert call(url, "POST", "/continue_generation", {})[0] == 200
-    flush.join(150)
-    gen.join(60)
+    flush.join(600)
+    gen.join(600)
     assert box["gen"][0] == 200
     assert box["flush"][0] == 200 and "Cache flushed" in str(box["flush"][1])
     assert call(url, "POST", "/flush_cache?timeout=-1")[0] == 400
