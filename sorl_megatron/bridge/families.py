@@ -46,6 +46,18 @@ def first_k_dense(hf_config: Any) -> int:
     return 0
 
 
+def routing_shape(hf_config: Any) -> tuple[int, int]:
+    """``(rows, top_k)`` of the routed experts a server returns for this model: SGLang captures
+    one row per decoder layer (``num_hidden_layers``; the leading dense layers, see
+    :func:`first_k_dense`, are never routed) of ``num_experts_per_tok`` ids."""
+    top_k = int(_get(hf_config, "num_experts_per_tok", 0) or 0)
+    if top_k < 1:
+        raise FamilyConfigError(
+            f"{hf_config.model_type}: config.json has no num_experts_per_tok: not a MoE model, it returns no "
+            "routed experts (algorithm.routing_replay r3 needs one)")
+    return int(hf_config.num_hidden_layers), top_k
+
+
 def mtp_layers(hf_config: Any) -> int:
     """Multi-token-prediction modules the HF checkpoint carries (never built here)."""
     return int(_get(hf_config, "num_nextn_predict_layers", 0) or 0)

@@ -253,7 +253,7 @@ def parse_generate_output(
     ids = obj.get("output_ids")
     _check(
         isinstance(ids, list),
-        "/generate answer without output_ids (is the server running with --skip-tokenizer-init or a recent SGLang?)",
+        "/generate answer without output_ids (SGLang's answers carry them: is this an SGLang server?)",
     )
     fr = meta.get("finish_reason") or {}
     if fr.get("type") == "abort":

@@ -17,9 +17,11 @@ The environment failing one episode never fails the others: a search the retriev
 rejects (HTTP 4xx, e.g. a query over its length limit) or cannot serve (unreachable, timed
 out, 5xx or 429 after the client's retries) becomes an observation saying so and is counted
 in ``Trajectory.retrieval_errors``; a generation request the rollout server rejects (4xx)
-ends that episode with ``finish_reason="error"``. Only what fails every episode alike ends
-the whole ``run_many``, cancelling its other episodes: a rollout server that is down, or a
-retrieval server answering 404 / 401 / 403 (wrong URL or credentials).
+ends that episode with ``finish_reason="error"`` (logged, with the first refusal, by
+``run_many``). Only what fails every episode alike ends the whole ``run_many``, cancelling its
+other episodes: a rollout server that is down, an answer that breaks the protocol
+(``ProtocolError``), a retrieval server answering 404 / 401 / 403 (wrong URL or credentials);
+and a ``run_many`` whose every episode was refused raises the first refusal.
 """
 
 from __future__ import annotations
@@ -282,7 +284,7 @@ class SearchAgent:
                     routed_experts_start_len=b.routed_len,
                 )
             except RequestRejectedError as err:  # this request is wrong (e.g. over the server's context)
-                finish, meta["error"] = "error", str(err)
+                finish, meta["error"], meta["error_status"] = "error", str(err), err.status
                 break
             out = outs[0]
             b.add_policy(out, turn)
@@ -377,6 +379,7 @@ class SearchAgent:
             if bar is not None:
                 bar.close()
         trajs = [t.result() for t in tasks]
+        _report_rejected(trajs)
         failed = [t for t in trajs if t.retrieval_errors]
         if failed:
             log.warning(
@@ -385,3 +388,18 @@ class SearchAgent:
                 sum(t.retrieval_rejected for t in trajs), failed[0].meta["retrieval_error"],
             )
         return trajs
+
+
+def _report_rejected(trajs: Sequence[Trajectory]) -> None:
+    """Episodes a server refused a ``/generate`` of (``finish_reason`` error) are logged with the
+    first refusal; when every episode was refused, the request itself is wrong (a server flag, a
+    protocol mismatch), not one episode: that first refusal is raised."""
+    refused = [t for t in trajs if t.finish_reason == "error"]
+    if not refused:
+        return
+    first = refused[0].meta
+    if len(refused) == len(trajs):
+        raise RequestRejectedError(f"every episode ({len(trajs)}) ended with a refused /generate request; "
+                                   f"first: {first.get('error')}", int(first.get("error_status") or 400))
+    log.warning("%d of %d episodes ended with a refused /generate request; first: %s",
+                len(refused), len(trajs), first.get("error"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -48,6 +49,9 @@ from ..common.protocol import (
     bearer_headers,
     parse_generate_output,
 )
+from .server_facts import ServerFacts, ServerMismatchError, same_protocol
+
+log = logging.getLogger("sorl_megatron.rollout.client")
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,8 @@ class RolloutClientConfig:
         health_retry: policy of ``/health`` checks, and of the ``/end_weight_update`` that
             closes a sync that failed (short: a hung server must not double the wait).
         down_cooldown_s: how long a server that refused connections is skipped.
-        routing_shape: ``(num_hidden_layers, top_k)`` to decode ``routed_experts``; None asks
-            ``/model_info`` (the embedded server reports it) or the model's HF config.
+        routing_shape: ``(num_hidden_layers, top_k)`` to decode ``routed_experts``, from the
+            model's HF config (``bridge.families.routing_shape``); required to ask for them.
         api_key: sent as ``Authorization: Bearer <key>`` to servers started with ``--api-key``
             (SGLang or the embedded server); None uses ``$SORL_ROLLOUT_API_KEY`` if set, else
             sends no header.
@@ -160,6 +164,7 @@ class RolloutClient:
         self._routing_shape = cfg.routing_shape
         self._version_counter = 0
         self._pause_supported: bool | None = None  # /pause_generation: unknown until asked
+        self._facts: dict[str, ServerFacts] | None = None  # /server_info of each server, asked once
 
     # ----- plumbing -----
 
@@ -213,18 +218,14 @@ class RolloutClient:
     # ----- generation -----
 
     async def routing_shape(self) -> tuple[int, int]:
-        """``(layers, top_k)`` of the served model's routed experts (asked once, then cached): one row
-        per decoder layer, as SGLang's capture buffer (dense layers unrouted)."""
+        """``(layers, top_k)`` of the served model's routed experts: one row per decoder layer, as
+        SGLang's capture buffer (dense layers unrouted). It comes from the model's own
+        ``config.json`` (``RolloutClientConfig.routing_shape``, see ``bridge.families.routing_shape``):
+        SGLang's ``/model_info`` does not report it."""
         if self._routing_shape is None:
-            info = await self.model_info()
-            layers = info.get("routed_experts_layers") or info.get("num_hidden_layers")
-            top_k = info.get("num_experts_per_tok")
-            if not layers or not top_k:
-                raise ProtocolError(
-                    f"{self.cfg.urls[0]}/model_info does not report num_moe_layers/num_experts_per_tok; "
-                    "set RolloutClientConfig.routing_shape from the model's config.json"
-                )
-            self._routing_shape = (int(layers), int(top_k))
+            raise ProtocolError(
+                "return_routed_experts needs RolloutClientConfig.routing_shape = (num_hidden_layers, "
+                "num_experts_per_tok) from the served model's config.json (SGLang's /model_info has neither)")
         return self._routing_shape
 
     def build_request(
@@ -424,9 +425,41 @@ class RolloutClient:
         )
         return version
 
+    async def server_facts(self) -> dict[str, ServerFacts]:
+        """``{url: ServerFacts}`` from every server's ``/server_info`` (asked once per client);
+        :class:`ServerMismatchError` for a server this client cannot use (its version, flags)."""
+        if self._facts is None:
+            infos = await self._all("GET", "/server_info")
+            facts = {u: ServerFacts.from_server_info(u, info) for u, info in infos.items()}
+            same_protocol(facts)
+            self._facts = facts
+        return self._facts
+
+    async def check_for_rollouts(self) -> None:
+        """Refuse, naming it, a server the agent cannot use (:meth:`server_facts`, plus its flags:
+        ``--skip-tokenizer-init`` refuses every request with stop strings)."""
+        for facts in (await self.server_facts()).values():
+            facts.check_rollouts()
+
+    async def weight_update_sessions(self) -> bool:
+        """Whether the servers take updates only inside ``/begin_weight_update`` ...
+        ``/end_weight_update`` (SGLang >= 0.5.21; older ones lack both endpoints)."""
+        return same_protocol(await self.server_facts())
+
     async def begin_weight_update(self) -> None:
-        """Open a sync on every server (SGLang 0.5.x takes distributed updates between begin and end)."""
-        await self._all("POST", "/begin_weight_update", {"selector": "all"})
+        """Open a sync on every server, where the servers have weight-update sessions."""
+        if not await self.weight_update_sessions():
+            return
+        try:
+            await self._all("POST", "/begin_weight_update", {"selector": "all"})
+        except RequestRejectedError as err:
+            if "already open" not in str(err):
+                raise
+            # a session left open by a sync that died half way (an earlier run): close it, the
+            # sync about to run rewrites every weight, and open a fresh one on every server
+            log.warning("closing a weight-update session left open on a rollout server: %s", err)
+            await self._all("POST", "/end_weight_update", {})
+            await self._all("POST", "/begin_weight_update", {"selector": "all"})
 
     async def update_weights_from_tensor(
         self,
@@ -461,11 +494,13 @@ class RolloutClient:
         answer, waiting on a hung server only the health policy: the sync's own error is the
         one worth reporting."""
         if not failed:
-            await self._all("POST", "/end_weight_update", {})
+            if await self.weight_update_sessions():
+                await self._all("POST", "/end_weight_update", {})
             return
         try:
-            await self._all("POST", "/end_weight_update", {}, policy=self.cfg.health_retry)
-        except ServerError:
+            if await self.weight_update_sessions():
+                await self._all("POST", "/end_weight_update", {}, policy=self.cfg.health_retry)
+        except (ServerError, ServerMismatchError):
             pass
 
     async def pause_generation(self, mode: str = "retract") -> bool:
@@ -499,8 +534,15 @@ class RolloutClient:
             if err.status != 404 or not force:
                 raise
 
-    async def flush_cache(self) -> None:
-        await self._all("POST", "/flush_cache", None, expect_json=False)
+    async def flush_cache(self, wait_idle_s: float = 0.0) -> None:
+        """``/flush_cache`` on every server. SGLang refuses it (400) while requests run or wait;
+        with ``wait_idle_s`` > 0 each server holds the call until it is idle, at most that long
+        (its ``timeout`` query), then flushes or refuses."""
+        path = "/flush_cache" if wait_idle_s <= 0 else f"/flush_cache?timeout={wait_idle_s:g}"
+        policy = self.cfg.control_retry
+        if wait_idle_s > 0:  # the call lasts as long as the server waits
+            policy = replace(policy, timeout_s=policy.timeout_s + wait_idle_s)
+        await self._all("POST", path, None, expect_json=False, policy=policy)
 
     async def health(self) -> dict[str, bool]:
         """``{url: healthy}`` without raising (each check bounded by ``health_retry``)."""

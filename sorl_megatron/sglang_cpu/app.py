@@ -4,7 +4,9 @@ Endpoints (docs/rollout.md): ``/generate`` (single and batch, ``n``, log-probs, 
 experts), weight updates from disk, from tensors and through a torch.distributed group
 (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``; gloo on CPU) between ``/begin_weight_update`` and
-``/end_weight_update``, ``/update_weight_version``, ``/flush_cache``, ``/pause_generation``,
+``/end_weight_update`` (as the SGLang release ``--sglang-version`` names: from 0.5.21 an update
+from tensors or a group is refused outside them; before it they do not exist),
+``/update_weight_version``, ``/flush_cache``, ``/pause_generation``,
 ``/continue_generation``, ``/abort_request``, ``/health``, ``/health_generate``,
 ``/model_info``, ``/server_info``.
 
@@ -247,15 +249,34 @@ class Handlers:
 
     @endpoint(RESULT, "weight update")
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        return await self._weight_update(request, self._from_tensor, self.weight_limit, "--max-weight-body-mb")
+        def prepare(body: dict) -> Callable[[], str]:
+            update = self._from_tensor(body)
+            return lambda: self._in_session("update_weights_from_tensor") or update()
+
+        return await self._weight_update(request, prepare, self.weight_limit, "--max-weight-body-mb")
+
+    def _in_session(self, what: str) -> None:
+        """As SGLang 0.5.21+: an update from tensors or a group only inside a session."""
+        if self.opts.weight_update_sessions and not self.engine.served.in_update:
+            raise WeightError(f"{what} must run between begin_weight_update() and end_weight_update()")
+
+    def _begin(self) -> str:
+        if self.engine.served.in_update:
+            raise WeightError("a weight-update session is already open; call end_weight_update() first")
+        return self.engine.served.begin_update()
+
+    def _end(self) -> str:
+        if not self.engine.served.in_update:
+            raise WeightError("no weight-update session is open; call begin_weight_update() first")
+        return self.engine.served.end_update()
 
     @endpoint(RESULT, "weight update")
     async def begin_weight_update(self, request: web.Request) -> web.Response:
-        return await self._weight_update(request, lambda body: self.engine.served.begin_update)
+        return await self._weight_update(request, lambda body: self._begin)
 
     @endpoint(RESULT, "weight update")
     async def end_weight_update(self, request: web.Request) -> web.Response:
-        return await self._weight_update(request, lambda body: self.engine.served.end_update)
+        return await self._weight_update(request, lambda body: self._end)
 
     @endpoint(RESULT, "weight update")
     async def update_weight_version(self, request: web.Request) -> web.Response:
@@ -295,7 +316,13 @@ class Handlers:
     @endpoint(RESULT, "distributed weight update")
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         served = self.engine.served  # the weights are untouched until the whole bucket is here
-        return await self._group_call(request, BucketSpec.from_json, self.engine.groups.receive_bucket,
+
+        def parse(body: dict) -> BucketSpec:
+            spec = BucketSpec.from_json(body)
+            self._in_session("update_weights_from_distributed")
+            return spec
+
+        return await self._group_call(request, parse, self.engine.groups.receive_bucket,
                                       lambda spec, named: served.update_from_tensors(named, spec.weight_version))
 
     @endpoint(RESULT, "distributed weight update")
@@ -305,10 +332,25 @@ class Handlers:
     # ----- control -----
 
     @endpoint(TEXT, "/flush_cache")
-    async def flush_cache(self, _: web.Request) -> web.Response:
-        # Drops the prefix cache at the next decode step; running requests keep their own KV.
-        msg = await self._urgent(self.engine.flush_cache, "/flush_cache")
-        return web.Response(text=f"Cache flushed.\n({msg})\n")
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        # As SGLang: refused (400) while requests run, or wait unpaused; ?timeout=S holds the call
+        # until the scheduler is idle, at most S seconds.
+        try:
+            wait_s = float(request.query.get("timeout", 0))
+        except ValueError:
+            raise ProtocolError("timeout must be a number of seconds") from None
+        if not 0 <= wait_s < float("inf"):
+            raise ProtocolError(f"timeout must be >= 0 seconds, got {wait_s}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            msg = await self._urgent(self.engine.flush_cache, "/flush_cache")
+            if msg is not None:
+                return web.Response(text=f"Cache flushed.\n({msg})\n")
+            if loop.time() >= deadline:
+                why = "Timed out waiting for idle state." if wait_s else "requests are running or waiting"
+                return web.Response(status=400, text=f"Cache not flushed: {why}\n")
+            await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0.0)))
 
     @endpoint(RESULT, "/pause_generation")
     async def pause_generation(self, request: web.Request) -> web.Response:
@@ -339,7 +381,7 @@ class Handlers:
 
     @endpoint(TEXT, "/model_info")
     async def model_info(self, _: web.Request) -> web.Response:
-        return web.json_response(self.engine.info())
+        return web.json_response(self.engine.served.model_info())
 
     @endpoint(TEXT, "/server_info")
     async def server_info(self, _: web.Request) -> web.Response:
@@ -348,7 +390,8 @@ class Handlers:
             {
                 **engine.cfg.__dict__,
                 **engine.info(),
-                **self.opts.public(),
+                **self.opts.public(),  # version: the SGLang release this server answers as
+                "quantization": "fp8" if engine.cfg.precision == "fp8" else None,  # as SGLang's --quantization
                 "tp_size": 1,  # ranks this server holds in a weight-update group
                 "device": engine.groups.device,  # where it receives weights: the trainer picks gloo or NCCL by it
                 "num_waves": engine.num_waves,  # prefill forwards (admissions into the running batch)
@@ -370,9 +413,10 @@ def build_app(engine: RolloutEngine, opts: ServerOptions | None = None) -> web.A
     r = app.router
     r.add_post("/generate", h.generate)
     r.add_post("/update_weights_from_disk", h.update_weights_from_disk)
-    r.add_post("/begin_weight_update", h.begin_weight_update)
+    if opts.weight_update_sessions:  # SGLang 0.5.21+; older releases answer 404
+        r.add_post("/begin_weight_update", h.begin_weight_update)
+        r.add_post("/end_weight_update", h.end_weight_update)
     r.add_post("/update_weights_from_tensor", h.update_weights_from_tensor)
-    r.add_post("/end_weight_update", h.end_weight_update)
     r.add_post("/init_weights_update_group", h.init_weights_update_group)
     r.add_post("/update_weights_from_distributed", h.update_weights_from_distributed)
     r.add_post("/destroy_weights_update_group", h.destroy_weights_update_group)

@@ -217,7 +217,11 @@ class RolloutEngine:
         was, self.paused = self.paused, None
         return "continued" if was else "was not paused"
 
-    def flush_cache(self) -> str:
+    def flush_cache(self) -> str | None:
+        """Drop the prefix cache where the scheduler is idle, as SGLang's (no running requests,
+        and none waiting unless generation is paused); None, flushing nothing, where it is not."""
+        if len(self._batch) or (self.paused is None and self.num_live_requests):
+            return None
         n = self.served.prefix_cache.clear()
         return f"flushed {n} prefix-cache entries"
 

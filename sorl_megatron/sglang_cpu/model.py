@@ -215,8 +215,25 @@ class ServedModel:
         if self._pending_version is not None:
             self.weight_version, self._pending_version = self._pending_version, None
 
+    @property
+    def in_update(self) -> bool:
+        """Between ``/begin_weight_update`` and ``/end_weight_update``."""
+        return self._in_update
+
+    def model_info(self) -> dict[str, Any]:
+        """``/model_info``: the fields SGLang's answers with (no layer counts, no top-k: a client
+        takes the routing shape from the model's config.json, as it must against SGLang)."""
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.cfg.tokenizer_path or self.cfg.model_path,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+            "model_type": getattr(self.hf_config, "model_type", None),
+            "architectures": list(getattr(self.hf_config, "architectures", None) or []),
+        }
+
     def info(self) -> dict[str, Any]:
-        """What ``/model_info`` says about the model (the engine adds its own state)."""
+        """What ``/server_info`` says about the model (the engine adds its own state)."""
         return {
             "model_path": self.model_path,
             "tokenizer_path": self.cfg.tokenizer_path or self.cfg.model_path,

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..rollout.server_facts import SESSIONS_SINCE, parse_version
+
 if TYPE_CHECKING:
     from .precision import Precision
 
@@ -44,6 +46,10 @@ class ServerOptions:
         weight_group_timeout_s: bound on joining a weight-update group and on each broadcast in it.
         control_timeout_s: bound on ``/flush_cache``, ``/pause_generation`` and
             ``/continue_generation`` waiting for the scheduler (they run at its next step).
+        sglang_version: the SGLang release this server answers as (``/server_info``'s
+            ``version``): from 0.5.21 updates from tensors or a group must run between
+            ``/begin_weight_update`` and ``/end_weight_update``; before it those endpoints do not
+            exist (404) and an update applies at once.
     """
 
     max_body_mb: int = 64
@@ -53,6 +59,7 @@ class ServerOptions:
     api_key: str | None = field(default=None, repr=False)
     weight_group_timeout_s: float = 600.0
     control_timeout_s: float = 60.0
+    sglang_version: str = "0.5.21"
 
     def __post_init__(self) -> None:
         for name in ("max_body_mb", "max_weight_body_mb", "max_prompts_per_request", "max_tokens_per_request"):
@@ -62,9 +69,16 @@ class ServerOptions:
             raise ValueError(f"weight_group_timeout_s must be > 0 seconds, got {self.weight_group_timeout_s}")
         if not 0 < self.control_timeout_s < float("inf"):
             raise ValueError(f"control_timeout_s must be > 0 seconds, got {self.control_timeout_s}")
+        if parse_version(self.sglang_version) is None:
+            raise ValueError(f"sglang_version must look like 0.5.21, got {self.sglang_version!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no authentication)")
 
+    @property
+    def weight_update_sessions(self) -> bool:
+        """Whether this persona has ``/begin_weight_update`` and ``/end_weight_update`` (0.5.21+)."""
+        return parse_version(self.sglang_version) >= SESSIONS_SINCE
+
     def public(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "api_key"}
-        return {**d, "api_key_required": self.api_key is not None}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("api_key", "sglang_version")}
+        return {**d, "api_key_required": self.api_key is not None, "version": self.sglang_version}

@@ -120,7 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="allow return_routed_experts in /generate (MoE models; R3 routing replay)",
     )
     p.add_argument(
-        "--skip-tokenizer-init", action="store_true", help="tokens in, tokens out: no tokenizer, no text field"
+        "--skip-tokenizer-init", action="store_true",
+        help="SGLang's flag, mirrored: no tokenizer, no text field, requests with stop strings refused "
+        "(the trainer refuses such a server: its agent sends stop strings)"
     )
     p.add_argument(
         "--max-running-requests", type=int, default=32, help="most sequences decoded together in one batch (default 32)"
@@ -196,6 +198,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bound in seconds on /flush_cache, /pause_generation and /continue_generation waiting for the "
         "scheduler (they run at its next step; default 60); past it, or with the scheduler dead, they answer 5xx",
     )
+    p.add_argument(
+        "--sglang-version",
+        default="0.5.21",
+        help="the SGLang release this server answers as (/server_info's version; default 0.5.21): before 0.5.21 "
+        "it has no /begin_weight_update and /end_weight_update and applies each update at once; from 0.5.21 it "
+        "refuses tensor and distributed updates outside them",
+    )
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)
     _check_ranges(p, args)
@@ -252,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         api_key=args.api_key,
         weight_group_timeout_s=args.weight_group_timeout_s,
         control_timeout_s=args.control_timeout_s,
+        sglang_version=args.sglang_version,
     )
     engine = RolloutEngine(cfg).start()
     auth = "API key required" if opts.api_key else "no API key: anyone who can connect may update weights"

@@ -209,6 +209,10 @@ class RolloutConfig:
     # async: SGLang's /pause_generation mode around each weight update (off: never pause; a server
     # without the endpoint answers 404 and the update lands between its requests)
     pause_mode: Literal["retract", "in_place", "off"] = "retract"
+    # a sync ends with /flush_cache, which SGLang refuses while requests run (pause_mode in_place
+    # or off): a background call then asks each server to flush once idle, waiting at most this
+    # long; still busy, a warning (the next sync flushes again)
+    flush_idle_timeout_s: float = 30.0
     # DAPO dynamic sampling: a group whose rewards are all equal (no GRPO signal) is dropped and
     # replaced by a fresh prompt's group until the batch is full; at most this many groups are
     # drawn per step (0: 4 x schedule.batch_size), then dropped groups fill the rest
@@ -230,7 +234,7 @@ class RolloutConfig:
         if address is not None and (not address or any(c.isspace() for c in address)):
             raise RecipeError(f"{prefix}.weight_sync_master_address must be a host name or IP address, got {address!r}")
         for key in ("timeout_s", "weight_sync_timeout_s", "health_timeout_s", "weight_sync_init_timeout_s",
-                    "start_timeout_s"):
+                    "start_timeout_s", "flush_idle_timeout_s"):
             _positive_seconds(f"{prefix}.{key}", getattr(self, key))
         _positive_int(f"{prefix}.retries", self.retries, minimum=0)
         if not 0 < self.top_p <= 1:

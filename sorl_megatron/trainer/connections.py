@@ -54,6 +54,7 @@ class Connections:
         # rollout.weight_sync_timeout_s per call): a turn paused for a slow sync is not timed out
         self.pause_clock = PauseClock(cfg.rollout.weight_sync_timeout_s)
         self._pause_supported: Optional[bool] = None
+        self._routing_shape: Optional[tuple[int, int]] = None
         self._gold_cache: dict[int, Optional[Trajectory]] = {}  # ground truth by prompt index (None: none usable)
 
     # -- servers -----------------------------------------------------------------------
@@ -73,6 +74,8 @@ class Connections:
             health_timeout_s=r.start_timeout_s, deterministic=r.deterministic))
         stack.callback(self.fleet.close)
         self.rollout_urls = self.fleet.urls()
+        # refuse at once a server this run cannot use (its SGLang version, --skip-tokenizer-init)
+        asyncio.run(self.with_client(lambda c: c.check_for_rollouts()))
 
     def get_fleet(self) -> RolloutFleet:
         """The run's fleet; one made of ``rollout_urls`` (external servers, no router) when
@@ -111,10 +114,22 @@ class Connections:
             control_retry=RetryPolicy(timeout_s=r.weight_sync_timeout_s, retries=r.retries),
             health_retry=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
             api_key=self.api_keys.get("rollout"), router_url=fleet.router_url,
-            failover_retries=r.failover_retries), on_failure=fleet.on_failure,
+            failover_retries=r.failover_retries, routing_shape=self.routing_shape()), on_failure=fleet.on_failure,
             serving=fleet.urls,  # a long-lived (async) client follows restarts
             on_retry=lambda: fleet.count("retries"),  # as they happen, from any thread
             pauses=self.pause_clock if self.pauses else None)
+
+    def routing_shape(self) -> Optional[tuple[int, int]]:
+        """``(layers, top_k)`` of the routed experts R3 asks for, from ``model.path``'s own
+        ``config.json`` (SGLang's ``/model_info`` does not report it); None without R3."""
+        if self.cfg.algorithm.routing_replay != "r3":
+            return None
+        if self._routing_shape is None:
+            from ..bridge.families import routing_shape
+            from ..bridge.hf_config import load_hf_config
+
+            self._routing_shape = routing_shape(load_hf_config(self.cfg.model.path))
+        return self._routing_shape
 
     def retrieval_client(self) -> RetrievalClient:
         """The one way the trainer talks to the retrieval server, bounded by ``retrieval.*``."""

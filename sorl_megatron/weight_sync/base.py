@@ -9,6 +9,9 @@ back on a new URL.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -18,8 +21,11 @@ from typing import Optional, Protocol
 import torch
 
 from ..common.fp8 import quantize_hf_tensor
-from ..common.http import RetryPolicy
+from ..common.http import RequestRejectedError, RetryPolicy
 from ..rollout.client import FailureHook, RolloutClient, RolloutClientConfig
+from ..rollout.server_facts import WeightFormat, served_weight_format
+
+log = logging.getLogger("sorl_megatron.weight_sync")
 
 
 class SyncSettings(Protocol):
@@ -34,6 +40,7 @@ class SyncSettings(Protocol):
     weight_sync_init_timeout_s: float
     weight_sync_bucket_mb: int
     weight_sync_master_address: Optional[str]
+    flush_idle_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -97,3 +104,49 @@ def external_fp8(settings: SyncSettings) -> bool:
     """Whether the tensor and disk transports send FP8: external servers with ``rollout.precision:
     fp8`` get the quantizer's pairs; the embedded ones quantize what they receive themselves."""
     return settings.precision == "fp8" and bool(settings.urls)
+
+
+async def weight_format(client: RolloutClient, settings: SyncSettings) -> WeightFormat:
+    """What every server takes (``rollout.server_facts.served_weight_format``: block-FP8 pairs
+    only into a server started from an FP8-serialized checkpoint), the same for all; a server
+    that agrees with neither ``rollout.precision`` nor anything a sync sends is refused, with the
+    command that makes the right checkpoint."""
+    facts = await client.server_facts()
+    formats = {served_weight_format(f, settings.precision, "<model.path>") for f in facts.values()}
+    if len(formats) > 1:
+        raise RuntimeError(f"the rollout servers take different weight formats {sorted(formats)}: "
+                           "start them all from one checkpoint with the same flags")
+    return formats.pop()
+
+
+async def flush_after_sync(client: RolloutClient, wait_idle_s: float) -> bool:
+    """``/flush_cache`` once the servers hold the new weights (their prefix caches hold KV of the
+    old ones); True when every server flushed at once. SGLang refuses a flush (400) while
+    requests run, as in async mode with ``pause_mode`` in_place or off: the flush is then left
+    to a background call that each server holds until it is idle, at most ``wait_idle_s``
+    (``rollout.flush_idle_timeout_s``; SGLang's own deferral), so the trainer never waits on
+    requests it cannot end; its outcome is logged."""
+    try:
+        await client.flush_cache()
+        return True
+    except RequestRejectedError as err:
+        if err.status != 400:
+            raise
+        log.info("the rollout servers are busy: the cache flush waits for them to be idle (%s)", err)
+    if wait_idle_s > 0:
+        threading.Thread(target=_flush_when_idle, args=(client.cfg, wait_idle_s), daemon=True,
+                         name="flush-when-idle").start()
+    return False
+
+
+def _flush_when_idle(cfg: RolloutClientConfig, wait_idle_s: float) -> None:
+    async def go() -> None:
+        async with RolloutClient(cfg) as client:
+            await client.flush_cache(wait_idle_s=wait_idle_s)
+
+    try:
+        asyncio.run(go())
+        log.info("the rollout servers' caches were flushed once idle")
+    except Exception as err:  # a background call: its failure is reported, the run goes on
+        log.warning("prefix cache not flushed after the weight sync (the servers were not idle within "
+                    "rollout.flush_idle_timeout_s = %g s; the next sync flushes again): %s", wait_idle_s, err)

@@ -6,8 +6,10 @@ server's device comes from its ``/server_info``).
 Every rank exports its own part of the model (``export.iter_owned_hf_weights``: tensor-parallel
 gathers only); the senders (``export.weight_sync_roles``: a stage's dense layers, each expert
 owner's experts) broadcast it bucket by bucket to every server. Rank 0 opens the sync
-(``/begin_weight_update``) and closes it with the version (``/update_weight_version``,
-``/end_weight_update``, ``/flush_cache``). FP8 rollouts get the quantizer's block-FP8 pairs. A
+(``/begin_weight_update`` where the servers have weight-update sessions, SGLang >= 0.5.21) and
+closes it with the version (``/update_weight_version``, ``/end_weight_update``, ``/flush_cache``
+once idle). Servers started from an FP8-serialized checkpoint get the quantizer's block-FP8
+pairs (``base.weight_format`` refuses a server that quantizes online). A
 failure on any rank fails the sync on every rank, after every rank has finished its export (so
 no gather is left waiting).
 
@@ -22,7 +24,11 @@ when they change (a restarted server comes back on a new URL).
 Buckets of different senders never overlap: a sender holds ``lock`` (a mutex shared by the
 senders, see :class:`StoreMutex`) only while one bucket is on the wire, never during a gather of
 the export, so a server is never asked to take part in two broadcasts at once (which a real
-SGLang server, handling weight updates one at a time, could not) and no gather waits on it.
+SGLang server, handling weight updates one at a time, could not) and no gather waits on it. On
+GPU a gather returns before it has run (NCCL queues it on the stream, and the broadcast is
+queued behind it): a sender therefore waits for its stream (``settle``) before it takes the
+lock, else it could hold the lock while its broadcast waits on a gather that a tensor-parallel
+peer, itself waiting for the lock, has not issued yet.
 Every server must take in the whole model whichever rank sends it, so its inbound link
 bounds the sync; senders in parallel would not make it faster.
 """
@@ -36,7 +42,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -48,7 +54,17 @@ from ..common import comm
 from ..common.buckets import buckets
 from ..common.http import RequestRejectedError, RetryPolicy, ServerError, request
 from ..rollout.client import RolloutClient
-from .base import SyncSettings, SyncStats, SyncTargets, WeightSync, control_client, fp8_pairs
+from ..rollout.server_facts import WeightFormat
+from .base import (
+    SyncSettings,
+    SyncStats,
+    SyncTargets,
+    WeightSync,
+    control_client,
+    flush_after_sync,
+    fp8_pairs,
+    weight_format,
+)
 from .export import iter_owned_hf_weights, weight_sync_roles
 from .group import BucketSpec, GroupSpec, WeightGroup, WeightGroupError
 
@@ -185,8 +201,11 @@ class DistributedSender:
         await posts
 
     async def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                   lock=contextlib.nullcontext) -> int:
-        """Send ``named`` in buckets to the client's servers; returns the bytes this rank sent."""
+                   lock=contextlib.nullcontext, settle: Callable[[], None] | None = None) -> int:
+        """Send ``named`` in buckets to the client's servers; returns the bytes this rank sent.
+        ``settle()`` (default :func:`settle_device`) runs before each bucket takes ``lock``: the
+        export's gathers must have finished by then."""
+        settle = settle or settle_device
         if self.group is not None and self.group_urls != self.client.cfg.urls:
             with lock():  # the servers changed (a restarted one is on a new URL): leave the old group
                 await self.close()
@@ -196,6 +215,7 @@ class DistributedSender:
         sent = 0
         for bucket, _ in buckets(named, bucket_bytes):  # the export's gathers run here, outside the lock
             spec = BucketSpec.of(bucket, self.group_name, flush_cache=False)
+            settle()  # ... and have finished before it: never hold the lock while a gather is pending
             with lock():
                 await self._send_bucket(spec, [t for _, t in bucket])
             sent += spec.nbytes
@@ -234,6 +254,13 @@ class DistributedSender:
             group.destroy()
 
 
+def settle_device() -> None:
+    """Wait for the work queued on this rank's CUDA stream (the export's tensor-parallel gathers);
+    nothing on CPU, where a gloo gather has finished when it returns."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
 def _in_daemon_thread(fn, *args) -> asyncio.Future:
     """``fn(*args)`` in a daemon thread (not the loop's executor, which ``asyncio.run`` waits for:
     a broadcast abandoned after a refused bucket must not hold the error until its timeout)."""
@@ -263,21 +290,32 @@ def _destroy_after(fut: asyncio.Future, group: WeightGroup) -> None:
     group.destroy()
 
 
-async def begin_update(client: RolloutClient) -> None:
-    """Open a sync on every server (SGLang 0.5.x takes distributed updates between begin and end)."""
+async def begin_update(client: RolloutClient, settings: SyncSettings | None = None) -> WeightFormat:
+    """Check the servers (their version and flags: ``client.server_facts``; external ones, with
+    ``settings``: the weight format they take, ``base.weight_format``), then open a sync on each:
+    a weight-update session where the servers have them (SGLang >= 0.5.21). Returns the format
+    the senders export in (embedded servers take what ``rollout.precision`` says)."""
+    await client.server_facts()
+    if settings is not None and settings.urls:
+        fmt = await weight_format(client, settings)
+    else:
+        fmt = "block_fp8" if settings is not None and settings.precision == "fp8" else "bf16"
     await client.begin_weight_update()
+    return fmt
 
 
-async def end_update(client: RolloutClient, version: str, ok: bool = True) -> None:
+async def end_update(client: RolloutClient, version: str, ok: bool = True, flush_idle_s: float = 0.0) -> None:
     """Label the sync ``version`` and close it (the servers switch weights and version together),
-    then drop their prefix caches. After a failed sync (``ok`` false) only close it, waiting on a
-    hung server no longer than the health policy."""
+    then drop their prefix caches (``base.flush_after_sync``: never while requests run, each
+    server waiting for idle at most ``flush_idle_s``, ``rollout.flush_idle_timeout_s``). After a
+    failed sync (``ok`` false) only close it, waiting on a hung server no longer than the health
+    policy."""
     if not ok:
         await client.end_weight_update(failed=True)
         return
     await client.update_weight_version(version)
     await client.end_weight_update()
-    await client.flush_cache()
+    await flush_after_sync(client, flush_idle_s)
 
 
 class DistributedWeightSync(WeightSync):
@@ -300,7 +338,7 @@ class DistributedWeightSync(WeightSync):
         finally:
             await client.close()
 
-    async def _send(self, model, urls, api_key) -> int:
+    async def _send(self, model, urls, api_key, fmt: WeightFormat) -> int:
         s = self.settings
         client = self._client(urls, api_key)
         try:
@@ -312,7 +350,7 @@ class DistributedWeightSync(WeightSync):
             if comm.world_size() > 1:
                 kw["lock"] = StoreMutex(comm.store(), "sorl_wsync_lock", s.weight_sync_init_timeout_s)
             export = iter_owned_hf_weights(model)
-            tensors = fp8_pairs(export) if s.precision == "fp8" else export
+            tensors = fp8_pairs(export) if fmt == "block_fp8" else export
             try:
                 return await self.sender.send(tensors, s.weight_sync_bucket_mb * 1024**2, **kw)
             except BaseException:
@@ -327,17 +365,19 @@ class DistributedWeightSync(WeightSync):
         sync: a restarted server comes back on a new URL, and the groups follow it)."""
         urls, self.api_key = comm.broadcast_object((list(targets.urls), targets.api_key))
         error: Optional[BaseException] = None
+        fmt: Optional[WeightFormat] = None
         if comm.rank() == 0:
             try:
-                asyncio.run(self._with_client(urls, self.api_key, begin_update))
+                fmt = asyncio.run(self._with_client(urls, self.api_key, lambda c: begin_update(c, self.settings)))
             except BaseException as exc:
                 error = exc
         failed = comm.any_rank(error is not None)
+        fmt = comm.broadcast_object(fmt)  # every sender exports in the format the servers take
         self.bytes_sent = 0
         if not failed:
             try:
                 if any(weight_sync_roles()):
-                    self.bytes_sent = asyncio.run(self._send(model, urls, self.api_key))
+                    self.bytes_sent = asyncio.run(self._send(model, urls, self.api_key, fmt))
                 else:
                     for _ in iter_owned_hf_weights(model):  # the gathers need every rank
                         pass
@@ -345,8 +385,9 @@ class DistributedWeightSync(WeightSync):
                 error = exc
             failed = comm.any_rank(error is not None)
         if comm.rank() == 0:
+            flush_s, ok = self.settings.flush_idle_timeout_s, not failed
             try:
-                asyncio.run(self._with_client(urls, self.api_key, lambda c: end_update(c, version, ok=not failed)))
+                asyncio.run(self._with_client(urls, self.api_key, lambda c: end_update(c, version, ok, flush_s)))
             except BaseException as exc:
                 error, failed = error or exc, True
         if error is not None:

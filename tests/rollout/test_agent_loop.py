@@ -257,7 +257,7 @@ def test_end_to_end_on_embedded_servers(moe_server, moe_model, tokenizer, prompt
 
     async def go():
         async with (
-            RolloutClient(RolloutClientConfig(urls=(moe_server.url,))) as policy,
+            RolloutClient(RolloutClientConfig(urls=(moe_server.url,), routing_shape=(2, 2))) as policy,
             RetrievalClient(retrieval.url) as retr,
         ):
             agent = SearchAgent(
@@ -410,6 +410,23 @@ def test_a_rejected_generation_fails_only_its_episode(tokenizer):
     assert trajs[0].finish_reason == "error" and "HTTP 400" in trajs[0].meta["error"]
     assert trajs[0].num_turns == 1 and trajs[0].turn_texts == ["<search> q </search>"]
     assert trajs[1].finish_reason == "answer"
+
+
+def test_refused_episodes_are_logged_and_a_run_all_refused_raises_the_first(tokenizer, caplog):
+    """A refusal that hits every episode (a server flag, a protocol mismatch) is the run's error,
+    never a batch of silent zero-turn episodes; some refused among others are logged."""
+    a, b = tokenizer.encode("Question: long"), tokenizer.encode("entity 3 lives")
+    refusal = RequestRejectedError("POST /generate -> HTTP 400: stop strings need a tokenizer", 400)
+    scripts = {a[0]: [refusal], b[0]: [refusal]}
+    agent = SearchAgent(ByPromptPolicy(tokenizer, scripts), FakeRetriever(), tokenizer, AgentConfig())
+    with pytest.raises(RequestRejectedError, match=r"every episode \(2\) ended with a refused /generate.*stop strings"):
+        asyncio.run(agent.run_many([a, b], n=1))
+    scripts = {a[0]: [refusal], b[0]: ["<answer> Paris </answer>"]}
+    agent = SearchAgent(ByPromptPolicy(tokenizer, scripts), FakeRetriever(), tokenizer, AgentConfig())
+    with caplog.at_level("WARNING"):
+        trajs = asyncio.run(agent.run_many([a, b], n=1))
+    assert [t.finish_reason for t in trajs] == ["error", "answer"]
+    assert "1 of 2 episodes ended with a refused /generate request" in caplog.text
 
 
 def test_a_dead_rollout_server_ends_run_many_and_cancels_the_rest(tokenizer):

@@ -201,7 +201,11 @@ class Control:
         for path in ("/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"):
             app.router.add_post(path, self.control)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/server_info", self.server_info)
         self.server = BackgroundServer(app, "127.0.0.1", 0).start()
+
+    async def server_info(self, _: web.Request) -> web.Response:
+        return web.json_response({"version": "0.5.21", "tp_size": 1})
 
     async def control(self, request: web.Request) -> web.Response:
         self.calls.append(request.path)

@@ -11,7 +11,7 @@ import pytest
 
 from sorl_megatron.common.background import free_port, wait_healthy
 from sorl_megatron.common.protocol import SamplingParams
-from sorl_megatron.rollout.client import RolloutClient
+from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.sglang_cpu.server import parse_args
 
 FLAGS = [
@@ -40,6 +40,7 @@ FLAGS = [
     "--max-tokens-per-request",
     "--weight-group-timeout-s",
     "--control-timeout-s",
+    "--sglang-version",
     "--log-level",
 ]
 
@@ -76,6 +77,8 @@ def test_sglang_style_aliases():
     assert parse_args(["--model-path", "m", "--dtype", "bfloat16"]).precision == "bf16"
     assert parse_args(["--model-path", "m", "--dtype", "bfloat16", "--precision", "fp32"]).precision == "fp32"
     assert parse_args(["--model-path", "m"]).host == "127.0.0.1"
+    assert parse_args(["--model-path", "m"]).sglang_version == "0.5.21"
+    assert parse_args(["--model-path", "m", "--sglang-version", "0.5.18"]).sglang_version == "0.5.18"
 
 
 def test_subprocess_server_skip_tokenizer_init(moe_dir):
@@ -95,7 +98,7 @@ def test_subprocess_server_skip_tokenizer_init(moe_dir):
         wait_healthy(url, timeout_s=120, proc=proc)
 
         async def go():
-            async with RolloutClient(url) as c:
+            async with RolloutClient(RolloutClientConfig(urls=(url,), routing_shape=(2, 2))) as c:
                 return await c.generate(
                     [4, 5, 6], SamplingParams(max_new_tokens=5, ignore_eos=True, n=2), return_routed_experts=True
                 )

@@ -25,7 +25,7 @@ def run(coro):
 
 
 async def _generate_all(url, prompts, sp, routed=False):
-    async with RolloutClient(RolloutClientConfig(urls=(url,))) as c:
+    async with RolloutClient(RolloutClientConfig(urls=(url,), routing_shape=(2, 2))) as c:  # the tiny MoE's
         outs = await asyncio.gather(*(c.generate(p, sp, return_routed_experts=routed) for p in prompts))
     return [o[0] for o in outs]
 
@@ -171,9 +171,40 @@ def test_malformed_json_body_is_400_and_server_survives(moe_server):
                 assert r.status == 200
             async with s.get(f"{moe_server.url}/model_info") as r:
                 info = await r.json()
-        assert info["num_moe_layers"] == 2 and info["num_experts_per_tok"] == 2
+            async with s.get(f"{moe_server.url}/server_info") as r:
+                server = await r.json()
+        # /model_info has SGLang's fields only: no layer count or top-k for a client to lean on
+        assert set(info) == {"model_path", "tokenizer_path", "is_generation", "weight_version", "model_type",
+                             "architectures"}
+        assert server["num_moe_layers"] == 2 and server["num_experts_per_tok"] == 2 and server["version"] == "0.5.21"
 
     run(go())
+
+
+def test_the_routing_shape_comes_from_the_models_config(moe_dir, moe_server):
+    """R3's (layers, top_k) is read from config.json (as SGLang captures: every decoder layer, the
+    leading dense ones unrouted), never asked of the server; a client without it refuses at once."""
+    from types import SimpleNamespace
+
+    from sorl_megatron.bridge.families import FamilyConfigError, routing_shape
+    from sorl_megatron.bridge.hf_config import load_hf_config
+    from sorl_megatron.common.protocol import ProtocolError
+
+    assert routing_shape(load_hf_config(str(moe_dir))) == (2, 2)
+    deepseek = SimpleNamespace(model_type="deepseek_v3", num_hidden_layers=61, num_experts_per_tok=8,
+                               first_k_dense_replace=3)
+    assert routing_shape(deepseek) == (61, 8)
+    with pytest.raises(FamilyConfigError, match="num_experts_per_tok"):
+        routing_shape(SimpleNamespace(model_type="qwen2", num_hidden_layers=2))
+
+    async def ask(shape):
+        async with RolloutClient(RolloutClientConfig(urls=(moe_server.url,), routing_shape=shape)) as c:
+            return await c.generate([5, 6, 7], SamplingParams(max_new_tokens=3), return_routed_experts=True)
+
+    with pytest.raises(ProtocolError, match="routing_shape"):
+        run(ask(None))
+    out = run(ask(routing_shape(load_hf_config(str(moe_dir)))))[0]
+    assert out.routed_experts.shape[1:] == (2, 2)
 
 
 def test_precision_mismatch_is_real_and_reported(moe_dir, moe_model, teacher_forced):

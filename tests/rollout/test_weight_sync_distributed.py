@@ -100,7 +100,7 @@ def settings(**kw) -> SimpleNamespace:
     """The rollout settings a transport reads (duck-typed like the recipe's rollout section)."""
     base = dict(weight_sync="distributed", precision="fp32", urls=[], retries=0, health_timeout_s=5.0,
                 weight_sync_timeout_s=30.0, weight_sync_init_timeout_s=20.0, weight_sync_bucket_mb=1,
-                weight_sync_master_address=None)
+                weight_sync_master_address=None, flush_idle_timeout_s=5.0)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -193,6 +193,9 @@ def test_bad_requests_are_4xx_and_leave_weights(servers, moe_dir):
     before = {k: v.clone() for k, v in servers[0].engine.served.state.items()}
     version = servers[0].engine.served.weight_version
     bucket = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "nope"}
+    status, res = run(post(url, "/update_weights_from_distributed", bucket))  # SGLang 0.5.21: only in a session
+    assert status == 400 and "must run between begin_weight_update() and end_weight_update()" in res["message"]
+    assert run(post(url, "/begin_weight_update", {"selector": "all"}))[0] == 200
     status, res = run(post(url, "/update_weights_from_distributed", bucket))
     assert status == 400 and "'nope' is not initialized" in res["message"]
     status, res = run(post(url, "/destroy_weights_update_group", {"group_name": "nope"}))
@@ -238,6 +241,7 @@ def test_bad_requests_are_4xx_and_leave_weights(servers, moe_dir):
         assert st == 400 and body["success"] is False and needle in body["message"], body
     assert status == 400 and "already initialized" in res["message"]  # the server still holds it until destroy
     run(post(url, "/destroy_weights_update_group", {"group_name": "g_bad"}))
+    assert run(post(url, "/end_weight_update", {}))[0] == 200
     assert all(torch.equal(servers[0].engine.served.state[k], v) for k, v in before.items())
     assert servers[0].engine.served.weight_version == version
     assert run(logprobs(url)).weight_version == version

@@ -35,7 +35,7 @@ def server(moe_dir):
 
 
 async def sample(url, routed=True):
-    async with RolloutClient(RolloutClientConfig(urls=(url,))) as c:
+    async with RolloutClient(RolloutClientConfig(urls=(url,), routing_shape=(2, 2))) as c:  # the tiny MoE's
         return (
             await c.generate(
                 PROMPT,

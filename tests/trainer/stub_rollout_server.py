@@ -1,4 +1,4 @@
-"""A stand-in rollout server process for fleet tests: ``/health`` and a ``/generate`` that
+"""A stand-in rollout server process for fleet tests: ``/health``, ``/server_info`` and a ``/generate`` that
 answers two tokens at once, its ``weight_version`` being its own port (so a test sees which
 server, and which restart of it, answered). ``python -m tests.trainer.stub_rollout_server
 --host H --port P``, as the fleet's ``EmbeddedServers`` starts a server."""
@@ -25,7 +25,11 @@ def main() -> None:
             "cached_tokens": 0, "weight_version": str(args.port),
             "output_token_logprobs": [[-1.0, 4, None], [-2.0, 5, None]]}})
 
+    async def server_info(_: web.Request) -> web.Response:
+        return web.json_response({"version": "0.5.21", "tp_size": 1, "skip_tokenizer_init": False})
+
     app = web.Application()
+    app.router.add_get("/server_info", server_info)
     app.router.add_get("/health", health)
     app.router.add_post("/generate", generate)
     print(f"Running on http://{args.host}:{args.port}", flush=True)

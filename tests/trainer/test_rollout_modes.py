@@ -89,10 +89,12 @@ def test_partial_rollout_across_a_weight_update(tiny_data, servers, tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
+    from sorl_megatron.bridge.families import routing_shape
+    from sorl_megatron.bridge.hf_config import load_hf_config
     from sorl_megatron.data.qa import encode_prompt, read_parquet
     from sorl_megatron.retrieval.client import RetrievalClient
     from sorl_megatron.rollout.agent import AgentConfig, SearchAgent
-    from sorl_megatron.rollout.client import RolloutClient
+    from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
     from sorl_megatron.weight_sync.tensor import send_tensors
 
     tok = AutoTokenizer.from_pretrained(tiny_data / "model")
@@ -125,7 +127,8 @@ def test_partial_rollout_across_a_weight_update(tiny_data, servers, tmp_path):
             return out
 
     async def episode(seed):
-        client = RolloutClient(servers["rollout"])
+        shape = routing_shape(load_hf_config(str(tiny_data / "model")))  # R3's shape: the model's config.json
+        client = RolloutClient(RolloutClientConfig(urls=(servers["rollout"],), routing_shape=shape))
         retriever = RetrievalClient(servers["retrieval"], topk=2)
         try:
             await send_tensors(client, weights(state0), "step_0")

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from aiohttp import web
 from sorl_megatron.common.background import BackgroundServer
 from sorl_megatron.common.buckets import buckets
 from sorl_megatron.common.fp8 import quantize_hf_tensor
+from sorl_megatron.rollout.server_facts import SESSIONS_SINCE, parse_version
 from sorl_megatron.weight_sync import disk, tensor
 from sorl_megatron.weight_sync.base import SyncTargets
 from sorl_megatron.weight_sync.distributed import DistributedWeightSync
@@ -31,25 +33,43 @@ def settings(**kw) -> SimpleNamespace:
     """The rollout settings a transport reads (duck-typed like the recipe's rollout section)."""
     base = dict(weight_sync="tensor", precision="fp32", urls=[], retries=0, health_timeout_s=5.0,
                 weight_sync_timeout_s=30.0, weight_sync_init_timeout_s=20.0, weight_sync_bucket_mb=1,
-                weight_sync_master_address=None)
+                weight_sync_master_address=None, flush_idle_timeout_s=2.0)
     return SimpleNamespace(**{**base, **kw})
 
 
 class Recorder:
-    """A rollout server that answers every weight-sync call with success and records it."""
+    """A rollout server that answers every weight-sync call with success and records it; its
+    ``/server_info`` is ``info`` (SGLang ``version``: 0.5.21 has weight-update sessions, older
+    releases answer 404 for them); ``busy``: ``/flush_cache`` answers 400, as SGLang's while
+    requests run, and records the query."""
 
-    def __init__(self):
+    def __init__(self, **info):
         self.calls: list[tuple[str, dict | None]] = []
+        self.info = {"version": "0.5.21", "tp_size": 1, "skip_tokenizer_init": False, "quantization": None, **info}
+        self.busy = False
         app = web.Application(client_max_size=64 * 1024**2)
-        for path in ("/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update",
-                     "/update_weights_from_disk"):
+        paths = ["/update_weights_from_tensor", "/update_weights_from_disk", "/update_weight_version"]
+        if (parse_version(self.info["version"]) or (0,)) >= SESSIONS_SINCE:
+            paths += ["/begin_weight_update", "/end_weight_update"]
+        for path in paths:
             app.router.add_post(path, self.record)
+        app.router.add_post("/flush_cache", self.flush)
+        app.router.add_get("/server_info", self.server_info)
         self.server = BackgroundServer(app, "127.0.0.1", 0).start()
 
     async def record(self, request: web.Request) -> web.Response:
         raw = await request.read()
         self.calls.append((request.path, json.loads(raw) if raw else None))
         return web.json_response({"success": True, "message": ""})
+
+    async def server_info(self, _: web.Request) -> web.Response:
+        return web.json_response(self.info)
+
+    async def flush(self, request: web.Request) -> web.Response:
+        self.calls.append((request.path, dict(request.query)))
+        if self.busy:
+            return web.Response(status=400, text="Timed out waiting for idle state.")
+        return web.Response(text="Cache flushed.")
 
     @property
     def url(self) -> str:
@@ -155,9 +175,10 @@ def test_disk_sync_writes_then_asks_each_server_to_reload(recorders, tmp_path, m
     assert wsync.sync("model", SyncTargets(tuple(r.url for r in recorders)), "step_3").bytes_sent == 0
     out = str(tmp_path / "run" / "weights_sync")
     assert written == [("model", out, False)]
-    for rec in recorders:
+    for rec in recorders:  # the reload does not flush (SGLang's would fail while requests run): a bounded flush does
         assert rec.calls == [("/update_weights_from_disk",
-                              {"model_path": out, "weight_version": "step_3", "flush_cache": True})]
+                              {"model_path": out, "weight_version": "step_3", "flush_cache": False}),
+                             ("/flush_cache", {})]
 
 
 def test_a_failed_tensor_sync_closes_the_update_and_raises(recorders, tmp_path):
@@ -188,3 +209,126 @@ def test_the_server_side_modules_pull_in_no_trainer_code():
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# ----- what the servers are: version, flags, weight format (rollout.server_facts) -----
+
+
+def run_client(url_or_urls, fn):
+    from sorl_megatron.rollout.client import RolloutClient
+
+    async def go():
+        async with RolloutClient(url_or_urls) as c:
+            return await fn(c)
+
+    return asyncio.run(go())
+
+
+def test_weight_update_sessions_only_where_the_servers_version_has_them(tmp_path, monkeypatch):
+    """SGLang 0.5.21 takes updates between /begin_weight_update and /end_weight_update (and
+    refuses them outside); 0.5.18 has neither endpoint (404): the sync reads the version first."""
+    monkeypatch.setattr(tensor, "iter_hf_weights", lambda model: iter(list(model.items())))
+    old, new = Recorder(version="0.5.18"), Recorder(version="0.5.21.post1")
+    try:
+        for rec in (old, new):
+            make_weight_sync(settings(), tmp_path).sync(state(1), SyncTargets((rec.url,)), "step_1")
+        assert old.paths() == ["/update_weights_from_tensor"]
+        assert new.paths() == ["/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]
+    finally:
+        old.server.stop()
+        new.server.stop()
+
+
+def test_a_server_this_trainer_cannot_use_is_refused_naming_it():
+    from sorl_megatron.rollout.server_facts import ServerMismatchError
+
+    cases = [({"version": "0.5.10"}, r"reports SGLang version '0\.5\.10'; this trainer needs SGLang >= 0\.5\.18"),
+             ({"version": None}, r"version None"),
+             ({"skip_tokenizer_init": True}, r"--skip-tokenizer-init: SGLang then refuses every request with stop")]
+    for info, msg in cases:
+        rec = Recorder(**info)
+        try:
+            with pytest.raises(ServerMismatchError, match=msg) as err:
+                run_client(rec.url, lambda c: c.check_for_rollouts())
+            assert rec.url in str(err.value)
+        finally:
+            rec.server.stop()
+    old, new = Recorder(version="0.5.18"), Recorder()
+    try:
+        with pytest.raises(ServerMismatchError, match="both sides of 0.5.21"):
+            run_client([old.url, new.url], lambda c: c.begin_weight_update())
+    finally:
+        old.server.stop()
+        new.server.stop()
+
+
+def checkpoint(root: Path, name: str, quantization_config: dict | None = None) -> str:
+    d = root / name
+    d.mkdir()
+    cfg = {"model_type": "qwen3_moe"}
+    if quantization_config is not None:
+        cfg["quantization_config"] = quantization_config
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def test_the_sync_sends_the_weight_format_the_server_stores(tmp_path):
+    """Block-FP8 pairs only into a server started from an FP8-serialized checkpoint (SGLang's
+    block quantization); a BF16 checkpoint with --quantization fp8 is quantized online, which a
+    sync cannot write: refused with the command that makes the right checkpoint."""
+    from sorl_megatron.common.fp8 import fp8_quantization_config
+    from sorl_megatron.rollout.server_facts import ServerFacts, ServerMismatchError, served_weight_format
+
+    bf16 = checkpoint(tmp_path, "bf16")
+    fp8 = checkpoint(tmp_path, "fp8", fp8_quantization_config())
+    odd = checkpoint(tmp_path, "odd", {**fp8_quantization_config(), "weight_block_size": [64, 64]})
+    facts = lambda path, q=None: ServerFacts("http://s", "0.5.21", quantization=q, model_path=path)  # noqa: E731
+    assert served_weight_format(facts(fp8, "fp8"), "fp8") == "block_fp8"
+    assert served_weight_format(facts(fp8), "fp8") == "block_fp8"  # SGLang reads the method from config.json
+    assert served_weight_format(facts(bf16), "bf16") == "bf16"
+    assert served_weight_format(facts(str(tmp_path / "elsewhere")), "bf16") == "bf16"  # unreadable, unquantized
+    refused = [(facts(bf16, "fp8"), "fp8", r"quantizes a BF16 checkpoint online .*tools/convert.py megatron-to-hf"),
+               (facts(bf16), "fp8", r"rollout.precision is fp8 but .* serves the BF16 checkpoint"),
+               (facts(fp8), "bf16", r"set rollout.precision: fp8"),
+               (facts(odd), "fp8", r"weight_block_size \[64, 64\]"),
+               (facts(str(tmp_path / "elsewhere"), "fp8"), "fp8", r"cannot be read from the trainer")]
+    for f, precision, msg in refused:
+        with pytest.raises(ServerMismatchError, match=msg):
+            served_weight_format(f, precision)
+
+    from sorl_megatron.weight_sync.distributed import begin_update
+
+    good, bad = Recorder(model_path=fp8, quantization="fp8"), Recorder(model_path=bf16, quantization="fp8")
+    try:
+        fmt = run_client(good.url, lambda c: begin_update(c, settings(precision="fp8", urls=[good.url])))
+        assert fmt == "block_fp8"
+        with pytest.raises(ServerMismatchError, match="online"):
+            run_client(bad.url, lambda c: begin_update(c, settings(precision="fp8", urls=[bad.url])))
+        assert bad.paths() == []  # refused before the sync opened
+    finally:
+        good.server.stop()
+        bad.server.stop()
+
+
+def test_the_flush_after_a_sync_waits_for_idle_bounded_and_never_fails_it(recorders, tmp_path, monkeypatch, caplog):
+    """SGLang answers /flush_cache 400 while requests run (async pause_mode in_place or off): the
+    sync then leaves the flush to a background call each server holds until idle
+    (?timeout=flush_idle_timeout_s), and a server still busy after it is a warning, never a
+    failed sync; idle servers flush at once."""
+    from sorl_megatron.weight_sync.distributed import end_update
+
+    monkeypatch.setattr(disk, "save_hf_checkpoint", lambda model, out, fp8: None)
+    recorders[0].busy = True
+    with caplog.at_level("INFO"):
+        make_weight_sync(settings(weight_sync="disk", flush_idle_timeout_s=1.5), tmp_path).sync(
+            "model", SyncTargets((recorders[0].url,)), "step_1")  # returns: the flush waits elsewhere
+        deadline = time.monotonic() + 30
+        while "prefix cache not flushed" not in caplog.text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    flushes = [q for p, q in recorders[0].calls if p == "/flush_cache"]
+    assert flushes == [{}, {"timeout": "1.5"}]
+    assert "Timed out waiting for idle state" in caplog.text
+    run_client(recorders[1].url, lambda c: end_update(c, "step_2", True, 3.0))
+    assert recorders[1].paths() == ["/update_weight_version", "/end_weight_update", "/flush_cache"]
+    assert recorders[1].calls[-1][1] == {}  # idle: flushed at once
