@@ -22,6 +22,8 @@ class ModelOptions:
     config_overrides: extra TransformerConfig fields (e.g. moe_enable_routing_replay=True).
     wrap_with_ddp / ddp_config: passed to mbridge's get_model (training wants DDP).
     seed: RNG seed for parallel init when build_model initializes the groups itself.
+    offload_idle: the engines of a frozen model (the reference) and of a critic keep it, its
+    gradients and optimizer state on the CPU between their passes (``EngineBase.on_device``).
     """
 
     dtype: Optional[torch.dtype] = None
@@ -31,6 +33,7 @@ class ModelOptions:
     wrap_with_ddp: bool = False
     ddp_config: Optional[dict[str, Any]] = None
     seed: int = 1234
+    offload_idle: bool = False
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype is not None:
