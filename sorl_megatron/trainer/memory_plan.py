@@ -274,29 +274,24 @@ def plan_memory(cfg: TrainConfig, c: Any, critic_config: Any = None, world_size:
     return MemoryPlan(actor_phase, "actor update", p.gpu_memory_gib, layout, other)
 
 
-# what to change for each kind of item, named in the refusal
+# what shrinks each kind of item (by the item name's last word), named in the refusal
 _HINTS = {
-    "optimizer": "optimizer.use_distributed_optimizer=true, more data-parallel ranks",
     "weights": "parallelism.tp / pp (/ ep for experts)",
     "gradients": "parallelism.tp / pp (/ ep for experts)",
-    "logits": "schedule.max_tokens_per_micro_batch (fewer tokens per micro-batch), parallelism.tp",
+    "optimizer": "optimizer.use_distributed_optimizer=true, more data-parallel ranks",
+    "logits": "schedule.max_tokens_per_micro_batch, parallelism.tp",
+    "copy": "schedule.max_tokens_per_micro_batch, parallelism.tp",
+    "temporaries": "schedule.max_tokens_per_micro_batch, parallelism.tp",
     "activations": "parallelism.recompute=full, schedule.max_tokens_per_micro_batch",
-    "temporaries": "schedule.max_tokens_per_micro_batch",
-    "copy": "schedule.max_tokens_per_micro_batch",
-    "reference": "model.offload_idle=true",
-    "critic": "model.offload_idle=true",
 }
 
 
 def hint_for(item: MemoryItem) -> str:
-    for word in ("reference", "critic") if not item.name.startswith("actor") else ():
-        if word in item.name:
-            hint = _HINTS[word]
-            return hint + ("" if "activations" not in item.name else "; " + _HINTS["activations"])
-    for word, hint in _HINTS.items():
-        if item.name.endswith(word) or word in item.name.split()[-1]:
-            return hint
-    return "parallelism.gpu_memory_gib (if the GPU has more)"
+    """The keys that shrink ``item``; the reference's and critic's states can also wait on the CPU."""
+    hint = _HINTS.get(item.name.split()[-1], "parallelism.gpu_memory_gib (if the GPU has more)")
+    if item.name.split()[0] in ("reference", "critic") and not item.name.endswith("activations"):
+        hint = "model.offload_idle=true; " + hint
+    return hint
 
 
 def _existing(path: str) -> str:
