@@ -1,6 +1,6 @@
 """One process, CPU: the memory plan's checks that need a built engine (tests/engine/test_memory_plan.py).
 
-- recompute: ``parallelism.recompute=full`` trains a tiny model to the same loss and gradients as none;
+- recompute: ``parallelism.recompute`` selective and full train a tiny model to the loss and gradients of none;
 - offload: with ``offload_idle`` the reference and critic report the CPU between calls and the compute
   device during them (a mock CUDA device: on CPU the real move is a no-op), with unchanged results;
 - measured: the peak of torch's CPU allocator over building an engine and one update
@@ -51,15 +51,15 @@ def grads_of(engine) -> dict[str, torch.Tensor]:
 
 def op_recompute(models: str) -> dict:
     out = {}
-    for mode in ("none", "full"):
+    for mode in ("none", "selective", "full"):
         layout = dataclasses.replace(ParallelLayout(), recompute=mode)
         actor = PolicyEngine(os.path.join(models, "qwen2"), layout, actor_config())
         batch = training_batch(actor)
         loss = actor.update(batch)["loss"]
         out[mode] = (loss, grads_of(actor), actor.config.recompute_granularity)
-    diff = max((out["none"][1][k] - out["full"][1][k]).abs().max().item() for k in out["none"][1])
-    return {"losses": [out["none"][0], out["full"][0]], "grad_diff": diff,
-            "granularity": [out["none"][2], out["full"][2]]}
+    diff = max((out["none"][1][k] - out[mode][1][k]).abs().max().item() for k in out["none"][1]
+               for mode in ("selective", "full"))
+    return {"losses": [out[m][0] for m in out], "grad_diff": diff, "granularity": [out[m][2] for m in out]}
 
 
 def op_offload(models: str) -> dict:
