@@ -21,6 +21,7 @@ from .common.typed_config import ConfigError
 from .trainer.config import CONFIG_GROUPS
 from .trainer.inputs import InputError
 from .trainer.launch_checks import validate_layout_for_launch
+from .trainer.memory_plan import check_memory_for_launch, model_config_for, plan_memory
 from .trainer.recipe import dump_config, load_recipe
 
 
@@ -38,8 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the resolved config after the schema checks and exit (no WORLD_SIZE or model files needed)",
     )
+    parser.add_argument(
+        "--print-memory",
+        action="store_true",
+        help="print the per-GPU memory estimate at the recipe's layout and exit (1 when it exceeds "
+        "parallelism.gpu_memory_gib); reads model.path's config.json, else model.config_for_planning",
+    )
+    parser.add_argument("--model-config", help="an HF config.json (file or directory) for --print-memory")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. schedule.total_steps=5")
     return parser
+
+
+def _print_memory(cfg, model_config: str | None) -> int:
+    """The memory plan as a report (a GPU run's estimate, whatever this machine has)."""
+    c, critic, source = model_config_for(cfg, model_config)
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    plan = plan_memory(cfg, c, critic, world, on_gpu=True)
+    print(f"{plan.report()}\n  (model config: {source})")
+    return 0 if plan.fits else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +76,14 @@ def _run(args: argparse.Namespace) -> int:
             # the schema only: the layout checks need the world size and model.path's config.json
             print(dump_config(cfg))
             return 0
-        validate_layout_for_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if args.print_memory:
+            return _print_memory(cfg, args.model_config)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        validate_layout_for_launch(cfg, world_size)
+        # a GPU run whose estimate exceeds parallelism.gpu_memory_gib stops here (CPU runs: no check)
+        import torch
+
+        check_memory_for_launch(cfg, world_size, on_gpu=torch.cuda.is_available())
     except (ConfigError, FileNotFoundError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

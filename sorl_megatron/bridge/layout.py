@@ -7,7 +7,7 @@ created, so a bad layout fails in milliseconds with a message naming the numbers
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from .families import FamilyConfigError, check_family, first_k_dense, shared_expert_size
 
@@ -50,6 +50,10 @@ class ParallelLayout:
     collective_timeout_s: every collective's timeout (the NCCL watchdog's);
     rank0_phase_timeout_s: how long the other ranks wait for a phase only rank 0 runs (rollouts,
     validation, PVPO's reference pass, SFT's demonstrations) before they stop naming it.
+    Nor do the memory keys: gpu_memory_gib, the per-GPU budget a GPU run's memory estimate must fit
+    (trainer/memory_plan.py); recompute, activation recomputation (megatron's recompute_granularity:
+    none, selective = its default core-attention modules, full = every layer, uniform);
+    planned_world_size, the GPUs the recipe is laid out for (the plan's DP size without WORLD_SIZE).
     """
 
     tp: int = 1
@@ -63,6 +67,9 @@ class ParallelLayout:
     last_stage_layers: Optional[int] = None
     collective_timeout_s: float = field(default=1800.0, compare=False)
     rank0_phase_timeout_s: float = field(default=7200.0, compare=False)
+    gpu_memory_gib: float = field(default=80.0, compare=False)
+    recompute: Literal["none", "selective", "full"] = field(default="none", compare=False)
+    planned_world_size: Optional[int] = field(default=None, compare=False)
 
     @property
     def uneven(self) -> bool:

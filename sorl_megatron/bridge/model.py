@@ -24,6 +24,8 @@ class ModelOptions:
     wrap_with_ddp / ddp_config: passed to mbridge's get_model (training wants DDP).
     seed: RNG seed for parallel init when build_model initializes the groups itself.
     fp8: TransformerEngine FP8 (``te_fp8.py``); None or disabled = the model's dtype only.
+    offload_idle: the engines of a frozen model (the reference) and of a critic keep it, its
+    gradients and optimizer state on the CPU between their passes (``EngineBase.on_device``).
     """
 
     dtype: Optional[torch.dtype] = None
@@ -34,6 +36,7 @@ class ModelOptions:
     ddp_config: Optional[dict[str, Any]] = None
     seed: int = 1234
     fp8: Optional[Fp8Options] = None
+    offload_idle: bool = False
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype is not None:

@@ -35,6 +35,7 @@ from ..bridge.model import ModelOptions
 from ..common import comm
 from .base import EngineBase, accumulate_metrics, device, factor_scales, reduce_metrics
 from .config import BatchingConfig, OptimConfig
+from .offload import resident
 from .rl_batch import RLBatch, validate_batch
 from .vocab_parallel import next_token_targets, vocab_parallel_logprobs_entropy
 
@@ -149,6 +150,7 @@ class PolicyEngine(EngineBase):
             return lp, None
         return lp, self._at_token_positions(mb, ent)
 
+    @resident
     @torch.no_grad()
     def compute_logprobs(
         self, batch: RLBatch, *, entropy: bool = False, record_routing: bool = False, replay: Optional[bool] = None
@@ -230,6 +232,7 @@ class PolicyEngine(EngineBase):
             denominator=denominator,
         )
 
+    @resident
     def update(self, batch: RLBatch) -> dict[str, float]:
         """One RL update on `batch`: ``epochs`` x mini-batches (one optimizer step each).
 
@@ -249,6 +252,7 @@ class PolicyEngine(EngineBase):
         self.histograms = {"abs_log_ratio": self._abs_log_ratio}
         return out
 
+    @resident
     def sft_update(self, batch: RLBatch) -> dict[str, float]:
         """Supervised cold start on gold trajectories: cross-entropy on ``loss_mask`` tokens,
         aggregated like ``loss.loss_agg``, one optimizer step per mini-batch (same batching)."""

@@ -32,6 +32,7 @@ from ..bridge.model import MegatronModel, ModelOptions
 from ..bridge.te_fp8 import forward_only_fp8
 from ..common import comm
 from .config import BatchingConfig, OptimConfig, check
+from .offload import Offloadable
 from .packing import DUMMY, MicroBatchPlan, PackedRow, make_plan
 from .rl_batch import BatchError, RLBatch
 from .routing_replay import RoutingReplay
@@ -88,6 +89,17 @@ def _rank_info() -> dict[str, int]:
 
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def recompute_overrides(mode: str) -> dict[str, Any]:
+    """TransformerConfig fields of ``parallelism.recompute``: none; selective (megatron's default
+    modules, core attention); full (every layer's input kept, the layer re-run in backward)."""
+    if mode == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if mode == "selective":
+        return dict(recompute_granularity="selective")
+    check(mode == "none", f"parallelism.recompute must be none, selective or full, got {mode!r}")
+    return {}
 
 
 # --------------------------------------------------------------------------------------
@@ -161,7 +173,7 @@ def mean_over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
 # --------------------------------------------------------------------------------------
 
 
-class EngineBase:
+class EngineBase(Offloadable):
     """Model, optimizer, scheduler and the micro-batched pass; subclasses add the losses."""
 
     value_head = False
@@ -200,8 +212,10 @@ class EngineBase:
                 overrides.setdefault("moe_router_load_balancing_type", "none")
         if options.fp8 is not None:
             overrides.update(options.fp8.build_overrides())  # FP8 training only; forward-only: _run
-        if recompute:
-            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        overrides.update(recompute_overrides("full" if recompute else (layout.recompute if layout else "none")))
+        # the reference (frozen) and the critic wait on the CPU between passes; the actor, which
+        # every phase uses and whose weights are synced, stays
+        self.offload_idle = options.offload_idle and (not trainable or self.value_head)
         ddp_config = None
         if trainable:
             ddp_config = dict(
@@ -230,6 +244,7 @@ class EngineBase:
         if trainable:
             self._build_optimizer()
         self.replay = RoutingReplay(self.model.unwrapped(), self.layout.use_sequence_parallel) if self.is_moe else None
+        self._init_placement(device())
 
     # -- construction -------------------------------------------------------------------
 

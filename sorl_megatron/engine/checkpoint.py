@@ -131,6 +131,11 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _save_engine(engine: EngineBase, path: str) -> None:
+    with engine.on_device():  # an offloaded critic (model.offload_idle) saves from the GPU
+        _save_engine_state(engine, path)
+
+
+def _save_engine_state(engine: EngineBase, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     save_megatron_checkpoint(engine.model, path, extra={"step": engine.step}, manifest=False)
@@ -152,6 +157,11 @@ def _save_engine(engine: EngineBase, path: str) -> None:
 def _load_engine(engine: EngineBase, path: str) -> None:
     if not os.path.isdir(path):
         raise CheckpointFileError(f"engine checkpoint {path!r} does not exist")
+    with engine.on_device():
+        _load_engine_state(engine, path)
+
+
+def _load_engine_state(engine: EngineBase, path: str) -> None:
     load_megatron_checkpoint_into(engine.model, path, verify=False)  # the caller verified the manifest
     if engine.optimizer is None:
         return

@@ -20,6 +20,7 @@ from ..bridge.layout import ParallelLayout
 from ..bridge.model import ModelOptions, ScalarValueHead
 from .base import EngineBase
 from .config import BatchingConfig, OptimConfig
+from .offload import resident
 from .rl_batch import RLBatch, validate_batch
 
 
@@ -98,6 +99,7 @@ class ValueEngine(EngineBase):
     def _values(self, mb: dict, head_out: torch.Tensor) -> torch.Tensor:
         return self._at_token_positions(mb, head_out.float().squeeze(-1))
 
+    @resident
     @torch.no_grad()
     def compute_values(self, batch: RLBatch) -> torch.Tensor:
         """[B, S] values (CPU) for GAE, aligned to token positions."""
@@ -115,6 +117,7 @@ class ValueEngine(EngineBase):
         )
         return full[:b0, :s0]
 
+    @resident
     def update(self, batch: RLBatch) -> dict[str, float]:
         """Fit values to ``batch.returns`` on ``batch.loss_mask`` (epochs x mini x micro)."""
         need = ("returns",) + (("values",) if self.cfg.value_clip is not None else ())

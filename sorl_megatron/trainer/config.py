@@ -51,6 +51,11 @@ class ModelConfig:
     critic_path: Optional[str] = None  # default: same as `path`
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     fp8: Fp8Options = field(default_factory=Fp8Options)  # TE FP8 (bridge/te_fp8.py); checked at launch
+    # the reference and critic models (and the critic's gradients and Adam state) wait on the CPU
+    # between their passes: GPU memory for the actor's update (docs/recipes.md#memory-plan)
+    offload_idle: bool = False
+    # an HF config.json the memory plan reads when model.path has none (recipes/gpu/model_configs/)
+    config_for_planning: Optional[str] = None
 
     def validate(self, prefix: str = "model") -> None:
         if not self.path:
@@ -615,9 +620,10 @@ class TrainConfig:
 
 
 CONFIG_GROUPS: dict[str, str] = {
-    "model": "HF checkpoint of the policy / critic, dtype, fp8 (TransformerEngine FP8 on GPU)",
+    "model": "HF checkpoint of the policy / critic, dtype, fp8 (TransformerEngine FP8 on GPU), offload_idle, "
+             "config_for_planning",
     "parallelism": "tp, pp, vpp, ep, etp, cp, sequence_parallel, first_stage_layers / last_stage_layers (uneven PP), "
-                   "collective_timeout_s, rank0_phase_timeout_s",
+                   "collective_timeout_s, rank0_phase_timeout_s, gpu_memory_gib, recompute, planned_world_size",
     "algorithm": (
         "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, "
         "routing_replay, value_clip, pvpo"
@@ -649,6 +655,10 @@ def _check_parallelism(p: ParallelLayout, prefix: str = "parallelism") -> None:
     _check_finite(p, prefix)
     for key in ("collective_timeout_s", "rank0_phase_timeout_s"):
         _positive_seconds(f"{prefix}.{key}", getattr(p, key))
+    if not p.gpu_memory_gib > 0:
+        raise RecipeError(f"{prefix}.gpu_memory_gib must be > 0, got {p.gpu_memory_gib}")
+    if p.planned_world_size is not None:
+        _positive_int(f"{prefix}.planned_world_size", p.planned_world_size)
     for key in ("first_stage_layers", "last_stage_layers"):
         if getattr(p, key) is not None:
             _positive_int(f"{prefix}.{key}", getattr(p, key))

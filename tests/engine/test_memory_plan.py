@@ -1,0 +1,136 @@
+"""The memory plan (trainer/memory_plan.py, ``train --print-memory``), parallelism.recompute and
+model.offload_idle: arithmetic on the GPU recipes, and on CPU a built engine (memory_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sorl_megatron.trainer.config import RecipeError
+from sorl_megatron.trainer.memory_plan import (
+    check_memory_for_launch,
+    count_params,
+    model_config_for,
+    plan_memory,
+    read_model_config,
+)
+from sorl_megatron.trainer.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_RECIPES = sorted((ROOT / "recipes" / "gpu").glob("*.yaml"))
+CONFIGS = ROOT / "recipes" / "gpu" / "model_configs"
+
+
+@pytest.mark.parametrize("name, billions", [
+    ("qwen2.5_7b", 7.62), ("qwen2.5_3b", 3.09), ("qwen3_30b_a3b", 30.5), ("qwen3_235b_a22b", 235.1),
+    ("deepseek_v3", 671.0), ("moonlight_16b_a3b", 16.0),
+])
+def test_model_configs_have_the_published_sizes(name, billions):
+    n = count_params(read_model_config(str(CONFIGS / f"{name}.json")))
+    assert (n.dense + n.experts + n.vocab) / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.stem)
+def test_every_gpu_recipe_fits_80_gib(recipe):
+    cfg = load_recipe(recipe)
+    assert cfg.parallelism.gpu_memory_gib == 80.0
+    c, critic, source = model_config_for(cfg)
+    assert "config_for_planning" in source  # the recipes' model paths do not exist here
+    plan = plan_memory(cfg, c, critic)
+    assert plan.fits, plan.report()
+
+
+def test_the_old_7b_ppo_settings_are_refused_on_gpu_only():
+    """The issue's case: actor, reference and critic resident, 8 x 4,096 tokens, no recompute."""
+    cfg = load_recipe(ROOT / "recipes/gpu/sorl_qwen2.5_7b_ppo.yaml", [
+        "parallelism.recompute=none", "model.offload_idle=false", "schedule.max_tokens_per_micro_batch=null"])
+    assert check_memory_for_launch(cfg, 8, on_gpu=False) is None  # CPU runs: never refused
+    with pytest.raises(RecipeError) as err:
+        check_memory_for_launch(cfg, 8, on_gpu=True)
+    text = str(err.value)
+    assert "exceeds parallelism.gpu_memory_gib=80" in text
+    assert "actor activations" in text and "parallelism.recompute=full" in text
+    plan = plan_memory(cfg, *model_config_for(cfg)[:2], world_size=8)
+    items = {i.name: i.gib for i in plan.items}
+    # 3.81B parameters per GPU at TP 2: bf16 weights, fp32 gradients, Adam sharded over DP 4
+    assert items["actor weights"] == pytest.approx(3.808e9 * 2 / 2**30, rel=0.01)
+    assert items["actor optimizer"] == pytest.approx(3.808e9 * 12 / 4 / 2**30, rel=0.01)
+    assert items["reference weights"] > 7 and items["critic optimizer"] > 9  # resident without offload
+    assert items["logits fp32 copy"] == pytest.approx(32768 * 76032 * 4 / 2**30, rel=1e-6)
+    # the recipe as shipped fits, and each key lowers its items
+    fixed = load_recipe(ROOT / "recipes/gpu/sorl_qwen2.5_7b_ppo.yaml")
+    assert check_memory_for_launch(fixed, 8, on_gpu=True).fits
+
+
+def test_print_memory_cli(capsys):
+    from sorl_megatron.train import main
+
+    assert main(["--config", str(ROOT / "recipes/gpu/sorl_qwen2.5_7b_ppo.yaml"), "--print-memory"]) == 0
+    out = capsys.readouterr().out
+    assert "peak phase: critic update" in out and "fits parallelism.gpu_memory_gib=80" in out
+    over = ["parallelism.recompute=none", "model.offload_idle=false"]
+    assert main(["--config", str(ROOT / "recipes/gpu/sorl_qwen2.5_7b_ppo.yaml"), "--print-memory", *over]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    tiny = ["--config", str(ROOT / "recipes/gpu/sapo_qwen2.5_3b.yaml"), "--print-memory",
+            "--model-config", str(CONFIGS / "qwen2.5_7b.json")]
+    assert main(tiny) == 0
+    assert "--model-config=" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------ a built engine on CPU (one process)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    root = tmp_path_factory.mktemp("memory_plan")
+    sys.path.insert(0, str(ROOT / "tests" / "bridge"))
+    import tiny_models
+    from transformers import Qwen2Config
+
+    tiny_models.save_tiny_model("qwen2", str(root / "qwen2"))
+    tiny_models.CONFIGS["qwen2_mem"] = lambda: Qwen2Config(**tiny_models._common(
+        vocab_size=1024, hidden_size=256, intermediate_size=768, tie_word_embeddings=False, rope_theta=10000.0))
+    tiny_models.save_tiny_model("qwen2_mem", str(root / "qwen2_mem"))
+    out = root / "out.json"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'kernels'}", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/engine/memory_worker.py"), str(root), str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root, json.loads(out.read_text())
+
+
+def test_recompute_trains_like_none(worker):
+    r = worker[1]["recompute"]
+    assert r["granularity"] == [None, "selective", "full"]  # wired into megatron's TransformerConfig
+    assert r["losses"][1:] == pytest.approx([r["losses"][0]] * 2, abs=1e-6)
+    assert r["grad_diff"] <= 1e-6
+
+
+def test_offload_idle_moves_the_reference_and_critic_not_the_actor(worker):
+    r = worker[1]["offload"]
+    assert r["offloads"] == [False, True, True, False]  # actor, reference, critic, reference without the key
+    assert r["ref_moves"] == ["cuda:0", "cpu"] and r["ref_during"] == "cuda:0" and r["ref_after"] == "cpu"
+    assert r["critic_moves"] == ["cuda:0", "cpu", "cuda:0", "cpu"] and r["critic_after"] == "cpu"
+    assert r["plain_after"] == "cuda:0"  # without the key the model stays where it computes
+    assert r["logprob_diff"] == 0.0
+
+
+def test_estimate_matches_the_measured_cpu_peak_within_25_percent(worker):
+    """torch.profiler's CPU memory events over building an engine and one update, against the
+    plan's items (fp32 on CPU: weights, gradients, Adam moments, logits, activations)."""
+    root, r = worker
+    m = r["measured"]
+    cfg = load_recipe(ROOT / "recipes/tiny_search_grpo.yaml", [
+        f"model.path={root / 'qwen2_mem'}", "model.dtype=float32", "algorithm.loss.kl_coef=0",
+        f"schedule.max_tokens_per_micro_batch={m['tokens']}", "rollout.max_total_tokens=128",
+        "rollout.max_obs_tokens=64", "data.max_prompt_tokens=16"])
+    plan = plan_memory(cfg, *model_config_for(cfg)[:2], world_size=1, on_gpu=False)
+    items = {i.name: i.gib * 2**30 for i in plan.items}
+    assert items["actor weights"] == pytest.approx(m["params"] * 4)  # the count is megatron's
+    assert plan.total_gib * 2**30 == pytest.approx(m["peak_bytes"], rel=0.25), (plan.report(), m)
