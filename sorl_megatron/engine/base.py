@@ -340,8 +340,9 @@ class EngineBase:
                 max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen,
             ),
         }
-        if batch.routed_experts is not None:
-            model["routed_experts"] = p.pack(batch.routed_experts, fill=-1).to(dev)
+        if "routed_experts" in mb:  # the rows' routes, already gathered in the order of ids
+            local = PackedRow.build(torch.arange(len(ids)), lengths, seq_len)
+            model["routed_experts"] = local.pack(mb["routed_experts"], fill=-1).to(dev)
         mb["model"] = model
         return p.to(dev)
 
@@ -500,16 +501,44 @@ class EngineBase:
             "update_ok": float(ok),
         }
 
-    def _forward_micro_batches(self, batch: RLBatch) -> tuple[RLBatch, list[dict]]:
+    def _forward_batch(self, batch: RLBatch) -> tuple[RLBatch, int]:
         """``batch`` padded for a forward-only pass (sequence multiple; for fixed-size
         micro-batches rows to a multiple of DP x micro-batch, else a dummy row where the plan
-        needs one) and this rank's micro-batches of it."""
-        self._begin_pass_stats()
+        needs one) and the pass's micro-batch size."""
         mbs = self.batching.forward_micro_batch_size or self.batching.micro_batch_size
         batch = batch.padded_seq(self._seq_multiple())
         if not (self.batching.pack_sequences or self.batching.max_tokens_per_micro_batch):
             batch, _ = batch.padded_rows(self.ranks["dp"] * mbs)
+        return batch, mbs
+
+    def _forward_micro_batches(self, batch: RLBatch) -> tuple[RLBatch, list[dict]]:
+        """The padded batch of a forward-only pass (:meth:`_forward_batch`) and this rank's
+        micro-batches of it."""
+        self._begin_pass_stats()
+        batch, mbs = self._forward_batch(batch)
         return self._micro_batches(batch, torch.arange(batch.batch_size), mbs, "batching.forward_micro_batch_size")
+
+    def dp_rows(self, batch: RLBatch, *, forward: bool = True, update: bool = True) -> list[torch.Tensor]:
+        """Sorted global ids of the rows each data-parallel rank's micro-batches read in a
+        forward-only pass (``forward``) and then an update (``update``) of ``batch``, at this
+        engine's optimizer step: the plans those passes make, from the rows' lengths alone (every
+        rank computes the same). What the batch transfer sends each rank (``batch_transfer.py``)."""
+        batch = batch.filled()
+        b0 = batch.batch_size
+        plans = []
+        if forward:
+            fb, mbs = self._forward_batch(batch)
+            plans.append(self._plan(fb, torch.arange(fb.batch_size), mbs, "batching.forward_micro_batch_size"))
+        if update:
+            ub = batch.padded_seq(self._seq_multiple())
+            mbs = self.batching.micro_batch_size
+            plans += [self._plan(ub, rows, mbs, "batching.mini_batch_size") for rows in self._update_rows(b0)]
+        used = torch.zeros(self.ranks["dp"], b0, dtype=torch.bool)
+        for plan in plans:
+            for r, micro in enumerate(plan.micro):
+                for ids in micro:  # a loop over micro-batches, not tokens
+                    used[r, ids[(ids >= 0) & (ids < b0)]] = True
+        return [u.nonzero().flatten() for u in used]
 
     def extra_state(self) -> dict[str, Any]:
         """JSON-serializable engine state beyond weights, optimizer and schedule (checkpointed)."""
@@ -544,15 +573,8 @@ class EngineBase:
         """``epochs`` x mini-batches of ``train_mini_batch(batch, rows, micro_batch_size)``."""
         self._begin_pass_stats()
         batch = batch.padded_seq(self._seq_multiple())
-        n = batch.batch_size
-        mini = self._mini_batches(n)
         mbs = self.batching.micro_batch_size
-        per_step = []
-        for epoch in range(self.batching.epochs):
-            order = self._epoch_order(n, epoch)
-            for m in range(n // mini):
-                rows = order[m * mini:(m + 1) * mini]
-                per_step.append(train_mini_batch(batch, rows, mbs))
+        per_step = [train_mini_batch(batch, rows, mbs) for rows in self._update_rows(batch.batch_size)]
         out = mean_over_steps(per_step)
         out["steps"] = float(len(per_step))
         out["lr"] = per_step[-1]["lr"]
@@ -584,11 +606,21 @@ class EngineBase:
         metrics.update(self._optimizer_step())
         return metrics
 
-    def _epoch_order(self, n: int, epoch: int) -> torch.Tensor:
+    def _epoch_order(self, n: int, epoch: int, step: int) -> torch.Tensor:
         if not self.batching.shuffle:
             return torch.arange(n)
-        g = torch.Generator().manual_seed(self.batching.seed * 1_000_003 + self.step * 1009 + epoch)
+        g = torch.Generator().manual_seed(self.batching.seed * 1_000_003 + step * 1009 + epoch)
         return torch.randperm(n, generator=g)
+
+    def _update_rows(self, n: int) -> list[torch.Tensor]:
+        """The rows of every mini-batch of an update of ``n`` rows starting now, in order: each
+        epoch's order is seeded by the optimizer step it starts at (one step per mini-batch)."""
+        mini = self._mini_batches(n)
+        out = []
+        for epoch in range(self.batching.epochs):
+            order = self._epoch_order(n, epoch, self.step + epoch * (n // mini))
+            out += [order[m * mini:(m + 1) * mini] for m in range(n // mini)]
+        return out
 
     def _mini_batches(self, n_rows: int) -> int:
         mini = self.batching.mini_batch_size or n_rows
