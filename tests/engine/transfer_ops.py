@@ -26,10 +26,11 @@ def _grads(engine) -> dict[str, torch.Tensor]:
 
 
 def op_transfer(case: dict, models: str, work: str, full: RLBatch) -> dict:
-    """Old and new path: the R3 old-logprob pass, then two updates (two epochs of two shuffled
-    mini-batches each) of ``full`` (a varied-length batch with rollout routes, the same on every
-    rank; rank 0's is sent); log-probs, every update metric, the last mini-batch's gradients (this
-    rank's shard) and the weights must be equal bit for bit, on every rank."""
+    """Old and new path: the R3 old-logprob pass, then one update (two epochs of two shuffled
+    mini-batches: four optimizer steps, what the transfer planned for) of ``full`` (a
+    varied-length batch with rollout routes, the same on every rank; rank 0's is sent);
+    log-probs, every update metric, the last mini-batch's gradients (this rank's shard) and the
+    weights must be equal bit for bit, on every rank."""
     layout = ParallelLayout.from_string(case["layout"])
     batching = {"pack_sequences": True, "max_tokens_per_micro_batch": 40} if case.get("pack") else {}
 
@@ -53,7 +54,7 @@ def op_transfer(case: dict, models: str, work: str, full: RLBatch) -> dict:
         g = torch.Generator().manual_seed(23)
         old = lp.logprobs + 0.3 * torch.randn(lp.logprobs.shape, generator=g) * batch.loss_mask
         train = batch.replace(old_logprobs=old, ref_logprobs=None)
-        metrics = [engine.update(train) for _ in range(2)]
+        metrics = [engine.update(train)]
         out[path] = {"logprobs": lp.logprobs, "routes_used": lp.routed_experts, "metrics": metrics,
                      "grads": _grads(engine), "params": _params(engine)}
     a, b = out["old"], out["new"]
