@@ -107,7 +107,7 @@ def _demo_geometry():
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(120, 641, (64,), generator=g)  # multi-turn search episodes, <= 640 tokens
     batch, injected = rollout_batch(64, int(lengths.max()), layers=2, topk=2, experts=4, lengths=lengths)
-    return batch, injected, BatchingConfig(micro_batch_size=8, mini_batch_size=32, epochs=1, seed=0)
+    return batch, injected, BatchingConfig(micro_batch_size=8, mini_batch_size=32, epochs=1, shuffle=True, seed=0)
 
 
 def _rank_main(rank: int, world: int, init: str, repeats: int, out: str) -> None:
@@ -153,7 +153,8 @@ def measure(world: int, repeats: int) -> None:
 def computed_qwen3_30b() -> None:
     """The recipe's bytes per rank, old vs new, from the row plans of rank 0's DP group."""
     rows, seq, layers, topk, dp = 256 * 16, 8192, 48, 8, 8
-    batching = BatchingConfig(micro_batch_size=4, mini_batch_size=1024, epochs=1, seed=0, pack_sequences=True)
+    batching = BatchingConfig(micro_batch_size=4, mini_batch_size=1024, epochs=1, shuffle=True, seed=0,
+                               pack_sequences=True)
     print(f"\n== Qwen3-30B-A3B R3 recipe (computed): {rows} x {seq} tokens, {layers} layers x top-{topk}, "
           f"DP {dp} (TP 2 x PP 2) ==")
     g = torch.Generator().manual_seed(0)

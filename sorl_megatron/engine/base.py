@@ -30,7 +30,7 @@ from ..bridge.layout import ParallelLayout, num_experts_of
 from ..bridge.model import MegatronModel, ModelOptions
 from ..common import comm
 from .config import BatchingConfig, OptimConfig, check
-from .packing import DUMMY, MicroBatchPlan, PackedRow, make_plan
+from .packing import DUMMY, MicroBatchPlan, PackedRow, make_plan, rows_by_rank, update_rows
 from .rl_batch import BatchError, RLBatch
 from .routing_replay import RoutingReplay
 from .vocab_parallel import shift_to_token_positions
@@ -533,12 +533,10 @@ class EngineBase:
             ub = batch.padded_seq(self._seq_multiple())
             mbs = self.batching.micro_batch_size
             plans += [self._plan(ub, rows, mbs, "batching.mini_batch_size") for rows in self._update_rows(b0)]
-        used = torch.zeros(self.ranks["dp"], b0, dtype=torch.bool)
-        for plan in plans:
-            for r, micro in enumerate(plan.micro):
-                for ids in micro:  # a loop over micro-batches, not tokens
-                    used[r, ids[(ids >= 0) & (ids < b0)]] = True
-        return [u.nonzero().flatten() for u in used]
+        return rows_by_rank(plans, self.ranks["dp"], b0)
+
+    def _update_rows(self, n: int) -> list[torch.Tensor]:
+        return update_rows(n, self.batching, self.step)
 
     def extra_state(self) -> dict[str, Any]:
         """JSON-serializable engine state beyond weights, optimizer and schedule (checkpointed)."""
@@ -605,25 +603,3 @@ class EngineBase:
         metrics = reduce_metrics(acc, self.contributes)
         metrics.update(self._optimizer_step())
         return metrics
-
-    def _epoch_order(self, n: int, epoch: int, step: int) -> torch.Tensor:
-        if not self.batching.shuffle:
-            return torch.arange(n)
-        g = torch.Generator().manual_seed(self.batching.seed * 1_000_003 + step * 1009 + epoch)
-        return torch.randperm(n, generator=g)
-
-    def _update_rows(self, n: int) -> list[torch.Tensor]:
-        """The rows of every mini-batch of an update of ``n`` rows starting now, in order: each
-        epoch's order is seeded by the optimizer step it starts at (one step per mini-batch)."""
-        mini = self._mini_batches(n)
-        out = []
-        for epoch in range(self.batching.epochs):
-            order = self._epoch_order(n, epoch, self.step + epoch * (n // mini))
-            out += [order[m * mini:(m + 1) * mini] for m in range(n // mini)]
-        return out
-
-    def _mini_batches(self, n_rows: int) -> int:
-        mini = self.batching.mini_batch_size or n_rows
-        if n_rows % mini:
-            raise BatchError(f"batching.mini_batch_size={mini} does not divide the batch size {n_rows}")
-        return mini

@@ -5,10 +5,10 @@ Rank 0 alone rolls out, so it alone holds a step's batch. :func:`share_batch` se
 - a small description (each field's shape, dtype and wire dtype) with ``comm.broadcast_object``;
 - every per-token / per-row field but the routed experts whole, with ``comm.broadcast``, each in
   the smallest integer type that holds its values (token ids in int32, masks in int8) and cast
-  back on arrival, so the values are exact. They are whole because the engines read them across
-  rows: the micro-batch plans (every row's length), the mini-batch loss denominators
-  (``loss_mask`` and ``advantages`` of the whole mini-batch), the advantages (a prompt's group)
-  and the update's advantage statistics;
+  back on arrival, so the values are exact (every tensor travels as its bytes, ``as_bytes``).
+  They are whole because the engines read them across rows: the micro-batch plans (every
+  row's length), the mini-batch loss denominators (``loss_mask`` and ``advantages`` of the whole
+  mini-batch), the advantages (a prompt's group) and the update's advantage statistics;
 - the routed experts (``[B, S, L, K]``, about 98% of the bytes under R3: ``L x K`` numbers per
   token) only for the rows that rank's data-parallel passes read (``EngineBase.dp_rows``: the
   forward pass's plan and every mini-batch's of the update, computed identically on every rank
@@ -43,6 +43,12 @@ def wire_dtype(t: torch.Tensor) -> torch.dtype:
         if info.min <= lo and hi <= info.max:
             return dtype
     return t.dtype
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a flat uint8 view (sent this way: NCCL has no int16 and gloo refuses it;
+    every backend moves bytes, and a view of a receive buffer is filled in place)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def describe(batch: RLBatch) -> dict:
@@ -90,9 +96,11 @@ def share_batch(batch: Optional[RLBatch], dp_rows: Callable[[RLBatch], list[torc
     for name, (shape, dtype, wire) in meta["fields"].items():
         if rank0:
             fields[name] = getattr(batch, name)
-            comm.broadcast(fields[name].to(wire), src=0)
+            comm.broadcast(as_bytes(fields[name].to(wire)), src=0)
         else:
-            fields[name] = comm.broadcast(torch.empty(shape, dtype=wire), src=0).to(dtype)
+            buf = torch.empty(shape, dtype=wire)
+            comm.broadcast(as_bytes(buf), src=0)
+            fields[name] = buf.to(dtype)
     light = RLBatch(**fields)
     if meta["routes"] is None:
         return light
@@ -103,9 +111,9 @@ def share_batch(batch: Optional[RLBatch], dp_rows: Callable[[RLBatch], list[torc
     mine = plan[dp_rank]
     if rank0:
         for dst in range(1, comm.world_size()):
-            comm.send(route_payload(batch.routed_experts, att, plan[owner[dst]], wire), dst)
+            comm.send(as_bytes(route_payload(batch.routed_experts, att, plan[owner[dst]], wire)), dst)
         payload = route_payload(batch.routed_experts, att, mine, wire)
     else:
-        tokens = int(att[mine].sum())
-        payload = comm.recv(torch.empty((tokens,) + tuple(shape[2:]), dtype=wire), src=0)
+        payload = torch.empty((int(att[mine].sum()),) + tuple(shape[2:]), dtype=wire)
+        comm.recv(as_bytes(payload), src=0)
     return light.replace(routed_experts=routed_rows(payload, att, mine, shape, dtype))

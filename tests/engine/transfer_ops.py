@@ -39,7 +39,7 @@ def op_transfer(case: dict, models: str, work: str, full: RLBatch) -> dict:
                                            "clip_bias": {"mode": "logprob", "apply_to": "lr", "delta": 0.05}})
         return PolicyEngine(os.path.join(models, case["model"]), layout, ActorConfig(
             loss=loss, optim=OptimConfig(lr=1e-2, clip_grad=1.0, adam_eps=1e-6), routing_replay="r3",
-            batching=BatchingConfig(micro_batch_size=1, mini_batch_size=4, epochs=2, seed=3, **batching)))
+            batching=BatchingConfig(micro_batch_size=1, mini_batch_size=4, epochs=2, shuffle=True, seed=3, **batching)))
 
     rank0 = comm.rank() == 0
     engines = {"old": actor(), "new": actor()}
