@@ -81,6 +81,20 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[Any] = None) -> to
     return tensor
 
 
+def send(tensor: torch.Tensor, dst: int, group: Optional[Any] = None) -> None:
+    """``tensor`` to global rank ``dst`` (which calls :func:`recv` with a tensor of its shape and dtype)."""
+    dist.send(_on_group_device(tensor, group), dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Optional[Any] = None) -> torch.Tensor:
+    """Global rank ``src``'s :func:`send` into ``tensor``, in place; returns it."""
+    work = _on_group_device(tensor, group)
+    dist.recv(work, src=src, group=group)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
 def all_gather(tensor: torch.Tensor, group: Optional[Any] = None) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape on every rank), in group-rank order, on ``tensor``'s device."""
     n = world_size(group)

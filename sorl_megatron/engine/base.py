@@ -33,7 +33,7 @@ from ..bridge.te_fp8 import forward_only_fp8
 from ..common import comm
 from .config import BatchingConfig, OptimConfig, check
 from .offload import Offloadable
-from .packing import DUMMY, MicroBatchPlan, PackedRow, make_plan
+from .packing import DUMMY, MicroBatchPlan, PackedRow, make_plan, rows_by_rank, update_rows
 from .rl_batch import BatchError, RLBatch
 from .routing_replay import RoutingReplay
 from .vocab_parallel import shift_to_token_positions
@@ -171,6 +171,16 @@ def mean_over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------
+
+
+def gather_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple, dtype) -> torch.Tensor:
+    """Per-row outputs of every DP rank assembled on every rank (``parts``: this rank's
+    ``(rows, values)``, empty on a rank that does not contribute: not last stage or TP rank 0)."""
+    full = torch.zeros(shape, dtype=dtype, device=device())
+    for rows, values in parts:
+        full[rows.to(full.device)] = values.to(dtype)
+    comm.all_reduce(full)
+    return full.cpu()
 
 
 class EngineBase(Offloadable):
@@ -360,8 +370,9 @@ class EngineBase(Offloadable):
                 max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen,
             ),
         }
-        if batch.routed_experts is not None:
-            model["routed_experts"] = p.pack(batch.routed_experts, fill=-1).to(dev)
+        if "routed_experts" in mb:  # the rows' routes, already gathered in the order of ids
+            local = PackedRow.build(torch.arange(len(ids)), lengths, seq_len)
+            model["routed_experts"] = local.pack(mb["routed_experts"], fill=-1).to(dev)
         mb["model"] = model
         return p.to(dev)
 
@@ -469,13 +480,7 @@ class EngineBase(Offloadable):
         return {"routing/replayed_pairs": float(stats[0]), "routing/replay_mismatch_frac": float(stats[1] / stats[0])}
 
     def _gather_rows(self, parts: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple, dtype) -> torch.Tensor:
-        """Assemble per-row outputs of all DP ranks (from the contributing ranks) on every rank."""
-        full = torch.zeros(shape, dtype=dtype, device=device())
-        if self.contributes:
-            for rows, values in parts:
-                full[rows.to(full.device)] = values.to(dtype)
-        comm.all_reduce(full)
-        return full.cpu()
+        return gather_rows(parts if self.contributes else [], shape, dtype)
 
     def _logits_scaled(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.float() / self.temperature if self.temperature != 1.0 else logits.float()
@@ -522,16 +527,42 @@ class EngineBase(Offloadable):
             "update_ok": float(ok),
         }
 
-    def _forward_micro_batches(self, batch: RLBatch) -> tuple[RLBatch, list[dict]]:
+    def _forward_batch(self, batch: RLBatch) -> tuple[RLBatch, int]:
         """``batch`` padded for a forward-only pass (sequence multiple; for fixed-size
         micro-batches rows to a multiple of DP x micro-batch, else a dummy row where the plan
-        needs one) and this rank's micro-batches of it."""
-        self._begin_pass_stats()
+        needs one) and the pass's micro-batch size."""
         mbs = self.batching.forward_micro_batch_size or self.batching.micro_batch_size
         batch = batch.padded_seq(self._seq_multiple())
         if not (self.batching.pack_sequences or self.batching.max_tokens_per_micro_batch):
             batch, _ = batch.padded_rows(self.ranks["dp"] * mbs)
+        return batch, mbs
+
+    def _forward_micro_batches(self, batch: RLBatch) -> tuple[RLBatch, list[dict]]:
+        """The padded batch of a forward-only pass (:meth:`_forward_batch`) and this rank's
+        micro-batches of it."""
+        self._begin_pass_stats()
+        batch, mbs = self._forward_batch(batch)
         return self._micro_batches(batch, torch.arange(batch.batch_size), mbs, "batching.forward_micro_batch_size")
+
+    def dp_rows(self, batch: RLBatch, *, forward: bool = True, update: bool = True) -> list[torch.Tensor]:
+        """Sorted global ids of the rows each data-parallel rank's micro-batches read in a
+        forward-only pass (``forward``) and then an update (``update``) of ``batch``, at this
+        engine's optimizer step: the plans those passes make, from the rows' lengths alone (every
+        rank computes the same). What the batch transfer sends each rank (``batch_transfer.py``)."""
+        batch = batch.filled()
+        b0 = batch.batch_size
+        plans = []
+        if forward:
+            fb, mbs = self._forward_batch(batch)
+            plans.append(self._plan(fb, torch.arange(fb.batch_size), mbs, "batching.forward_micro_batch_size"))
+        if update:
+            ub = batch.padded_seq(self._seq_multiple())
+            mbs = self.batching.micro_batch_size
+            plans += [self._plan(ub, rows, mbs, "batching.mini_batch_size") for rows in self._update_rows(b0)]
+        return rows_by_rank(plans, self.ranks["dp"], b0)
+
+    def _update_rows(self, n: int) -> list[torch.Tensor]:
+        return update_rows(n, self.batching, self.step)
 
     def extra_state(self) -> dict[str, Any]:
         """JSON-serializable engine state beyond weights, optimizer and schedule (checkpointed)."""
@@ -566,15 +597,8 @@ class EngineBase(Offloadable):
         """``epochs`` x mini-batches of ``train_mini_batch(batch, rows, micro_batch_size)``."""
         self._begin_pass_stats()
         batch = batch.padded_seq(self._seq_multiple())
-        n = batch.batch_size
-        mini = self._mini_batches(n)
         mbs = self.batching.micro_batch_size
-        per_step = []
-        for epoch in range(self.batching.epochs):
-            order = self._epoch_order(n, epoch)
-            for m in range(n // mini):
-                rows = order[m * mini:(m + 1) * mini]
-                per_step.append(train_mini_batch(batch, rows, mbs))
+        per_step = [train_mini_batch(batch, rows, mbs) for rows in self._update_rows(batch.batch_size)]
         out = mean_over_steps(per_step)
         out["steps"] = float(len(per_step))
         out["lr"] = per_step[-1]["lr"]
@@ -605,15 +629,3 @@ class EngineBase(Offloadable):
         metrics = reduce_metrics(acc, self.contributes)
         metrics.update(self._optimizer_step())
         return metrics
-
-    def _epoch_order(self, n: int, epoch: int) -> torch.Tensor:
-        if not self.batching.shuffle:
-            return torch.arange(n)
-        g = torch.Generator().manual_seed(self.batching.seed * 1_000_003 + self.step * 1009 + epoch)
-        return torch.randperm(n, generator=g)
-
-    def _mini_batches(self, n_rows: int) -> int:
-        mini = self.batching.mini_batch_size or n_rows
-        if n_rows % mini:
-            raise BatchError(f"batching.mini_batch_size={mini} does not divide the batch size {n_rows}")
-        return mini

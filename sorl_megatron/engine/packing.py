@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from .config import BatchingConfig
 from .rl_batch import BatchError, split_rows
 
 DUMMY = -1  # row id of a dummy row (one attended token, no loss) in a plan
@@ -220,6 +221,34 @@ def make_plan(
     if max_tokens is not None:
         return plan_token_budget(rows, lengths, dp, max_tokens, seq_len, key, what, micro_multiple)
     return plan_fixed(rows, lengths, dp, micro_batch_size, seq_len, what)
+
+
+def update_rows(n: int, batching: BatchingConfig, step: int) -> list[torch.Tensor]:
+    """The rows of every mini-batch of an update of ``n`` rows starting at optimizer step
+    ``step``, in order: ``epochs`` passes over the rows, each in an order seeded by the step it
+    starts at (one optimizer step per mini-batch), the same on every rank."""
+    mini = batching.mini_batch_size or n
+    if n % mini:
+        raise BatchError(f"batching.mini_batch_size={mini} does not divide the batch size {n}")
+    out = []
+    for epoch in range(batching.epochs):
+        order = torch.arange(n)
+        if batching.shuffle:
+            seed = batching.seed * 1_000_003 + (step + epoch * (n // mini)) * 1009 + epoch
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        out += [order[m * mini:(m + 1) * mini] for m in range(n // mini)]
+    return out
+
+
+def rows_by_rank(plans: list[MicroBatchPlan], dp: int, n_rows: int) -> list[torch.Tensor]:
+    """Per DP rank (of ``dp``), the sorted ids (below ``n_rows``: no dummy rows) of the rows its
+    micro-batches read in any of ``plans``."""
+    used = torch.zeros(dp, n_rows, dtype=torch.bool)
+    for plan in plans:
+        for r, micro in enumerate(plan.micro):
+            for ids in micro:  # a loop over micro-batches, not tokens
+                used[r, ids[(ids >= 0) & (ids < n_rows)]] = True
+    return [u.nonzero().flatten() for u in used]
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """The RL batch the Megatron engine consumes: tensors, validation, splitting.
 
-Every rank receives the same whole batch (CPU tensors are fine); the engine picks the rows of
-its data-parallel rank, so the caller never needs to know the layout. Alignment (the same as
+Every rank holds the whole batch's per-token fields (CPU tensors are fine); the engine picks the
+rows of its data-parallel rank, so the caller never needs to know the layout. The routed experts
+(``[B, S, L, K]``, by far the largest field) may instead be a :class:`RoutedRows`: only the rows
+this rank's passes read (what the trainer's batch transfer sends, ``batch_transfer.py``). Alignment (the same as
 the rollout trajectories):
 
     logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])      (0 at t = 0 and off the mask)
@@ -31,6 +33,54 @@ class BatchError(ValueError):
 
 
 @dataclass
+class RoutedRows:
+    """Routed experts of some rows of a ``[batch_size, seq_len, L, K]`` batch: ``values[i]``
+    (``[S0, L, K]``, a compact integer type) are the routes of global row ``rows[i]`` (sorted).
+
+    Indexed by global row ids like the dense tensor it stands for (``[len(ids), seq_len, L, K]``
+    in ``dtype``): -1 (no route: the live router decides) for ids at or past ``batch_size`` (the
+    engine's dummy rows) and positions at or past ``S0`` (sequence padding). Asking for a row it
+    does not hold is an error: the transfer's row plan and the engine's passes disagree.
+    """
+
+    rows: torch.Tensor
+    values: torch.Tensor
+    batch_size: int
+    seq_len: int
+    dtype: torch.dtype = torch.int32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.batch_size, self.seq_len) + tuple(self.values.shape[2:])
+
+    def dim(self) -> int:
+        return 4
+
+    def with_seq_len(self, seq_len: int) -> "RoutedRows":
+        return dataclasses.replace(self, seq_len=seq_len)
+
+    def __getitem__(self, ids: torch.Tensor | slice) -> torch.Tensor:
+        if isinstance(ids, slice):
+            ids = torch.arange(self.batch_size)[ids]
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        out = torch.full((len(ids), self.seq_len) + tuple(self.values.shape[2:]), -1, dtype=self.dtype)
+        real = ids < self.batch_size
+        want = ids[real]
+        if not len(want):
+            return out
+        pos = torch.searchsorted(self.rows, want).clamp(max=max(len(self.rows) - 1, 0))
+        held = self.rows[pos] == want if len(self.rows) else torch.zeros_like(want, dtype=torch.bool)
+        if not held.all():
+            missing = want[~held].tolist()
+            raise BatchError(f"routed_experts: rows {missing[:8]} were not sent to this rank (it holds "
+                             f"{len(self.rows)} of {self.batch_size} rows): the transfer's row plan and the "
+                             "engine's passes disagree")
+        s = min(self.seq_len, self.values.shape[1])
+        out[real, :s] = self.values[pos, :s].to(self.dtype)
+        return out
+
+
+@dataclass
 class RLBatch:
     """One RL batch (rows = trajectories, right padded to a common length S).
 
@@ -43,7 +93,8 @@ class RLBatch:
         advantages: [B, S] per token or [B] per sequence.
         returns: [B, S] value targets (critic); values: [B, S] old values (clipped value loss).
         routed_experts: [B, S, L, K] int, experts of token t at layer l (top-k, -1 = missing:
-            the live router decides), for routing replay (R2 records it, R3 is given it).
+            the live router decides), for routing replay (R2 records it, R3 is given it); or a
+            :class:`RoutedRows` holding only the rows this rank's passes read.
         group_ids: [B] prompt group of each row (GRPO/PVPO bookkeeping; carried, not used).
         turn_ids: [B, S] explicit turn ids for turn-level losses (else turns = mask runs).
     """
@@ -97,6 +148,9 @@ class RLBatch:
             return self, b
         out = {}
         for name, t in self.filled().tensors().items():
+            if isinstance(t, RoutedRows):  # dummy rows (ids >= its batch_size) read -1 already
+                out[name] = t
+                continue
             pad = torch.zeros((extra,) + tuple(t.shape[1:]), dtype=t.dtype)
             if name == "attention_mask":
                 pad[:, 0] = 1
@@ -116,6 +170,9 @@ class RLBatch:
             return self
         out = {}
         for name, t in self.filled().tensors().items():
+            if isinstance(t, RoutedRows):  # positions past its own length read -1
+                out[name] = t.with_seq_len(s + extra)
+                continue
             if t.dim() < 2 or name == "group_ids" or (name == "advantages" and t.dim() == 1):
                 out[name] = t
                 continue
@@ -194,7 +251,7 @@ def validate_batch(
 def validate_routed_experts(
     routed: torch.Tensor, b: int, s: int, num_layers: Optional[int], topk: Optional[int], num_experts: Optional[int]
 ) -> None:
-    if not isinstance(routed, torch.Tensor) or routed.dim() != 4:
+    if not isinstance(routed, (torch.Tensor, RoutedRows)) or routed.dim() != 4:
         raise BatchError(
             f"routed_experts must be [batch, seq, layers, topk], got shape {tuple(getattr(routed, 'shape', ()))}"
         )
@@ -206,10 +263,11 @@ def validate_routed_experts(
     )
     if tuple(routed.shape) != want:
         raise BatchError(f"routed_experts shape {tuple(routed.shape)} != expected {want} (batch, seq, layers, topk)")
-    if routed.dtype.is_floating_point:
+    values = routed.values if isinstance(routed, RoutedRows) else routed
+    if routed.dtype.is_floating_point or values.dtype.is_floating_point:
         raise BatchError(f"routed_experts must be an integer tensor, got {routed.dtype}")
-    if num_experts is not None and routed.numel():
-        lo, hi = int(routed.min()), int(routed.max())
+    if num_experts is not None and values.numel():
+        lo, hi = int(values.min()), int(values.max())
         if lo < -1 or hi >= num_experts:
             raise BatchError(f"routed_experts values must be in [-1, {num_experts}) (-1 = missing), got [{lo}, {hi}]")
 

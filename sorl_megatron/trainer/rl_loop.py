@@ -2,8 +2,9 @@
 critic updates -> weight sync -> validation -> checkpoint.
 
 Every rank runs the Megatron engines; rank 0 alone talks HTTP for rollouts, retrieval and
-health (:class:`~.connections.Connections`, which only rank 0 builds) and broadcasts each
-step's batch to the other ranks, which then cut their own data-parallel rows, except in the
+health (:class:`~.connections.Connections`, which only rank 0 builds) and sends each step's
+batch to the other ranks as tensors (the R3 routes only for the rows each data-parallel rank's
+passes read, ``engine/batch_transfer.py``), which then cut their own data-parallel rows, except in the
 distributed weight sync, where every sending rank announces its own buckets to the servers
 (docs/rollout.md). The off-policyness is explicit in the recipe: ``schedule.batch_size x
 rollout.group_size`` trajectories per step, split into mini-batches of
@@ -34,6 +35,7 @@ from ..common import comm
 from ..common.typed_config import to_dict
 from ..data.qa import QARow
 from ..engine.actor import ActorConfig, PolicyEngine
+from ..engine.batch_transfer import share_batch
 from ..engine.checkpoint import (
     complete_checkpoints,
     load_engine_checkpoint,
@@ -249,13 +251,18 @@ class RLTrainer:
 
     # -- the step ----------------------------------------------------------------------
 
-    def _to_batch(self, res: RolloutResult, injected: torch.Tensor):
+    def _to_batch(self, res: RolloutResult) -> RLBatch:
         t = collate(res.trajectories, pad_token_id=self.pad_id)
         return RLBatch(
             input_ids=t["input_ids"], attention_mask=t["attention_mask"], loss_mask=t["loss_mask"],
             rollout_logprobs=t["rollout_logprobs"], turn_ids=t["turn_ids"], group_ids=res.group_ids,
             routed_experts=t.get("routed_experts") if self.cfg.algorithm.routing_replay == "r3" else None,
-        ), injected
+        )
+
+    def _share_batch(self, batch: Optional[RLBatch]) -> RLBatch:
+        """Rank 0's step batch on every rank as tensors, the R3 routes only for the rows each
+        data-parallel rank's actor passes read (``engine/batch_transfer.py``)."""
+        return share_batch(batch, self.actor.dp_rows, self.actor.ranks["dp_rank"])
 
     def advantages(self, batch: RLBatch, rewards: torch.Tensor, values: Optional[torch.Tensor]):
         """The recipe's estimator (``algorithms.advantages`` registry) on this batch."""
@@ -271,12 +278,16 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         wall0, busy0 = time.perf_counter(), self.source.busy.seconds()
         with timer("rollout"):
+            held: dict[str, RLBatch] = {}  # rank 0's batch: sent as tensors below, not pickled
+
             def rollout():
                 res, injected, batch_metrics = self.source.next_batch(step)
-                return self._to_batch(res, injected), res.rewards, batch_metrics
+                held["batch"] = self._to_batch(res)
+                return injected, res.rewards, batch_metrics
 
             phase = f"the rollout phase of step {step + 1}"
-            (batch, injected), rewards, rollout_metrics_ = self._on_rank0(rollout, phase)
+            injected, rewards, rollout_metrics_ = self._on_rank0(rollout, phase)
+            batch = self._share_batch(held.get("batch"))
         metrics.update(rollout_metrics_)
         metrics["rollout/injected_ground_truth"] = float(injected.sum())
         with timer("old_logprobs"):
@@ -290,7 +301,9 @@ class RLTrainer:
             metrics.update({f"old/{k}": v for k, v in out.metrics.items()})
         if self.ref is not None:
             with timer("ref_logprobs"):
-                batch = batch.replace(ref_logprobs=self.ref.compute_logprobs(batch).logprobs)
+                # the reference never replays routes (and holds none of the actor's update rows)
+                ref_out = self.ref.compute_logprobs(batch.replace(routed_experts=None))
+                batch = batch.replace(ref_logprobs=ref_out.logprobs)
         values = None
         if self.critic is not None:
             with timer("values"):

@@ -135,18 +135,23 @@ def ws2(engine_models, engine_work):
         {"op": "compat_uneven", "model": MODEL, "layout": "tp=1", "tag": "compat_uneven_2"},
         *[{"op": "actor", "model": k, "layout": "ep=2", "tag": f"actor_{k}_ep2", "light": True} for k in FAMILIES],
         {"op": "rollout_r3", "model": "deepseek_v3", "layout": "ep=2", "tag": "rollout_r3_deepseek_v3_ep2"},
+        # the batch transfer (rank 0's batch as tensors, routes per DP rank) vs the whole batch pickled
+        {"op": "transfer", "model": MODEL, "layout": "tp=1", "tag": "transfer_dp2"},
+        {"op": "transfer", "model": MODEL, "layout": "tp=1", "tag": "transfer_dp2_packed", "pack": True},
     ]
     return launch(engine_models, engine_work, cases, 2, "ws2")
 
 
 @pytest.fixture(scope="session")
 def ws4(engine_models, engine_work):
-    """Four processes: TP2 x EP2 (expert TP 2, expert-DP 1) and TP2 x EP4 with expert TP 1; and
+    """Four processes: TP2 x EP2 (expert TP 2, expert-DP 1) and TP2 x EP4 with expert TP 1;
     issue 20's families' logits vs transformers at TP2 x EP2 (the bridge's check, in the only
-    four-process launch of the suite)."""
+    four-process launch of the suite); the batch transfer at DP 4 and TP 2 x DP 2."""
     cases = [
         {"op": "actor", "model": MODEL, "layout": "tp=2,ep=2", "tag": "actor_tp2_ep2_4r", "steps": 1},
         {"op": "actor", "model": MODEL, "layout": "tp=2,ep=4,etp=1", "tag": "actor_tp2_etp1_ep4_4r", "steps": 1},
         *[{"op": "logits", "model": k, "layout": "tp=2,ep=2", "tag": f"logits_{k}_tp2_ep2_4r"} for k in FAMILIES],
+        {"op": "transfer", "model": MODEL, "layout": "tp=1", "tag": "transfer_dp4"},
+        {"op": "transfer", "model": MODEL, "layout": "tp=2", "tag": "transfer_tp2_dp2_4r"},
     ]
     return launch(engine_models, engine_work, cases, 4, "ws4")

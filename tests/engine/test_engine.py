@@ -422,3 +422,22 @@ def test_family_logits_match_transformers_at_tp2_ep2_4_ranks(ws4, model):
     print(model, r["max_abs_diff"])
     assert r["max_abs_diff"] <= LOGIT_TOL, r
     assert r["shape"] == [2, 12, 128]
+
+
+# ---------------------------------------------------------------- batch transfer
+
+
+@pytest.mark.parametrize("tag", ["transfer_dp2", "transfer_dp2_packed", "transfer_dp4", "transfer_tp2_dp2_4r"])
+def test_batch_transfer_equals_the_whole_batch_broadcast(request, tag):
+    """Rank 0's batch as tensors with the R3 routes only for each DP rank's rows (int8, real
+    tokens) gives the R3 old-logprob pass and a shuffled two-epoch update bit for bit what the
+    whole batch pickled to every rank gives, on every rank; TP peers hold the same rows."""
+    r = _ok(request.getfixturevalue("ws4" if tag.startswith(("transfer_dp4", "transfer_tp2")) else "ws2"), tag)
+    assert r["update_ran"] == 4.0 and r["clip_frac"] > 0  # four optimizer steps that clipped something
+    held: dict[int, list[int]] = {}
+    for rank in r["ranks"]:
+        assert all(rank["same"].values()), rank
+        assert rank["routes_type"] == "RoutedRows" and rank["routes_wire"] == "torch.int8" and rank["routes_exact"]
+        assert held.setdefault(rank["dp_rank"], rank["held_rows"]) == rank["held_rows"]  # TP peers: same rows
+    assert len(held) == (4 if tag == "transfer_dp4" else 2)
+    assert any(len(rows) < r["rows"] for rows in held.values())  # some rank was sent fewer than all rows

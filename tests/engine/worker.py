@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from batches import make_batch  # noqa: E402
 from ckpt_attacks import evil_pickle, evil_torch_save, flip_bit, plant_in_byte_item, truncate, write  # noqa: E402
+from transfer_ops import op_transfer  # noqa: E402
 
 from sorl_megatron.algorithms import PolicyLossConfig, clip_bias_surrogate, compute_policy_loss  # noqa: E402
 from sorl_megatron.bridge import ParallelLayout, iter_hf_weights  # noqa: E402
@@ -963,6 +964,7 @@ OPS = {
     "diagnostics": op_diagnostics,
     "packing": op_packing,
     "wsync": op_wsync,
+    "transfer": lambda case, models, work: op_transfer(case, models, work, packing_batch()),
     "logits": op_logits,  # the bridge's check, run in this suite's four-process launch
 }
 
