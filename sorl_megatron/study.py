@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import contextlib
-import math
 import os
 import signal
 import subprocess
@@ -32,6 +31,8 @@ from omegaconf import OmegaConf
 
 from .common.run_lock import RunLockedError, acquire_run_lock
 from .common.typed_config import ConfigError, build_dataclass
+from .study_indicators import DEFAULT_INDICATORS, Indicator, collapse_step, indicator_report, run_warnings
+from .study_indicators import series as metric_series
 from .trainer.metrics_log import read_metrics
 from .trainer.plots import METRIC_AXES, identical_curves, identical_note, line_style, style_axis, symbol_notes
 from .trainer.recipe import load_recipe, overrides_tree
@@ -66,6 +67,8 @@ class StudyConfig:
         fraction of the best validation EM it reached before (and that best was >= 0.05).
     stop_timeout_s: after Ctrl-C (or SIGTERM), how long each running cell may take to stop
         its servers and exit before it is killed.
+    indicators: name -> leading indicator (``study_indicators.Indicator``) for the summary's
+        "which warned first" table; the defaults when not given.
     """
 
     recipe: str
@@ -79,6 +82,7 @@ class StudyConfig:
     parallel: int = 1
     collapse_fraction: float = 0.5
     stop_timeout_s: float = 120.0
+    indicators: dict[str, Indicator] = field(default_factory=lambda: dict(DEFAULT_INDICATORS))
 
     def __post_init__(self) -> None:
         if not self.losses or not self.stress or not self.seeds:
@@ -241,11 +245,6 @@ def run_study(cfg: StudyConfig, parallel: Optional[int] = None) -> list[tuple[Ce
 # ----------------------------------------------------------------------------- summary
 
 
-def _series(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
-    return {int(r["step"]): float(r[key]) for r in rows if isinstance(r.get(key), (int, float))
-            and math.isfinite(float(r[key]))}
-
-
 # statistic -> (column heading, what it is): docs/study.md's definitions of its results table
 SUMMARY_COLUMNS: dict[str, tuple[str, str]] = {
     "final_em": ("final EM", "validation EM at the last step"),
@@ -259,7 +258,7 @@ SUMMARY_COLUMNS: dict[str, tuple[str, str]] = {
 def cell_statistics(rows: list[dict[str, Any]], collapse_fraction: float) -> dict[str, float]:
     """The summary's columns for one run (:data:`SUMMARY_COLUMNS` says what each is, as
     docs/study.md does) and whether it collapsed (see ``StudyConfig``)."""
-    em = sorted(_series(rows, "val/em").items())
+    em = sorted(metric_series(rows, "val/em").items())
     out: dict[str, float] = {}
     if em:
         steps, values = zip(*em)
@@ -270,14 +269,9 @@ def cell_statistics(rows: list[dict[str, Any]], collapse_fraction: float) -> dic
         span = steps[-1] - steps[0]
         out["em_auc"] = (sum((steps[i + 1] - steps[i]) * (values[i] + values[i + 1]) / 2
                              for i in range(len(em) - 1)) / span) if span else values[0]
-        best, collapsed = values[0], 0.0
-        for v in values[1:]:
-            if best >= 0.05 and v < collapse_fraction * best:
-                collapsed = 1.0
-            best = max(best, v)
-        out["collapsed"] = collapsed
+        out["collapsed"] = float(collapse_step(rows, collapse_fraction) is not None)
     for key, name in (("actor/approx_kl_k3", "max_kl"), ("actor/grad_norm", "max_grad_norm")):
-        series = _series(rows, key)
+        series = metric_series(rows, key)
         if series:
             out[name] = max(series.values())
     return out
@@ -315,6 +309,8 @@ def summarize(cfg: StudyConfig) -> Path:
             lines.append(f"| {loss} | {len(stats)} | " + " | ".join(cells_txt) + f" | {collapsed}/{len(stats)} |")
         lines.append("")
     lines += run_table(runs) + [""]
+    warnings = [run_warnings(cell.name, rows, cfg.indicators, cfg.collapse_fraction) for cell, rows in runs.items()]
+    lines += indicator_report(warnings, cfg.indicators)
     figures = _figures(cfg, runs, out / "figures")
     lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
     path = out / "summary.md"
@@ -329,13 +325,13 @@ def run_table(runs: dict[Cell, list[dict[str, Any]]]) -> list[str]:
              "| run | validation EM | max KL (k3) | max clip ratio | mean factor per RL step (min-max) |",
              "|---|---|---|---|---|"]
     for cell, rows in runs.items():
-        em = sorted(_series(rows, "val/em").items())
+        em = sorted(metric_series(rows, "val/em").items())
         curve = " / ".join(f"{v:.3f}" for _, v in em) + (f" (steps {', '.join(str(t) for t, _ in em)})" if em else "-")
         peaks = []
         for key in ("actor/approx_kl_k3", "actor/clip_frac"):
-            series = _series(rows, key)
+            series = metric_series(rows, key)
             peaks.append(f"{max(series.values()):.3g}" if series else "-")
-        factor = _series(rows, "actor/clip_bias/factor")
+        factor = metric_series(rows, "actor/clip_bias/factor")
         span = f"{min(factor.values()):.2f}-{max(factor.values()):.2f}" if factor else "-"
         lines.append(f"| {cell.loss}, {cell.stress}, {cell.seed} | {curve} | " + " | ".join(peaks) + f" | {span} |")
     return lines
@@ -371,7 +367,7 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
             drawn: list[float] = []
             curves = []
             for loss in cfg.losses:
-                series = [_series(runs[c], key) for c in runs if (c.loss, c.stress) == (loss, stress)]
+                series = [metric_series(runs[c], key) for c in runs if (c.loss, c.stress) == (loss, stress)]
                 series = [s for s in series if s]
                 steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
                 if not steps:

@@ -31,6 +31,7 @@ LAYERS = {
     "train": 7,
     "cluster": 7,  # the Slurm launcher (TorchX)
     "study": 7,
+    "study_indicators": 7,
     "": 7,  # sorl_megatron/__init__.py
 }
 
