@@ -7,6 +7,8 @@
   and extremes are additive (or min / max) over micro-batches, ranks and mini-batches, so an
   engine reduces them exactly; quantiles are read from the merged counts.
 - :func:`turn_ratio_spread`: how far apart the turn ratios of one trajectory are.
+- :func:`turn_advantage_sign_mixing`: how many turns hold advantages of both signs (per-token
+  GAE advantages do; a turn-level ratio then pushes all of a turn's tokens one way).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .aggregation import masked_mean
-from .turns import TurnSegments, segment_sum
+from .turns import TurnSegments, segment_sum, segment_turns
 
 # |log r| bins: [0, 1e-8), then 20 per decade up to 1e2, then [1e2, inf). A quantile read from
 # the counts is exact to within one bin: 10 ** (1 / 20) - 1 = 12% of its value (above 1e-8).
@@ -35,6 +37,26 @@ def advantage_stats(advantages: torch.Tensor, loss_mask: torch.Tensor) -> dict[s
     mean = masked_mean(values, mask)
     var = masked_mean((values - mean) ** 2, mask)
     return {"advantage/mean": float(mean), "advantage/var": float(var)}
+
+
+def turn_advantage_sign_mixing(
+    advantages: torch.Tensor, loss_mask: torch.Tensor, turn_ids: torch.Tensor | None = None
+) -> dict[str, float]:
+    """``advantage/turn_sign_mixed_frac``: the fraction of turns whose policy tokens carry both a
+    positive and a negative advantage. A turn-level ratio (SORL eq. 4) is shared by the turn's
+    tokens, so its clip test passes or fails for the whole turn while the advantages' signs
+    disagree; per-sequence advantages (GRPO) never mix (0). Turns as the turn-level losses
+    segment them (``segment_turns``)."""
+    mask = loss_mask.bool()
+    if advantages.dim() == 1:
+        return {"advantage/turn_sign_mixed_frac": 0.0}
+    turns = segment_turns(mask, turn_ids)
+    if turns.num_segments == 0:
+        return {"advantage/turn_sign_mixed_frac": 0.0}
+    positive = segment_sum((advantages > 0).double(), turns)
+    negative = segment_sum((advantages < 0).double(), turns)
+    mixed = ((positive > 0) & (negative > 0)).sum(dtype=torch.float64)
+    return {"advantage/turn_sign_mixed_frac": float(mixed / turns.num_segments)}
 
 
 @dataclass

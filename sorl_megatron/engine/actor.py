@@ -28,7 +28,13 @@ from ..algorithms import (
     sft_loss,
 )
 from ..algorithms.clip_bias import mini_batch_normalization
-from ..algorithms.diagnostics import ABS_LOG_RATIO_EDGES, Histogram, abs_log_ratio_histogram, advantage_stats
+from ..algorithms.diagnostics import (
+    ABS_LOG_RATIO_EDGES,
+    Histogram,
+    abs_log_ratio_histogram,
+    advantage_stats,
+    turn_advantage_sign_mixing,
+)
 from ..algorithms.loss_registry import POLICY_LOSSES
 from ..bridge.layout import ParallelLayout
 from ..bridge.model import ModelOptions
@@ -238,7 +244,8 @@ class PolicyEngine(EngineBase):
 
         Returns metrics averaged over the optimizer steps (token-weighted over micro-batches
         and DP ranks within a step), plus ``steps`` and the last step's ``lr``; and of the whole
-        update: ``advantage/{mean,var}`` over the batch's policy tokens and
+        update: ``advantage/{mean,var}`` over the batch's policy tokens,
+        ``advantage/turn_sign_mixed_frac`` over its turns and
         ``abs_log_ratio/{p50,p90,p99,max}`` over every token of every forward (``self.histograms``
         keeps that distribution).
         """
@@ -248,6 +255,7 @@ class PolicyEngine(EngineBase):
         self._abs_log_ratio = Histogram.empty(ABS_LOG_RATIO_EDGES)
         out = self._optimize(batch, self._train_mini_batch)
         out.update(advantage_stats(batch.advantages, batch.loss_mask))
+        out.update(turn_advantage_sign_mixing(batch.advantages, batch.loss_mask, batch.turn_ids))
         out.update(self._abs_log_ratio.metrics("abs_log_ratio"))
         self.histograms = {"abs_log_ratio": self._abs_log_ratio}
         return out

@@ -11,6 +11,7 @@ from sorl_megatron.algorithms.diagnostics import (
     BINS_PER_DECADE,
     abs_log_ratio_histogram,
     advantage_stats,
+    turn_advantage_sign_mixing,
     turn_ratio_spread,
 )
 
@@ -100,3 +101,16 @@ def test_kl_entropy_and_ratio_metrics_of_every_loss():
         assert m["entropy/mean"].item() == pytest.approx(3.0)  # token mean without an entropy bonus
         assert "entropy" not in m  # the bonus term is absent
         assert m["abs_log_ratio/max"].item() == pytest.approx(math.log(2))
+
+
+def test_turn_advantage_sign_mixing_counts_turns_holding_both_signs():
+    # row 0: turns [A, A] (+, -: mixed) and [B] (+); row 1: one turn (+, 0, +: not mixed; 0 is no sign)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 0, 0]])
+    adv = torch.tensor([[0.5, -0.2, 9.0, 0.3, 9.0], [0.1, 0.0, 0.4, -7.0, -7.0]])  # off-mask values ignored
+    assert turn_advantage_sign_mixing(adv, mask) == {"advantage/turn_sign_mixed_frac": pytest.approx(1 / 3)}
+    # explicit turn ids: row 1 split into (+) and (0, +): still none mixed; row 0 as one turn: mixed
+    ids = torch.tensor([[0, 0, 0, 0, 0], [0, 1, 1, 0, 0]])
+    assert turn_advantage_sign_mixing(adv, mask, ids)["advantage/turn_sign_mixed_frac"] == pytest.approx(1 / 3)
+    # per-sequence advantages (GRPO) cannot mix within a turn
+    assert turn_advantage_sign_mixing(torch.tensor([1.0, -1.0]), mask)["advantage/turn_sign_mixed_frac"] == 0.0
+    assert turn_advantage_sign_mixing(adv, torch.zeros_like(mask))["advantage/turn_sign_mixed_frac"] == 0.0
