@@ -53,7 +53,7 @@ def rerun_plan(cfg: TrainConfig) -> str:
         else:
             why = "sft.save_every=0 keeps no SFT checkpoint"
         return f"SFT restarts from step 0 ({why}), then RL"
-    kept = " from the SFT policy (sft_model)" if cfg.sft.enabled else ""
+    kept = " with the finished SFT policy (sft_model)" if cfg.sft.enabled else ""
     if resume == "none":
         return f"RL starts over from step 0{kept} (checkpoint.resume=none)"
     if resume != "auto":
