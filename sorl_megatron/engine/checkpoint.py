@@ -292,6 +292,14 @@ def complete_checkpoints(root: Union[str, Path]) -> list[Path]:
     return [p for p in _step_dirs(root) if (p / MANIFEST_FILE).is_file()]
 
 
+def prune_checkpoints(root: Union[str, Path], keep_last: int) -> None:
+    """Rank 0 removes all but the newest ``keep_last`` complete checkpoints under ``root``
+    (``checkpoint.keep_last``; 0 keeps them all)."""
+    if comm.rank() == 0 and keep_last > 0:
+        for old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def newest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
     """The newest ``step_<k>`` under ``root`` whose manifest verifies, or None when there is none.
 

@@ -436,6 +436,9 @@ class SFTConfig:
     steps: int = 100
     lr: float = 1e-3
     batch_size: int = 16  # gold trajectories per optimizer step
+    # a resumable checkpoint every K steps into <checkpoint.dir>/sft/step_K (0 = none: an interrupted
+    # SFT starts over); checkpoint.keep_last applies, and they are removed once sft_model is written
+    save_every: int = 200
     # this fraction of the demonstrations answers at once with a guess instead of searching
     # (data.gold.cold_start_plans): RL must learn that searching pays (the CPU demo)
     direct_answer_fraction: float = 0.0
@@ -448,6 +451,7 @@ class SFTConfig:
             return
         _positive_int(f"{prefix}.steps", self.steps)
         _positive_int(f"{prefix}.batch_size", self.batch_size)
+        _positive_int(f"{prefix}.save_every", self.save_every, minimum=0)
         if not 0 <= self.direct_answer_fraction < 1:
             raise RecipeError(f"{prefix}.direct_answer_fraction must be in [0, 1), got {self.direct_answer_fraction}")
 
@@ -632,7 +636,7 @@ CONFIG_GROUPS: dict[str, str] = {
     "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule, distributed optimizer",
     "schedule": "steps, batch / mini-batch / micro-batch sizes, sequence packing and token budget, ppo_epochs, "
     "validation period, seed",
-    "sft": "cold-start supervised stage",
+    "sft": "cold-start supervised stage (steps, lr, batch size, save_every: resumable SFT checkpoints)",
     "reward": "metric override (em / f1; default: each data_source's own), format weight",
     "checkpoint": "directory (default <logging.dir>/<run_name>/checkpoints), period, resume=auto|none|DIR",
     "logging": "run directory and name, TensorBoard, progress bar, wandb (mode online/offline/disabled, project, ...)",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -40,6 +39,7 @@ from ..engine.checkpoint import (
     complete_checkpoints,
     load_engine_checkpoint,
     newest_checkpoint,
+    prune_checkpoints,
     read_checkpoint_meta,
     save_engine_checkpoint,
 )
@@ -56,10 +56,11 @@ from .connections import Connections
 from .inputs import check_resume_dir, load_tokenizer, validate_inputs
 from .metrics_log import MetricsLogger, open_wandb
 from .recipe import dump_config
+from .rerun import interrupted
 from .rollout_phase import RolloutResult, rollout_metrics
 from .runtime import DataStream, StepTimer, model_options, tokens_per_second, truncate_jsonl
 from .servers import EmbeddedServers
-from .stages import PVPOStage, sft_stage
+from .stages import PVPOStage, sft_resume_point, sft_stage
 
 log = logging.getLogger("sorl_megatron.trainer")
 
@@ -131,6 +132,7 @@ class RLTrainer:
         self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
         self._wsync = make_weight_sync(cfg.rollout, self.run_dir)  # rollout.weight_sync's transport
         self.weight_sync_bytes = 0  # sent by this rank in the last sync
+        self.phase = "the set-up"  # what the run is doing now: an interrupt's message names it
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -205,9 +207,7 @@ class RLTrainer:
         if self.pvpo is not None and self.pvpo.state is not None:
             extra["pvpo"] = self.pvpo.to_json()
         save_engine_checkpoint(str(self.ckpt_root / f"step_{step}"), self.actor, self.critic, extra=extra)
-        if comm.rank() == 0 and self.cfg.checkpoint.keep_last > 0:
-            for old in self.complete_checkpoints()[: -self.cfg.checkpoint.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(self.ckpt_root, self.cfg.checkpoint.keep_last)
 
     def restore(self, path: Path) -> int:
         extra = load_engine_checkpoint(str(path), self.actor, self.critic)
@@ -358,6 +358,9 @@ class RLTrainer:
             payload = self._on_rank0(play, "validation")
         return {**payload, **timer.times}
 
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+
     def _on_rank0(self, fn, phase: str):
         """``fn()`` on rank 0 (which holds the connections), its result on every rank; the
         others wait at most ``parallelism.rank0_phase_timeout_s`` (``comm.on_rank0``)."""
@@ -367,7 +370,15 @@ class RLTrainer:
 
     def run(self) -> dict[str, float]:
         """The whole run. Its input files are checked first (``InputError``, naming the file and
-        row), before any server, engine or run directory exists."""
+        row), before any server, engine or run directory exists. Ctrl-C or SIGTERM leaves as
+        ``rerun.RunInterrupted``, once the servers are stopped: the phase it stopped in and what
+        the same command does next."""
+        try:
+            return self._run()
+        except KeyboardInterrupt as err:
+            raise interrupted(err, self.phase, self.cfg) from None
+
+    def _run(self) -> dict[str, float]:
         # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans
         init_distributed(timeout_s=self.cfg.parallelism.collective_timeout_s)
         cfg = self.cfg
@@ -379,6 +390,7 @@ class RLTrainer:
             if comm.rank() == 0:
                 log.info("%s", message)
             return {}
+        sft_resume = sft_resume_point(cfg)  # all ranks: the newest verified SFT checkpoint, if SFT is unfinished
         rank0 = comm.rank() == 0
         inputs = validate_inputs(cfg, check_corpus=rank0, rewards=self.rewards)  # rank 0 alone serves retrieval
         if rank0:
@@ -390,14 +402,15 @@ class RLTrainer:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.yaml").write_text(dump_config(cfg))
                 self.wandb_run = open_wandb(cfg.logging.wandb, self.run_dir, cfg.logging.run_name, to_dict(cfg),
-                                            resume=resume is not None)
+                                            resume=resume is not None or sft_resume is not None)
                 if self.wandb_run is not None:
                     stack.callback(self.wandb_run.finish)
                 self.conn.start_retrieval(servers)
             policy_path = cfg.model.path
             if cfg.sft.enabled:
                 policy_path = sft_stage(cfg, self.run_dir, self.rows, self.conn, self.pad_id, model_options(cfg),
-                                        self.wandb_run)
+                                        self.wandb_run, resume=sft_resume, on_phase=self._set_phase)
+            self._set_phase("the set-up of RL")
             self.build_engines(policy_path)
             start = self.restore(resume) if resume is not None else 0
             # only now: a logger opened at step 0 deletes metrics.jsonl, which a resumed run continues
@@ -423,21 +436,26 @@ class RLTrainer:
                 self.sync_weights(start)  # servers hold the initial checkpoint; bring them to the trainer's weights
             first: dict[str, float] = {}
             if self.pvpo is not None and self.pvpo.state is None:
+                self._set_phase("the PVPO reference pass")
                 first = self.pvpo.reference_pass()
             last: dict[str, float] = {}
             if start == 0:
+                self._set_phase("the validation before RL step 1")
                 logger.log(0, {**first, **self.validate()})
             for step in range(start, cfg.schedule.total_steps):
                 last = {}
+                done = step + 1
+                self._set_phase(f"RL step {done} of {cfg.schedule.total_steps}")
                 if self.pvpo is not None and self.pvpo.refresh_due(step):
                     last = self.pvpo.reference_pass(step)  # refresh static V with the current policy
                 last.update(self.step(step))
-                done = step + 1
                 if (cfg.schedule.val_every and done % cfg.schedule.val_every == 0) or done == cfg.schedule.total_steps:
+                    self._set_phase(f"the validation after RL step {done}")
                     last.update(self.validate())
                 if (
                     cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0
                 ) or done == cfg.schedule.total_steps:
+                    self._set_phase(f"the checkpoint of RL step {done}")
                     timer = StepTimer()
                     with timer("checkpoint"):
                         self.save(done)

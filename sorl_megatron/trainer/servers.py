@@ -224,12 +224,20 @@ class SignalInterrupt(KeyboardInterrupt):
 def report_interrupt(err: KeyboardInterrupt) -> int:
     """For an entry point that caught Ctrl-C (or SIGTERM, as :class:`SignalInterrupt`) after
     the trainer's cleanup stopped its servers: one line on rank 0 instead of a traceback per
-    rank; returns the exit code a shell expects (128 + the signal number)."""
+    rank; returns the exit code a shell expects (128 + the signal number). The trainer's own
+    interrupt (``rerun.RunInterrupted``) names the phase it stopped in and what the same command
+    does next; any other came before the trainer started or after it finished."""
     signum = int(getattr(err, "signum", signal.SIGINT))
     if int(os.environ.get("RANK", "0")) == 0:
         what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"interrupted ({what}): stopped the run and its servers; run the same command again to resume "
-              "from its last checkpoint", file=sys.stderr, flush=True)
+        phase, plan = getattr(err, "phase", None), getattr(err, "plan", None)
+        if phase is None or plan is None:
+            line = (f"interrupted ({what}) before the run started or after it ended: nothing was lost; run the same "
+                    "command again")
+        else:
+            line = (f"interrupted ({what}) during {phase}: stopped the run and its servers; run the same command "
+                    f"again: {plan}")
+        print(line, file=sys.stderr, flush=True)
     return 128 + signum
 
 

@@ -4,6 +4,10 @@ Gold trajectories are the data set's gold plans played through the real agent lo
 tokens, masks and observations as rollouts), so the policy learns the action format on
 exactly what RL will see. The stage writes ``<run_dir>/sft_model`` (safetensors, config and
 tokenizer files) with a ``SFT_DONE`` marker; a resumed run with the marker skips the stage.
+
+The batches of step k depend only on the seed and k (not on the number of steps), so a run
+resumed from an SFT checkpoint after step k (``trainer/stages.py``: engine, optimizer, RNG)
+trains on exactly the batches the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from ..bridge.weights import save_hf_checkpoint
 from ..common import comm
 from ..engine.rl_batch import RLBatch
 from ..rollout.trajectory import Trajectory, collate
+
+SFT_DONE = "SFT_DONE"  # in the HF directory SFT writes, last: the stage finished
 
 
 def sft_batches(trajs: Sequence[Trajectory], batch_size: int, steps: int, seed: int) -> list[list[int]]:
@@ -46,17 +52,24 @@ def run_sft(
     pad_id: int,
     out_dir: Path,
     on_step: Callable[[int, dict], None] | None = None,
+    start_step: int = 0,
+    after_step: Callable[[int], None] | None = None,
 ) -> Path:
-    """Train ``engine`` (a PolicyEngine) ``steps`` times on gold batches; save an HF checkpoint."""
-    for step, idx in enumerate(sft_batches(trajs, batch_size, steps, seed), 1):
+    """Train ``engine`` (a PolicyEngine) on gold batches from step ``start_step + 1`` (an engine
+    restored from that step's checkpoint) to ``steps``; save an HF checkpoint. ``on_step(step,
+    metrics)`` logs a step, then ``after_step(step)`` may checkpoint it (logged first: a step in
+    a checkpoint is always in the log)."""
+    for step, idx in enumerate(sft_batches(trajs, batch_size, steps, seed)[start_step:], start_step + 1):
         t = collate([trajs[i] for i in idx], pad_token_id=pad_id)
         metrics = engine.sft_update(
             RLBatch(input_ids=t["input_ids"], attention_mask=t["attention_mask"], loss_mask=t["loss_mask"])
         )
         if on_step is not None:
             on_step(step, metrics)
+        if after_step is not None:
+            after_step(step)
     save_hf_checkpoint(engine.model, str(out_dir))
     if comm.rank() == 0:
-        (out_dir / "SFT_DONE").write_text(json.dumps({"steps": steps}))
+        (out_dir / SFT_DONE).write_text(json.dumps({"steps": steps}))
     comm.barrier()
     return out_dir

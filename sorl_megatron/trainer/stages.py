@@ -1,4 +1,5 @@
-"""What runs before or beside the RL steps: the SFT cold start and PVPO's reference pass.
+"""What runs before or beside the RL steps: the SFT cold start (resumable from its own
+checkpoints, ``<checkpoint.dir>/sft/step_K``) and PVPO's reference pass.
 
 Both play episodes on rank 0 (through :class:`~.connections.Connections`) and hand every rank
 the result; the engines they train or read are the trainer's.
@@ -7,8 +8,9 @@ the result; the engines they train or read are the trainer's.
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -17,26 +19,47 @@ from ..common import comm
 from ..data.gold import cold_start_plans
 from ..data.qa import QARow
 from ..engine.actor import ActorConfig, PolicyEngine
+from ..engine.checkpoint import (
+    load_engine_checkpoint,
+    newest_checkpoint,
+    prune_checkpoints,
+    read_checkpoint_meta,
+    save_engine_checkpoint,
+)
 from ..engine.config import BatchingConfig, OptimConfig
 from ..rewards.registry import RewardRegistry
 from .config import TrainConfig
 from .connections import Connections
+from .inputs import InputError
 from .metrics_log import MetricsLogger
 from .producer import Group
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
+from .rerun import sft_checkpoint_root, sft_finished, sft_model_dir
 from .runtime import DataStream, StepTimer
-from .sft import run_sft
+from .sft import SFT_DONE, run_sft
 
 log = logging.getLogger("sorl_megatron.trainer")
 
 
+def sft_resume_point(cfg: TrainConfig) -> Optional[Path]:
+    """The SFT checkpoint an unfinished SFT stage resumes from: the newest verified one under
+    ``<checkpoint.dir>/sft`` (all ranks call it); None to start at step 0 (none there, SFT off
+    or finished, or ``checkpoint.resume=none``)."""
+    if not cfg.sft.enabled or sft_finished(cfg) or cfg.checkpoint.resume == "none":
+        return None
+    return newest_checkpoint(sft_checkpoint_root(cfg))
+
+
 def sft_stage(cfg: TrainConfig, run_dir: Path, rows: list[QARow], conn: Optional[Connections], pad_id: int,
-              model_options: ModelOptions, wandb_run: Any = None) -> str:
+              model_options: ModelOptions, wandb_run: Any = None, resume: Optional[Path] = None,
+              on_phase: Callable[[str], None] = lambda phase: None) -> str:
     """Cold-start SFT on gold trajectories; returns the HF directory RL starts from (already
-    there when a finished SFT left ``SFT_DONE``)."""
+    there when a finished SFT left ``SFT_DONE``). With ``resume`` (:func:`sft_resume_point`)
+    the engine, its optimizer, scheduler and the RNG continue from that checkpoint's step, and
+    the steps after it are the uninterrupted run's. ``on_phase`` hears what the stage is doing."""
     sft = cfg.sft
-    out = run_dir / "sft_model"
-    if (out / "SFT_DONE").is_file():
+    out = sft_model_dir(cfg)
+    if (out / SFT_DONE).is_file():
         return str(out)
 
     def demonstrations():
@@ -44,7 +67,9 @@ def sft_stage(cfg: TrainConfig, run_dir: Path, rows: list[QARow], conn: Optional
         gold = conn.gold_trajectories(sorted(plans), plans=plans)
         return [gold[i] for i in sorted(gold)]
 
+    on_phase("the SFT demonstrations")
     trajs = comm.on_rank0(demonstrations, "the SFT demonstrations", cfg.parallelism.rank0_phase_timeout_s)
+    start = _checkpoint_step(resume, len(trajs), sft.steps) if resume is not None else 0
     engine = PolicyEngine(cfg.model.path, cfg.parallelism, ActorConfig(
         loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
         batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size,
@@ -52,16 +77,50 @@ def sft_stage(cfg: TrainConfig, run_dir: Path, rows: list[QARow], conn: Optional
                                 max_tokens_per_micro_batch=cfg.schedule.max_tokens_per_micro_batch)),
         model_options=model_options)
     engine.config_prefix = "schedule"
+    if resume is not None:
+        load_engine_checkpoint(str(resume), engine)  # weights, Adam, LR schedule, step counter, RNG
+        if comm.rank() == 0:
+            log.info("SFT: resuming from step %d of %d (%s)", start, sft.steps, resume)
+    root = sft_checkpoint_root(cfg)
+
+    def after_step(step: int) -> None:
+        # the last step's state is sft_model itself; saving reads the RNG, never draws from it
+        if sft.save_every and step % sft.save_every == 0 and step < sft.steps:
+            on_phase(f"the SFT checkpoint of step {step}")
+            save_engine_checkpoint(str(root / f"step_{step}"), engine,
+                                   extra={"sft_step": step, "demonstrations": len(trajs)})
+            prune_checkpoints(root, cfg.checkpoint.keep_last)
+        on_phase(f"SFT step {step + 1} of {sft.steps}" if step < sft.steps else "the SFT policy's save")
+
     sft_log = MetricsLogger(run_dir / "sft", sft.steps, cfg.logging.tensorboard, cfg.logging.progress,
-                            enabled=comm.rank() == 0, name="sft", wandb_run=wandb_run)
+                            enabled=comm.rank() == 0, name="sft", wandb_run=wandb_run, start_step=start)
+    on_phase(f"SFT step {start + 1} of {sft.steps}")
     try:
         run_sft(engine, trajs, sft.steps, sft.batch_size, cfg.schedule.seed, pad_id, out,
                 on_step=lambda step, m: sft_log.log(
-                    step, {f"sft/{k}" if not k.startswith("sft/") else k: v for k, v in m.items()}))
+                    step, {f"sft/{k}" if not k.startswith("sft/") else k: v for k, v in m.items()}),
+                start_step=start, after_step=after_step)
     finally:
         sft_log.close()
-    del engine
+    if comm.rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)  # sft_model is written: nothing resumes from them any more
     return str(out)
+
+
+def _checkpoint_step(path: Path, demonstrations: int, steps: int) -> int:
+    """The step an SFT checkpoint was saved after, if this run can resume from it."""
+    _, _, extra = read_checkpoint_meta(path)
+    try:
+        step, saved = int(extra["sft_step"]), int(extra["demonstrations"])
+    except (KeyError, TypeError, ValueError):
+        raise InputError(f"{path}/trainer.json: no sft_step / demonstrations (not an SFT checkpoint)") from None
+    if saved != demonstrations:
+        raise InputError(f"SFT checkpoint {path} was trained on {saved} demonstrations, the data now give "
+                         f"{demonstrations}: the same data resume it (checkpoint.resume=none starts over)")
+    if step >= steps:
+        raise InputError(f"SFT checkpoint {path} is at step {step}, not before sft.steps={steps}: raise sft.steps "
+                         "(checkpoint.resume=none starts over)")
+    return step
 
 
 class PVPOStage:

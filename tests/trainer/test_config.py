@@ -71,6 +71,7 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["rollout.timeout_s=0"], r"rollout.timeout_s must be > 0"),
         (["data.max_prompt_tokens=0"], r"data.max_prompt_tokens must be >= 1"),
         (["sft.batch_size=0"], r"sft.batch_size must be >= 1"),
+        (["sft.save_every=-1"], r"sft.save_every must be >= 0"),
         (["schedule.val_every=-1"], r"schedule.val_every must be >= 0"),
         (["checkpoint.save_every=-1"], r"checkpoint.save_every must be >= 0"),
         (["checkpoint.keep_last=-1"], r"checkpoint.keep_last must be >= 0"),

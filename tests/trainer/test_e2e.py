@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -393,9 +394,16 @@ def test_ctrl_c_stops_the_run_and_its_servers_with_one_line(tiny_data, tmp_path)
     stdout, stderr = Path(out.name).read_text(), Path(err.name).read_text()
     assert code == 130, stderr[-4000:]
     assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stdout + stderr, stderr[-4000:]
-    assert stderr.strip().splitlines()[-1] == (
-        "interrupted (Ctrl-C): stopped the run and its servers; run the same command again to resume from its "
-        "last checkpoint")
+    # what a rerun does, as the disk has it: no RL checkpoint yet (the first is at step 4), or the newest one
+    line = stderr.strip().splitlines()[-1]
+    match = re.fullmatch(r"interrupted \(Ctrl-C\) during (.+): stopped the run and its servers; run the same "
+                         r"command again: RL (starts from step 0 \(no RL checkpoint yet\)|resumes from step (\d+) "
+                         r"of 50)", line)
+    assert match and re.fullmatch(r"RL step \d+ of 50|the (checkpoint|validation) after RL step \d+|the checkpoint "
+                                  r"of RL step \d+", match.group(1)), line
+    saved = sorted(int(p.name[5:]) for p in (tmp_path / "interrupted" / "ckpt").glob("step_*") if p.name[5:].isdigit()
+                   and (p / "MANIFEST.json").is_file())
+    assert (int(match.group(3)) if match.group(3) else None) == (saved[-1] if saved else None), (line, saved)
     assert stderr.count("interrupted (") == 1
 
 

@@ -83,3 +83,60 @@ def test_a_run_with_steps_left_checks_its_inputs_before_it_announces_itself(tmp_
     with caplog.at_level(logging.INFO, logger="sorl_megatron.trainer"), pytest.raises(InputError, match="nowhere"):
         RLTrainer(cfg).run()
     assert not [r for r in caplog.records if r.name == "sorl_megatron.trainer"]
+
+
+# ---------------------------------------------- what Ctrl-C says a rerun does (issue 32)
+
+
+def _sft_cfg(tmp_path, *extra):
+    return _cfg(tmp_path, "sft.enabled=true", "sft.steps=12", "sft.save_every=2", *extra)
+
+
+def test_the_rerun_plan_follows_what_is_on_disk(tmp_path):
+    from sorl_megatron.trainer.rerun import rerun_plan, sft_checkpoint_root, sft_model_dir
+
+    cfg = _sft_cfg(tmp_path)
+    assert rerun_plan(cfg) == "SFT restarts from step 0 (no SFT checkpoint yet, the first is at step 2), then RL"
+    assert rerun_plan(_sft_cfg(tmp_path, "sft.save_every=0")) == (
+        "SFT restarts from step 0 (sft.save_every=0 keeps no SFT checkpoint), then RL")
+    _fake_checkpoint(sft_checkpoint_root(cfg), 2)
+    _fake_checkpoint(sft_checkpoint_root(cfg), 4)
+    (sft_checkpoint_root(cfg) / "step_6").mkdir()  # a save cut short: no manifest, not counted
+    assert rerun_plan(cfg) == "SFT resumes from step 4 of 12, then RL"
+    assert rerun_plan(_sft_cfg(tmp_path, "checkpoint.resume=none")) == (
+        "SFT restarts from step 0 (checkpoint.resume=none), then RL")
+    sft_model_dir(cfg).mkdir(parents=True)
+    (sft_model_dir(cfg) / "SFT_DONE").write_text("{}")
+    assert rerun_plan(cfg) == "RL starts from step 0 with the finished SFT policy (sft_model) (no RL checkpoint yet)"
+    _fake_checkpoint(Path(cfg.checkpoint.dir), 2)
+    assert rerun_plan(cfg) == "RL resumes from step 2 of 4"
+    assert rerun_plan(_cfg(tmp_path, "sft.enabled=false", "checkpoint.resume=none")) == (
+        "RL starts over from step 0 (checkpoint.resume=none)")
+    _fake_checkpoint(Path(cfg.checkpoint.dir), 4)
+    assert rerun_plan(cfg) == "nothing left to do, the run is finished (its RL checkpoint is at step 4)"
+
+
+def test_ctrl_c_in_the_set_up_says_what_a_rerun_does(tmp_path, monkeypatch, capsys):
+    """The trainer's interrupt carries its phase and plan; report_interrupt prints them in one line."""
+    import signal
+
+    import sorl_megatron.trainer.rl_loop as rl_loop
+    from sorl_megatron.trainer.rerun import RunInterrupted, sft_checkpoint_root
+    from sorl_megatron.trainer.servers import SignalInterrupt, report_interrupt
+
+    cfg = _sft_cfg(tmp_path)
+    _fake_checkpoint(sft_checkpoint_root(cfg), 8)
+
+    def stop(*args, **kwargs):
+        raise SignalInterrupt(signal.SIGTERM)
+
+    monkeypatch.setattr(rl_loop, "validate_inputs", stop)
+    monkeypatch.setattr(rl_loop, "sft_resume_point", lambda cfg: None)  # the fake has no engine state to verify
+    with pytest.raises(RunInterrupted) as err:
+        RLTrainer(cfg).run()
+    assert (err.value.signum, err.value.phase) == (signal.SIGTERM, "the set-up")
+    monkeypatch.setenv("RANK", "0")
+    assert report_interrupt(err.value) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == (
+        "interrupted (SIGTERM) during the set-up: stopped the run and its servers; run the same command again: "
+        "SFT resumes from step 8 of 12, then RL\n")

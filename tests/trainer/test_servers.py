@@ -64,10 +64,11 @@ def test_an_interrupted_run_reports_one_line_on_rank_0(capsys, monkeypatch):
 
     monkeypatch.setenv("RANK", "0")
     assert report_interrupt(KeyboardInterrupt()) == 128 + signal.SIGINT
-    assert capsys.readouterr().err == ("interrupted (Ctrl-C): stopped the run and its servers; run the same command "
-                                       "again to resume from its last checkpoint\n")
+    # not the trainer's (rerun.RunInterrupted, which names its phase): before the run or after it
+    assert capsys.readouterr().err == ("interrupted (Ctrl-C) before the run started or after it ended: nothing was "
+                                       "lost; run the same command again\n")
     assert report_interrupt(SignalInterrupt(signal.SIGTERM)) == 128 + signal.SIGTERM
-    assert capsys.readouterr().err.startswith("interrupted (SIGTERM): ")
+    assert capsys.readouterr().err.startswith("interrupted (SIGTERM) before ")
     monkeypatch.setenv("RANK", "1")
     assert report_interrupt(KeyboardInterrupt()) == 130
     assert capsys.readouterr().err == ""
