@@ -171,8 +171,8 @@ class DistributedSender:
         from torch.distributed import TCPStore
 
         sess, urls = self.client.session(), self.client.cfg.urls
-        infos = await asyncio.gather(*(  # SGLang's /get_server_info holds its server args (tp_size)
-            request(sess, "GET", f"{u}/get_server_info", None, self.client.cfg.control_retry) for u in urls))
+        infos = await asyncio.gather(*(  # SGLang's /server_info (every release server_facts accepts): tp_size, device
+            request(sess, "GET", f"{u}/server_info", None, self.client.cfg.control_retry) for u in urls))
         offsets, size = [], 1
         for u, info in zip(urls, infos):
             offsets.append(size)
