@@ -105,15 +105,17 @@ def test_a_broadcast_that_disagrees_with_its_announcement_is_refused(server):
 
 def test_joins_that_hang_block_neither_generate_nor_a_valid_join(moe_dir):
     srv = start_rollout_server(EngineConfig(model_path=str(moe_dir)), options=ServerOptions(
-        weight_group_timeout_s=600, weight_group_join_timeout_s=15, max_weight_group_joins=4))
+        weight_group_timeout_s=600, weight_group_join_timeout_s=15, max_weight_group_joins=8))
     dead = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
             "backend": "gloo"}  # nobody listens there: each join waits out its timeout
 
     async def go():
         t0 = time.monotonic()
+        # more hung joins than the threads of the loop's default pool (6 on 2 cores), where joins
+        # waited before, behind one another
         hung = [asyncio.ensure_future(post(srv.url, "/init_weights_update_group", {**dead, "group_name": f"d{i}"}))
-                for i in range(3)]
-        while srv.engine.groups._joins < 3:  # all three are waiting in the join pool
+                for i in range(7)]
+        while srv.engine.groups._joins < 7:  # all seven are waiting in the join pool
             assert time.monotonic() - t0 < 30, "the joins never started"
             await asyncio.sleep(0.05)
         took = {}
@@ -126,14 +128,15 @@ def test_joins_that_hang_block_neither_generate_nor_a_valid_join(moe_dir):
             await sender.connect()
             await sender.close()
         took["valid join"] = time.monotonic() - t
-        # the cap: a fourth hung join fills it, a fifth is refused at once
-        hung.append(asyncio.ensure_future(post(srv.url, "/init_weights_update_group", {**dead, "group_name": "d3"})))
-        while srv.engine.groups._joins < 4:
+        assert took["generate"] < 10 and took["valid join"] < 10, took  # though seven joins hang
+        # the cap: an eighth hung join fills it, a ninth is refused at once
+        hung.append(asyncio.ensure_future(post(srv.url, "/init_weights_update_group", {**dead, "group_name": "d7"})))
+        while srv.engine.groups._joins < 8:
             await asyncio.sleep(0.05)
         t = time.monotonic()
-        status, body = await post(srv.url, "/init_weights_update_group", {**dead, "group_name": "d4"})
+        status, body = await post(srv.url, "/init_weights_update_group", {**dead, "group_name": "d8"})
         took["refused"] = time.monotonic() - t
-        assert status == 503 and "--max-weight-group-joins 4" in body["message"], body
+        assert status == 503 and "--max-weight-group-joins 8" in body["message"], body
         answers = await asyncio.gather(*hung)
         return took, answers, time.monotonic() - t0
 
@@ -141,8 +144,7 @@ def test_joins_that_hang_block_neither_generate_nor_a_valid_join(moe_dir):
         took, answers, total = asyncio.run(go())
     finally:
         srv.stop()
-    # each joined after a few seconds at most, though three joins hung (a 600 s bound before)
-    assert took["generate"] < 10 and took["valid join"] < 10 and took["refused"] < 3, took
+    assert took["refused"] < 3, took
     for status, body in answers:  # the hung joins end at their own bound, 15 s, not the 600 s one
         assert status == 400 and "could not be formed within 15 s" in body["message"], body
     assert total < 90, total
