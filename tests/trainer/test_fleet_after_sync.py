@@ -99,7 +99,7 @@ def _kill_after_sync(tiny_data: Path, tmp_path: Path, name: str, *extra: str, ro
     run_dir = tmp_path / name
     victim = killer.victim[0]
     # the kill came after a sync whose group held the victim's first URL
-    old = [w for w in (watch.urls or ())]
+    old = watch.urls or ()
     assert len(old) == 2, f"no weight-update group with both servers before the kill: {watch.urls}"
     metrics = read_metrics(run_dir)
     steps = [metrics[s] for s in (1, 2, 3)]
