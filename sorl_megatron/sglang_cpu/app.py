@@ -36,6 +36,7 @@ from ..weight_sync.group import BucketSpec, GroupSpec, WeightGroupError, parse_g
 from .engine import PAUSE_MODES, RolloutEngine
 from .options import ServerOptions
 from .parse import parse_generate
+from .weight_groups import JoinsBusy
 from .weights import WeightError, deserialize_named_tensors
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def respond(shape: str, message: str, status: int = 200) -> web.Response:
 
 def error_response(exc: Exception, shape: str, what: str) -> web.Response:
     """The one mapping from an exception to an HTTP answer; ``what`` names the work in the log."""
-    if isinstance(exc, (BodyError, ServiceError)):
+    if isinstance(exc, (BodyError, ServiceError, JoinsBusy)):
         return respond(shape, str(exc), exc.status)
     if isinstance(exc, CLIENT_FAULTS):
         return respond(shape, str(exc), 400)
@@ -113,6 +114,7 @@ class Handlers:
         self.body_limit = opts.max_body_mb * MiB
         self.weight_limit = opts.max_weight_body_mb * MiB
         self.off_loop = OffLoop("rollout-validate")
+        engine.groups.max_joins = opts.max_weight_group_joins
 
     # ----- the scheduler thread -----
 
@@ -285,19 +287,21 @@ class Handlers:
     # ----- distributed weight updates -----
 
     async def _group_call(self, request: web.Request, parse: Callable[[dict], Any], work: Callable[[Any], Any],
-                          apply: Callable[[Any, Any], str] | None = None) -> web.Response:
+                          apply: Callable[[Any, Any], str] | None = None,
+                          start: Callable[[Any], Any] | None = None) -> web.Response:
         """``parse(body)`` checks the request (400 on a bad one), ``work(parsed)`` runs in a thread
-        of its own (it waits on the other group members), then ``apply(parsed, result)``, if
-        given, on the scheduler thread between waves. Once ``work`` has started, both run to the
-        end even if the client leaves: the collective finishes anyway, and a bucket received but
-        not applied would tear the weights."""
+        of its own (it waits on the other group members; ``start(parsed)``, if given, submits it
+        and returns its future), then ``apply(parsed, result)``, if given, on the scheduler
+        thread between waves. Once ``work`` has started, both run to the end even if the client
+        leaves: the collective finishes anyway, and a bucket received but not applied would tear
+        the weights."""
         body = await self._read_json(request, self.body_limit, "--max-body-mb")
         if not isinstance(body, dict):
             raise ProtocolError("body must be a JSON object")
         parsed = parse(body)
 
         async def work_then_apply() -> Any:
-            result = await asyncio.to_thread(work, parsed)
+            result = await (asyncio.wrap_future(start(parsed)) if start else asyncio.to_thread(work, parsed))
             return result if apply is None else await self._control(lambda: apply(parsed, result))
 
         task = asyncio.ensure_future(work_then_apply())
@@ -310,8 +314,11 @@ class Handlers:
 
     @endpoint(RESULT, "distributed weight update")
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        groups, timeout_s = self.engine.groups, self.opts.weight_group_timeout_s
-        return await self._group_call(request, GroupSpec.from_json, lambda spec: groups.join(spec, timeout_s))
+        # in the joins' own pool, capped (503 beyond), bounded by the join timeout
+        groups, opts = self.engine.groups, self.opts
+        join_s = min(opts.weight_group_join_timeout_s, opts.weight_group_timeout_s)
+        return await self._group_call(request, GroupSpec.from_json, None, start=lambda spec: groups.start_join(
+            spec, opts.weight_group_timeout_s, join_s))
 
     @endpoint(RESULT, "distributed weight update")
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:

@@ -43,7 +43,11 @@ class ServerOptions:
         max_tokens_per_request: most tokens one ``/generate`` may ask for: the sum over its
             sequences of prompt tokens plus ``max_new_tokens`` (capped by the context length).
         api_key: when set, every endpoint but ``/health*`` needs ``Authorization: Bearer <key>``.
-        weight_group_timeout_s: bound on joining a weight-update group and on each broadcast in it.
+        weight_group_timeout_s: bound on each broadcast in a weight-update group (and on joining one).
+        weight_group_join_timeout_s: bound on joining a weight-update group (the smaller of the
+            two applies).
+        max_weight_group_joins: most group joins in flight, in a pool of their own; one more is
+            refused at once (503).
         control_timeout_s: bound on ``/flush_cache``, ``/pause_generation`` and
             ``/continue_generation`` waiting for the scheduler (they run at its next step).
         sglang_version: the SGLang release this server answers as (``/server_info``'s
@@ -58,15 +62,19 @@ class ServerOptions:
     max_tokens_per_request: int = 1 << 20
     api_key: str | None = field(default=None, repr=False)
     weight_group_timeout_s: float = 600.0
+    weight_group_join_timeout_s: float = 60.0
+    max_weight_group_joins: int = 4
     control_timeout_s: float = 60.0
     sglang_version: str = "0.5.21"
 
     def __post_init__(self) -> None:
-        for name in ("max_body_mb", "max_weight_body_mb", "max_prompts_per_request", "max_tokens_per_request"):
+        for name in ("max_body_mb", "max_weight_body_mb", "max_prompts_per_request", "max_tokens_per_request",
+                     "max_weight_group_joins"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.weight_group_timeout_s < float("inf"):
-            raise ValueError(f"weight_group_timeout_s must be > 0 seconds, got {self.weight_group_timeout_s}")
+        for name in ("weight_group_timeout_s", "weight_group_join_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not 0 < self.control_timeout_s < float("inf"):
             raise ValueError(f"control_timeout_s must be > 0 seconds, got {self.control_timeout_s}")
         if parse_version(self.sglang_version) is None:

@@ -69,8 +69,8 @@ def start_rollout_server(
 # a 0 or a negative one started a server that refused or broke every request
 _AT_LEAST_ONE = ("fp8_block_size", "max_running_requests", "context_length", "prefix_cache_max_tokens",
                  "max_body_mb", "max_weight_body_mb", "max_prompts_per_request", "max_tokens_per_request",
-                 "num_threads")
-_SECONDS = ("weight_group_timeout_s", "control_timeout_s")
+                 "num_threads", "max_weight_group_joins")
+_SECONDS = ("weight_group_timeout_s", "weight_group_join_timeout_s", "control_timeout_s")
 
 
 def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -189,7 +189,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--weight-group-timeout-s",
         type=float,
         default=600.0,
-        help="bound in seconds on joining a weight-update group and on each broadcast in it (default 600)",
+        help="bound in seconds on each broadcast in a weight-update group (default 600)",
+    )
+    p.add_argument(
+        "--weight-group-join-timeout-s",
+        type=float,
+        default=60.0,
+        help="bound in seconds on joining a weight-update group (default 60; at most --weight-group-timeout-s)",
+    )
+    p.add_argument(
+        "--max-weight-group-joins",
+        type=int,
+        default=4,
+        help="most /init_weights_update_group calls in flight, in a pool of their own; one more is refused with "
+        "503 at once (default 4)",
     )
     p.add_argument(
         "--control-timeout-s",
@@ -260,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens_per_request=args.max_tokens_per_request,
         api_key=args.api_key,
         weight_group_timeout_s=args.weight_group_timeout_s,
+        weight_group_join_timeout_s=args.weight_group_join_timeout_s,
+        max_weight_group_joins=args.max_weight_group_joins,
         control_timeout_s=args.control_timeout_s,
         sglang_version=args.sglang_version,
     )

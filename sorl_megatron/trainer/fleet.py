@@ -103,6 +103,13 @@ class RolloutFleet:
                 out.append(url)
         return out
 
+    def generations(self, urls: list[str]) -> tuple[int, ...]:
+        """Each URL's count of failures handled: it changes when a server failed and came back,
+        even on the same URL (an external server's operator), so its weight-update group is
+        formed again."""
+        failures = {w.url: w.failures for w in list(self.workers)}
+        return tuple(failures.get(u, 0) for u in urls)
+
     def count(self, key: str, n: float = 1) -> None:
         """Add to this step's counter ``rollout/<key>`` (any thread)."""
         with self._counts_lock:

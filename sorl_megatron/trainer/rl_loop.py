@@ -245,8 +245,11 @@ class RLTrainer:
     def _push_weights(self, version: str) -> None:
         """The sync itself, to the servers serving now (every rank joins the export)."""
         conn = self.conn
-        targets = SyncTargets(tuple(conn.rollout_urls), conn.api_keys.get("rollout"),
-                              on_failure=conn.get_fleet().on_failure) if conn is not None else SyncTargets()
+        targets = SyncTargets()
+        if conn is not None:
+            fleet = conn.get_fleet()
+            targets = SyncTargets(tuple(conn.rollout_urls), conn.api_keys.get("rollout"), on_failure=fleet.on_failure,
+                                  generations=fleet.generations(conn.rollout_urls))
         self.weight_sync_bytes = self._wsync.sync(self.actor.model, targets, version).bytes_sent
 
     # -- the step ----------------------------------------------------------------------

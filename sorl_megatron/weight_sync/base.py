@@ -50,11 +50,15 @@ class SyncTargets:
     ``on_failure``: the fleet's hook for a server that failed a control call (a dead one is
     dropped and the sync stands on the others); the tensor and disk transports send through it.
     The distributed transport cannot leave a member out of a broadcast: it fails the sync.
+    ``generations``: per URL, the fleet's count of that server's failures (a server back on the
+    same URL is a new process, with no weight-update group; the distributed sender forms its
+    group again when they change).
     """
 
     urls: tuple[str, ...] = ()
     api_key: Optional[str] = None
     on_failure: Optional[FailureHook] = None
+    generations: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,8 @@ class DistributedSender:
         self.master_address = master_address
         self.group: WeightGroup | None = None
         self.group_urls: tuple[str, ...] = ()  # the servers the group was formed with
+        self.generations: tuple[int, ...] = ()  # of the servers to send to (SyncTargets.generations)
+        self.group_generations: tuple[int, ...] = ()  # ... and of those the group was formed with
         self.bytes_sent = 0
         self.bind(client)
 
@@ -171,8 +173,8 @@ class DistributedSender:
         from torch.distributed import TCPStore
 
         sess, urls = self.client.session(), self.client.cfg.urls
-        infos = await asyncio.gather(*(  # SGLang's /get_server_info holds its server args (tp_size)
-            request(sess, "GET", f"{u}/get_server_info", None, self.client.cfg.control_retry) for u in urls))
+        infos = await asyncio.gather(*(  # SGLang's /server_info (every release server_facts accepts): tp_size, device
+            request(sess, "GET", f"{u}/server_info", None, self.client.cfg.control_retry) for u in urls))
         offsets, size = [], 1
         for u, info in zip(urls, infos):
             offsets.append(size)
@@ -197,7 +199,7 @@ class DistributedSender:
             join.add_done_callback(lambda f: f.exception() or f.result().destroy())  # it ends at its timeout
             raise WeightGroupError(f"a rollout server refused the weight-update group: {posts.exception()}")
         self.group = await join  # raises WeightGroupError after the timeout
-        self.group_urls = urls
+        self.group_urls, self.group_generations = urls, self.generations
         await posts
 
     async def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
@@ -206,8 +208,9 @@ class DistributedSender:
         ``settle()`` (default :func:`settle_device`) runs before each bucket takes ``lock``: the
         export's gathers must have finished by then."""
         settle = settle or settle_device
-        if self.group is not None and self.group_urls != self.client.cfg.urls:
-            with lock():  # the servers changed (a restarted one is on a new URL): leave the old group
+        members = (self.client.cfg.urls, self.generations)
+        if self.group is not None and (self.group_urls, self.group_generations) != members:
+            with lock():  # the servers changed (a restarted one, on a new URL or the same): leave the old group
                 await self.close()
         if self.group is None:
             with lock():  # a server joins one group at a time (SGLang's init blocks until it forms)
@@ -338,7 +341,7 @@ class DistributedWeightSync(WeightSync):
         finally:
             await client.close()
 
-    async def _send(self, model, urls, api_key, fmt: WeightFormat) -> int:
+    async def _send(self, model, urls, api_key, fmt: WeightFormat, generations: tuple[int, ...] = ()) -> int:
         s = self.settings
         client = self._client(urls, api_key)
         try:
@@ -346,6 +349,7 @@ class DistributedWeightSync(WeightSync):
                 self.sender = DistributedSender(client, f"sorl_wsync_r{comm.rank()}", s.weight_sync_init_timeout_s,
                                                 master_address=s.weight_sync_master_address)
             self.sender.bind(client)
+            self.sender.generations = generations
             kw = {}
             if comm.world_size() > 1:
                 kw["lock"] = StoreMutex(comm.store(), "sorl_wsync_lock", s.weight_sync_init_timeout_s)
@@ -361,9 +365,11 @@ class DistributedWeightSync(WeightSync):
             await client.close()
 
     def sync(self, model, targets: SyncTargets, version: str) -> SyncStats:
-        """Every rank calls it, rank 0 with the servers' URLs and key (sent to every rank on each
-        sync: a restarted server comes back on a new URL, and the groups follow it)."""
-        urls, self.api_key = comm.broadcast_object((list(targets.urls), targets.api_key))
+        """Every rank calls it, rank 0 with the servers' URLs, generations and key (sent to every
+        rank on each sync: a restarted server comes back on a new URL or as a new process on the
+        same one, and the groups follow it)."""
+        urls, self.api_key, gens = comm.broadcast_object((list(targets.urls), targets.api_key,
+                                                          tuple(targets.generations)))
         error: Optional[BaseException] = None
         fmt: Optional[WeightFormat] = None
         if comm.rank() == 0:
@@ -377,7 +383,7 @@ class DistributedWeightSync(WeightSync):
         if not failed:
             try:
                 if any(weight_sync_roles()):
-                    self.bytes_sent = asyncio.run(self._send(model, urls, self.api_key, fmt))
+                    self.bytes_sent = asyncio.run(self._send(model, urls, self.api_key, fmt, gens))
                 else:
                     for _ in iter_owned_hf_weights(model):  # the gathers need every rank
                         pass

@@ -197,18 +197,21 @@ def _is_loopback(addr: str) -> bool:
 class WeightGroup:
     """One member of a weight-update group: ``broadcast`` (rank 0 sends, others receive) and
     ``destroy``. The constructor returns once every member has joined, or raises
-    ``WeightGroupError`` after ``timeout_s``."""
+    ``WeightGroupError`` after ``join_timeout_s`` (default ``timeout_s``); ``timeout_s`` bounds
+    each broadcast."""
 
-    def __init__(self, spec: GroupSpec, rank: int, timeout_s: float, store: Any = None):
+    def __init__(self, spec: GroupSpec, rank: int, timeout_s: float, store: Any = None,
+                 join_timeout_s: float | None = None):
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} is outside the group of {spec.world_size}")
         self.spec, self.rank, self.timeout = spec, rank, timedelta(seconds=timeout_s)
+        join = timedelta(seconds=timeout_s if join_timeout_s is None else join_timeout_s)
         from torch.distributed import PrefixStore, TCPStore
 
         try:
             if store is None:
                 store = TCPStore(spec.master_address, spec.master_port, spec.world_size, is_master=rank == 0,
-                                 timeout=self.timeout, wait_for_workers=False)
+                                 timeout=join, wait_for_workers=False)
             self._store = store  # rank 0 hosts it: keep it alive as long as the group
             base = PrefixStore(f"{spec.group_name}/", PrefixStore(spec.group_name, store))
             self.device = "cuda" if spec.backend == "nccl" else "cpu"
@@ -216,13 +219,13 @@ class WeightGroup:
                 from torch.distributed import ProcessGroupGloo
 
                 # torch builds one gloo context for a "gloo" group, under its first device's prefix
-                backend = ProcessGroupGloo(PrefixStore("cpu/", base), rank, spec.world_size, self.timeout)
+                backend = ProcessGroupGloo(PrefixStore("cpu/", base), rank, spec.world_size, join)
             else:
                 from torch.distributed import ProcessGroupNCCL
 
                 opts = ProcessGroupNCCL.Options()
                 opts.is_high_priority_stream = False
-                opts._timeout = self.timeout
+                opts._timeout = join
                 backend = ProcessGroupNCCL(PrefixStore("cuda/", base), rank, spec.world_size, opts)
             # as torch's group creation does: rank 0 publishes the group's sequence number in the
             # store and the other ranks wait for it (SGLang's join does not finish without it)
@@ -233,7 +236,7 @@ class WeightGroup:
                 f" (can every member reach {spec.master_address}:{spec.master_port}?)")
             raise WeightGroupError(
                 f"weight-update group {spec.group_name!r} (rank {rank} of {spec.world_size}, {spec.backend}) "
-                f"could not be formed within {timeout_s:g} s: {type(exc).__name__}: {exc}{hint}"
+                f"could not be formed within {join.total_seconds():g} s: {type(exc).__name__}: {exc}{hint}"
             ) from None
 
     @property
@@ -255,6 +258,7 @@ class WeightGroup:
                         t = t.view(torch.uint8)  # gloo has no float8 type: the same bytes
                 opts = BroadcastOptions()
                 opts.rootRank, opts.rootTensor = 0, 0
+                opts.timeout = self.timeout  # the group was formed with the join's bound
                 works.append(pg.broadcast([t], opts))
             for w in works:
                 w.wait(self.timeout)

@@ -39,6 +39,8 @@ FLAGS = [
     "--max-prompts-per-request",
     "--max-tokens-per-request",
     "--weight-group-timeout-s",
+    "--weight-group-join-timeout-s",
+    "--max-weight-group-joins",
     "--control-timeout-s",
     "--sglang-version",
     "--log-level",

@@ -131,6 +131,34 @@ def test_each_sync_goes_to_the_servers_it_is_given(servers, moe_dir, monkeypatch
     assert all(s.engine.groups._groups == {} for s in servers)  # close left the group on both
 
 
+def test_a_server_back_on_the_same_url_gets_a_new_group(servers, moe_dir, monkeypatch):
+    """An external server that failed and was brought back on the same URL by its operator is
+    a new process without the group: the fleet's count of its failures (``generations``) makes
+    the sender form the group again; with the same count it sends into a group the server no
+    longer has, and the sync fails."""
+    from sorl_megatron.weight_sync import distributed
+    from sorl_megatron.weight_sync.base import SyncTargets
+
+    monkeypatch.setattr(distributed, "weight_sync_roles", lambda: (True, True))
+    monkeypatch.setattr(distributed, "iter_owned_hf_weights", lambda model: iter(list(model.items())))
+    wsync = distributed.DistributedWeightSync(settings())
+    url = servers[0].url
+    try:
+        wsync.sync(perturbed(moe_dir, 0.05, seed=31), SyncTargets((url,), generations=(0,)), "first")
+        servers[0].engine.groups.destroy("sorl_wsync_r0")  # what a restart on the same port leaves
+        with pytest.raises((RequestRejectedError, WeightGroupError)):  # no group there / its peer left
+            wsync.sync(perturbed(moe_dir, 0.05, seed=32), SyncTargets((url,), generations=(0,)), "same-count")
+        wsync.sync(perturbed(moe_dir, 0.05, seed=31), SyncTargets((url,), generations=(0,)), "formed-after-failure")
+        servers[0].engine.groups.destroy("sorl_wsync_r0")
+        second = perturbed(moe_dir, 0.05, seed=33)
+        wsync.sync(second, SyncTargets((url,), generations=(1,)), "after-restart")
+        assert servers[0].engine.served.weight_version == "after-restart"
+        assert all(torch.equal(servers[0].engine.served.state[k], v) for k, v in second.items())
+    finally:
+        wsync.close()
+    assert servers[0].engine.groups._groups == {}
+
+
 def test_fp8_buckets_are_the_quantizers_output(servers, moe_dir):
     state = perturbed(moe_dir, 0.05, seed=12)
     named = [pair for n, t in state.items() for pair in quantize_hf_tensor(n, t)]

@@ -42,7 +42,7 @@ def sender(rank: int, gathers: AsyncGathers, sent: list) -> DistributedSender:
     s = object.__new__(DistributedSender)  # a formed group, without the servers
     s.group_name, s.bytes_sent, s.group = f"g{rank}", 0, object()
     s.client = SimpleNamespace(cfg=SimpleNamespace(urls=("http://server",)))
-    s.group_urls = s.client.cfg.urls
+    s.group_urls, s.generations, s.group_generations = s.client.cfg.urls, (), ()
 
     async def send_bucket(spec, tensors):  # the broadcast is queued behind the gathers on the stream
         await asyncio.to_thread(gathers.wait_stream, rank)
