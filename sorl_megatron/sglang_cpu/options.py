@@ -39,6 +39,8 @@ class ServerOptions:
     Attributes:
         max_body_mb: largest body of ``/generate`` and the control endpoints (MiB).
         max_weight_body_mb: largest body of ``/update_weights_from_tensor`` (MiB).
+        weight_body_wait_s: bound on a ``/update_weights_from_tensor`` waiting for its turn: one
+            such body is read, decoded and applied at a time (503 with Retry-After past it).
         max_prompts_per_request: most sequences one ``/generate`` may ask for (prompts x n).
         max_tokens_per_request: most tokens one ``/generate`` may ask for: the sum over its
             sequences of prompt tokens plus ``max_new_tokens`` (capped by the context length).
@@ -59,6 +61,7 @@ class ServerOptions:
     api_key: str | None = field(default=None, repr=False)
     weight_group_timeout_s: float = 600.0
     control_timeout_s: float = 60.0
+    weight_body_wait_s: float = 60.0
     sglang_version: str = "0.5.21"
 
     def __post_init__(self) -> None:
@@ -67,8 +70,9 @@ class ServerOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.weight_group_timeout_s < float("inf"):
             raise ValueError(f"weight_group_timeout_s must be > 0 seconds, got {self.weight_group_timeout_s}")
-        if not 0 < self.control_timeout_s < float("inf"):
-            raise ValueError(f"control_timeout_s must be > 0 seconds, got {self.control_timeout_s}")
+        for name in ("control_timeout_s", "weight_body_wait_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if parse_version(self.sglang_version) is None:
             raise ValueError(f"sglang_version must look like 0.5.21, got {self.sglang_version!r}")
         if self.api_key is not None and not self.api_key:
