@@ -93,12 +93,12 @@ def main() -> None:
         srcs = {"this checkout": Path(__file__).resolve().parents[1]}
         if args.compare_src:
             srcs["--compare-src"] = Path(args.compare_src).resolve()
-        print(f"large call: n={args.n} x {args.tokens} tokens (parts of 32); small call: 4 tokens; load {load()}")
+        print(f"large call: n={args.n} x {args.tokens} tokens (parts of 32); small call: 4 tokens; {load()}")
         for name, src in srcs.items():
             r = run(src, model, args.n, args.tokens, args.num_threads)
             print(f"{name:>14}: small call alone {r['alone']:.2f} s, behind the large call {r['behind']:.2f} s "
                   f"(x{r['behind'] / r['alone']:.1f}, {r['waited']} decode steps); large call {r['big']:.1f} s; "
-                  f"load {load()}")
+                  f"{load()}")
 
 
 if __name__ == "__main__":
