@@ -66,8 +66,9 @@ def test_a_small_call_waits_for_running_rows_only_not_for_the_large_calls_other_
           f"{waited} decode steps (the large call's parts take {LONG} steps each)")
     assert status == 200 and box["r"][0] == 200
     assert len(box["r"][1]) == PARTS * CAP and all(len(o["output_ids"]) == LONG for o in box["r"][1])
-    # at most the running part's remaining steps, then its own: it used to wait for every part
-    assert waited <= LONG + SHORT + 2, waited
+    # The running part's remaining steps, then its own (24 + 4 measured): it used to wait for
+    # every part (93). One part more of slack for a client that a loaded machine slows down.
+    assert waited <= 2 * LONG + SHORT, waited
     if server.engine.cfg.deterministic:  # a seeded request's tokens do not depend on what else ran
         assert small["output_ids"] == alone["output_ids"]
 
