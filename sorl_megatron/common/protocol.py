@@ -196,6 +196,7 @@ class GenRequest:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     sample_offset: int = 0  # a client's n samples may be split over requests: this one's first index
     total_n: int | None = None  # the client's n (None: params.n)
+    split: int | None = None  # shared by the parts a server split one prompt's n into (None: not split)
     future: cf.Future = field(default_factory=cf.Future)
     arrival: float = field(default_factory=time.perf_counter)
 

@@ -13,7 +13,9 @@ from tensors or a group is refused outside them; before it they do not exist),
 Errors: handlers raise, and ``error_response`` alone turns an exception into the answer:
 the request's fault (``ProtocolError``, ``WeightError``, ``WeightGroupError``) is 400, a
 refused body (``BodyError``) and a ``ServiceError`` carry their status (413; 503 with the
-scheduler thread dead, 504 past ``--control-timeout-s``, 500 when generation failed), and
+scheduler thread dead or, with ``Retry-After``, while another tensor-update body holds its
+turn past ``--weight-body-wait-s``; 504 past ``--control-timeout-s``, 500 when generation
+failed), and
 anything else is 500 naming the exception, logged with its traceback. No error stops the
 server. The answer has the endpoint's shape, as SGLang's: ``{"error": {"message": ...}}`` from
 ``/generate`` and ``/abort_request``, ``{"success": false, "message": ...}`` from the weight and
@@ -23,8 +25,11 @@ control endpoints, plain text from ``/flush_cache`` and ``/health*``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import gc
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -49,9 +54,10 @@ CLIENT_FAULTS = (ProtocolError, WeightError, WeightGroupError)  # 400
 class ServiceError(RuntimeError):
     """What the server could not do, with the HTTP status that says why (see the module doc)."""
 
-    def __init__(self, message: str, status: int = 503):
+    def __init__(self, message: str, status: int = 503, retry_after_s: float | None = None):
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s  # sent as Retry-After: when trying again may succeed
 
 
 def respond(shape: str, message: str, status: int = 200) -> web.Response:
@@ -65,7 +71,10 @@ def respond(shape: str, message: str, status: int = 200) -> web.Response:
 def error_response(exc: Exception, shape: str, what: str) -> web.Response:
     """The one mapping from an exception to an HTTP answer; ``what`` names the work in the log."""
     if isinstance(exc, (BodyError, ServiceError, JoinsBusy)):
-        return respond(shape, str(exc), exc.status)
+        resp = respond(shape, str(exc), exc.status)
+        if getattr(exc, "retry_after_s", None) is not None:
+            resp.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        return resp
     if isinstance(exc, CLIENT_FAULTS):
         return respond(shape, str(exc), 400)
     log.error("%s failed", what, exc_info=exc)
@@ -115,6 +124,9 @@ class Handlers:
         self.weight_limit = opts.max_weight_body_mb * MiB
         self.off_loop = OffLoop("rollout-validate")
         engine.groups.max_joins = opts.max_weight_group_joins
+        # One /update_weights_from_tensor body in memory at a time: taken before its first byte
+        # is read, held until its update is applied (its decoded tensors live until then).
+        self._weight_body_turn = asyncio.Semaphore(1)
 
     # ----- the scheduler thread -----
 
@@ -145,6 +157,22 @@ class Handlers:
 
     async def _urgent(self, fn: Callable[[], Any], what: str) -> Any:
         return await self._on_scheduler(self.engine.call(fn, urgent=True), what, self.opts.control_timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def _one_weight_body(self):
+        """The turn of one large weight body; 503 with Retry-After past ``--weight-body-wait-s``.
+        Waiting bodies are not read: TCP flow control holds them in the clients."""
+        wait_s = self.opts.weight_body_wait_s
+        try:
+            await asyncio.wait_for(self._weight_body_turn.acquire(), wait_s)
+        except asyncio.TimeoutError:
+            raise ServiceError(f"another /update_weights_from_tensor body is being received or applied; waited "
+                               f"{wait_s:g} s for its turn (--weight-body-wait-s): retry later", 503,
+                               retry_after_s=wait_s) from None
+        try:
+            yield
+        finally:
+            self._weight_body_turn.release()
 
     async def _read_json(self, request: web.Request, limit: int, flag: str) -> Any:
         raw = await read_body(request, limit, flag)
@@ -207,6 +235,7 @@ class Handlers:
 
         def checked():  # off the event loop: JSON and tensor payloads can be large
             body = parse_json(raw) if raw.strip() else {}
+            raw.clear()  # the raw bytes are not needed while the (large) payload is decoded
             if not isinstance(body, dict):
                 raise ProtocolError("body must be a JSON object")
             return prepare(body)
@@ -235,9 +264,21 @@ class Handlers:
         if fmt is not None and not isinstance(fmt, str):
             raise ProtocolError("load_format must be a string")
         # The embedded server has one rank: every entry must carry the same tensors; use rank 0's.
-        named = deserialize_named_tensors(payloads[0], fmt)
+        box = [deserialize_named_tensors(payloads[0], fmt)]
         version = _version(body)
-        return lambda: self.engine.served.update_from_tensors(named, version)
+
+        def update() -> str:  # on the scheduler thread
+            try:
+                self._in_session("update_weights_from_tensor")
+                return self.engine.served.update_from_tensors(box.pop(), version)
+            except WeightError as exc:
+                message = str(exc)
+            finally:
+                box.clear()  # the payload is gone once the update has run, whatever holds this function
+            # A fresh error raised outside the handler: no frame in its traceback holds the tensors.
+            raise WeightError(message)
+
+        return update
 
     def _set_version(self, body: dict) -> Callable[[], str]:
         v = _version(body, "new_version")
@@ -251,11 +292,19 @@ class Handlers:
 
     @endpoint(RESULT, "weight update")
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        def prepare(body: dict) -> Callable[[], str]:
-            update = self._from_tensor(body)
-            return lambda: self._in_session("update_weights_from_tensor") or update()
-
-        return await self._weight_update(request, prepare, self.weight_limit, "--max-weight-body-mb")
+        async with self._one_weight_body():
+            try:
+                return await self._weight_update(request, self._from_tensor, self.weight_limit,
+                                                 "--max-weight-body-mb")
+            except web.HTTPException:
+                raise
+            except Exception as exc:
+                answer = error_response(exc, RESULT, "weight update")
+            # A payload that failed to decode is held by its exception's traceback, in a reference
+            # cycle (the exception and the future that carried it): free it before the next
+            # body's turn, or each refused body would stay until the collector ran.
+            gc.collect()
+            return answer
 
     def _in_session(self, what: str) -> None:
         """As SGLang 0.5.21+: an update from tensors or a group only inside a session."""

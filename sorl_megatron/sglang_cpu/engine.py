@@ -22,6 +22,14 @@ output token carries the version of the weights whose logits it was sampled from
 (``meta_info.output_token_weight_versions``); ``weight_version`` is that of the last token.
 The prefix cache is dropped by ``/flush_cache`` and by every change of the served weights.
 
+Fairness between calls: the server splits a ``/generate`` prompt's ``n`` into parts of at
+most ``max_running_requests`` sequences. Only its first part is queued at once; each later
+part is held back until the one before it has finished, then queued behind what arrived
+meanwhile (still ahead of any control call queued since, as its call was). A small call that
+arrives while a large one runs therefore waits for the running rows to free up, not for every
+part of the large call, and two large calls alternate parts. Admission is otherwise first come,
+first served, and a request that does not fit holds those behind it, so no call is starved.
+
 Isolation: requests are validated by the server before they get here; if a batched step
 still fails, each row is tried alone and only the requests whose rows fail get the error.
 ``abort`` marks only requests that are queued or running (SGLang ignores unknown ids too), so
@@ -116,6 +124,7 @@ class RolloutEngine:
         # scheduler state (scheduler thread only)
         self._batch = Batch.empty()
         self._pending: deque = deque()  # requests and control calls not started yet
+        self._held: dict[int, deque[GenRequest]] = {}  # split id -> later parts of a split n, not queued yet
         self._retracted: list[Seq] = []
         self._left: dict[int, int] = {}  # id(req) -> its sequences not finished yet
         self._seqs_of: dict[int, list[Seq]] = {}
@@ -196,6 +205,8 @@ class RolloutEngine:
             reason = {"type": "abort", "message": "aborted by /pause_generation", "status_code": 499,
                       "err_type": "Abort"}
             queued = [r for r in self._pending if isinstance(r, GenRequest)]
+            queued += [r for parts in self._held.values() for r in parts]
+            self._held.clear()
             ops = [r for r in self._pending if not isinstance(r, GenRequest)]
             self._pending.clear()
             self._pending.extend(ops)
@@ -256,6 +267,9 @@ class RolloutEngine:
                         item[2].set_exception(err)
                 else:
                     self.requests.finish(item, err)
+            for parts in self._held.values():
+                for req in parts:
+                    self.requests.finish(req, err)
 
     def _has_work(self, pending: deque) -> bool:
         if self.paused is not None:
@@ -276,6 +290,8 @@ class RolloutEngine:
             if isinstance(item, tuple) and item[0] == "urgent":
                 with torch.inference_mode():
                     self._run_control(item[1], item[2])
+            elif isinstance(item, GenRequest) and item.split is not None and item.sample_offset > 0:
+                self._held.setdefault(item.split, deque()).append(item)  # queued when the part before it ends
             else:
                 pending.append(item)
 
@@ -329,7 +345,7 @@ class RolloutEngine:
         while pending and isinstance(pending[0], GenRequest) and not self._retracted:
             req = pending[0]
             if req.future.cancelled():  # its HTTP client went away while it waited
-                self.requests.finish(pending.popleft(), None)
+                self._finish(pending.popleft(), None)
                 continue
             if rows and rows + req.params.n > cap:
                 break
@@ -454,7 +470,7 @@ class RolloutEngine:
         self._retracted = [s for s in self._retracted if s.req is not req]
         self._left.pop(id(req), None)
         self._seqs_of.pop(id(req), None)
-        self.requests.finish(req, exc)
+        self._finish(req, exc)
 
     def _leave(self, rows: list[int]) -> None:
         b = self._batch
@@ -475,4 +491,17 @@ class RolloutEngine:
         if self._left[key] == 0:
             del self._left[key]
             seqs = self._seqs_of.pop(key)
-            self.requests.finish(s.req, [self.sampler.result(x) for x in seqs])
+            self._finish(s.req, [self.sampler.result(x) for x in seqs])
+
+    def _finish(self, req: GenRequest, result: Any) -> None:
+        """Answer ``req`` and queue the next part of its split ``n``, if one is held (fairness:
+        the module doc), ahead of the control calls queued after it."""
+        self.requests.finish(req, result)
+        parts = self._held.get(req.split) if req.split is not None else None
+        if parts:
+            nxt = parts.popleft()
+            if not parts:
+                del self._held[req.split]
+            pending = self._pending
+            at = next((k for k, x in enumerate(pending) if not isinstance(x, GenRequest)), len(pending))
+            pending.insert(at, nxt)

@@ -39,6 +39,8 @@ class ServerOptions:
     Attributes:
         max_body_mb: largest body of ``/generate`` and the control endpoints (MiB).
         max_weight_body_mb: largest body of ``/update_weights_from_tensor`` (MiB).
+        weight_body_wait_s: bound on a ``/update_weights_from_tensor`` waiting for its turn: one
+            such body is read, decoded and applied at a time (503 with Retry-After past it).
         max_prompts_per_request: most sequences one ``/generate`` may ask for (prompts x n).
         max_tokens_per_request: most tokens one ``/generate`` may ask for: the sum over its
             sequences of prompt tokens plus ``max_new_tokens`` (capped by the context length).
@@ -65,6 +67,7 @@ class ServerOptions:
     weight_group_join_timeout_s: float = 60.0
     max_weight_group_joins: int = 4
     control_timeout_s: float = 60.0
+    weight_body_wait_s: float = 60.0
     sglang_version: str = "0.5.21"
 
     def __post_init__(self) -> None:
@@ -72,11 +75,10 @@ class ServerOptions:
                      "max_weight_group_joins"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("weight_group_timeout_s", "weight_group_join_timeout_s"):
+        for name in ("weight_group_timeout_s", "weight_group_join_timeout_s", "control_timeout_s",
+                     "weight_body_wait_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if not 0 < self.control_timeout_s < float("inf"):
-            raise ValueError(f"control_timeout_s must be > 0 seconds, got {self.control_timeout_s}")
         if parse_version(self.sglang_version) is None:
             raise ValueError(f"sglang_version must look like 0.5.21, got {self.sglang_version!r}")
         if self.api_key is not None and not self.api_key:

@@ -6,6 +6,7 @@ naming it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,8 @@ from .options import ServerOptions
 
 if TYPE_CHECKING:  # the engine (torch, transformers) is not needed to validate
     from .engine import RolloutEngine
+
+_SPLITS = itertools.count()  # ids of split n's: the engine queues a split's parts one after another
 
 
 def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
@@ -156,6 +159,7 @@ def parse_generate(
         kw = {"rid": rids[i]} if rids[i] else {}
         # n larger than a wave is split into wave-sized requests (seeds follow the sample index).
         step = max(1, engine.cfg.max_running_requests)
+        split = next(_SPLITS) if sp.n > step else None
         for lo in range(0, sp.n, step):
             part = sp if sp.n <= step else replace(sp, n=min(step, sp.n - lo))
             reqs.append(
@@ -169,6 +173,7 @@ def parse_generate(
                     routed_experts_start_len=r_start,
                     sample_offset=lo,
                     total_n=sp.n,
+                    split=split,
                     **kw,
                 )
             )

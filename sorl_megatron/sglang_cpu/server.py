@@ -70,7 +70,7 @@ def start_rollout_server(
 _AT_LEAST_ONE = ("fp8_block_size", "max_running_requests", "context_length", "prefix_cache_max_tokens",
                  "max_body_mb", "max_weight_body_mb", "max_prompts_per_request", "max_tokens_per_request",
                  "num_threads", "max_weight_group_joins")
-_SECONDS = ("weight_group_timeout_s", "weight_group_join_timeout_s", "control_timeout_s")
+_SECONDS = ("weight_group_timeout_s", "weight_group_join_timeout_s", "control_timeout_s", "weight_body_wait_s")
 
 
 def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -212,6 +212,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "scheduler (they run at its next step; default 60); past it, or with the scheduler dead, they answer 5xx",
     )
     p.add_argument(
+        "--weight-body-wait-s",
+        type=float,
+        default=60.0,
+        help="bound in seconds on a /update_weights_from_tensor waiting for its turn: one such body is read, "
+        "decoded and applied at a time (default 60); past it the call answers 503 with Retry-After",
+    )
+    p.add_argument(
         "--sglang-version",
         default="0.5.21",
         help="the SGLang release this server answers as (/server_info's version; default 0.5.21): before 0.5.21 "
@@ -276,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         weight_group_join_timeout_s=args.weight_group_join_timeout_s,
         max_weight_group_joins=args.max_weight_group_joins,
         control_timeout_s=args.control_timeout_s,
+        weight_body_wait_s=args.weight_body_wait_s,
         sglang_version=args.sglang_version,
     )
     engine = RolloutEngine(cfg).start()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from safetensors.torch import load as st_load
@@ -58,15 +58,27 @@ def deserialize_named_tensors(payload: str, load_format: str | None) -> dict[str
         obj = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     except Exception as exc:  # any decoding failure is the client's payload
         raise WeightError(f"cannot decode {fmt} payload: {type(exc).__name__}: {exc}") from None
-    items: Iterator = iter(obj.items()) if isinstance(obj, dict) else iter(obj)
-    out = {}
-    for item in items:
-        if not (
-            isinstance(item, (tuple, list))
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and isinstance(item[1], torch.Tensor)
-        ):
-            raise WeightError("torch payload must be a list of (name, tensor) pairs or a dict")
+    return _named_tensors(obj)
+
+
+def _named_tensors(obj: object) -> dict[str, torch.Tensor]:
+    """A decoded ``torch`` payload as ``{name: tensor}``: what ``serialize_named_tensors`` writes
+    (a list of ``(name, tensor)`` pairs, SGLang's ``named_tensors``) or a ``{name: tensor}`` dict;
+    anything else (a number, a string, a bare tensor, a pair whose name is not a string) is the
+    client's error, named with what was expected."""
+    expected = "a list of (name, tensor) pairs or a {name: tensor} dict"
+    if isinstance(obj, dict):
+        pairs = list(obj.items())
+    elif isinstance(obj, (list, tuple)):
+        pairs = list(obj)
+    else:
+        raise WeightError(f"torch payload holds a {type(obj).__name__}; expected {expected}")
+    out: dict[str, torch.Tensor] = {}
+    for i, item in enumerate(pairs):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise WeightError(f"torch payload entry {i} is not a (name, tensor) pair; expected {expected}")
+        if item[0] in out:
+            raise WeightError(f"torch payload names tensor {item[0]!r} twice")
         out[item[0]] = item[1]
     return out

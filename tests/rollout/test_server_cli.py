@@ -42,6 +42,7 @@ FLAGS = [
     "--weight-group-join-timeout-s",
     "--max-weight-group-joins",
     "--control-timeout-s",
+    "--weight-body-wait-s",
     "--sglang-version",
     "--log-level",
 ]
@@ -170,6 +171,7 @@ def test_an_empty_api_key_is_refused_in_one_line():
     (["--fp8-block-size", "0", "--quantization", "fp8"], "--fp8-block-size must be >= 1, got 0"),
     (["--max-body-mb", "-1"], "--max-body-mb must be >= 1, got -1"),
     (["--control-timeout-s", "nan"], "--control-timeout-s must be a finite number of seconds > 0, got nan"),
+    (["--weight-body-wait-s", "0"], "--weight-body-wait-s must be a finite number of seconds > 0, got 0.0"),
     (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
 ])
 def test_out_of_range_flags_stop_the_server_in_one_line(flags, message, capsys):
