@@ -78,3 +78,11 @@ def test_route_flip_injector_r3_reproduces_the_rollout_and_no_replay_does_not(ti
     # the trainer's own routing: another policy (on the tiny model ~5e-5; fp32 noise is ~1e-13)
     assert off["mismatch/kl_k3"] > 1e-6, off["mismatch/kl_k3"]
     assert off["mismatch/ess_frac"] < r3["mismatch/ess_frac"]
+
+
+def test_bf16_rollout_against_the_fp32_trainer_is_a_small_natural_mismatch(tiny_data, tmp_path):
+    """``rollout.precision=bf16`` (the "natural" mismatch axis): the fp32 trainer's old log-probs
+    differ from the bf16 server's by a small, nonzero train/inference KL."""
+    m = _run(tiny_data, tmp_path, "bf16", "schedule.total_steps=1", "rollout.precision=bf16")[1]
+    assert 1e-9 < m["mismatch/kl_k3"] < 1e-2, m["mismatch/kl_k3"]
+    assert 0.9 < m["mismatch/ess_frac"] < 1.0
