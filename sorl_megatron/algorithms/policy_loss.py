@@ -39,6 +39,7 @@ from .diagnostics import turn_ratio_spread, turn_ratio_spread_of
 from .is_correction import is_correction_weights
 from .kl import kl_penalty
 from .loss_registry import POLICY_LOSSES, PolicyLossSpec
+from .mismatch import clip_counts
 from .ratios import level_log_ratio, masked_log_ratio, segments_for_level
 from .turns import segment_turns
 
@@ -219,11 +220,11 @@ def _policy_terms(
     if spec.sapo_penalty or config.kl_coef > 0 or config.entropy_coef > 0:
         weights = mask.to(torch.float32) * scale
     diagnostics = config.diagnostics
-    # (an engine measuring ||C|| in parameter space reads clip_bias/sq_sum: 0 means C = 0, no backward)
-    need_bias = spec.clip_normalized or diagnostics or surrogate or config.clip_bias.diagnostics
 
     # Turn segments: for turn ratios, turn-level IS weights, or the spread diagnostic.
-    need_turns = spec.ratio_level == "turn" or (is_cfg.mode != "off" and is_cfg.level == "turn") or diagnostics
+    # (with turn ids, always: the turn clip fraction is logged for every loss)
+    need_turns = (spec.ratio_level == "turn" or (is_cfg.mode != "off" and is_cfg.level == "turn") or diagnostics
+                  or turn_ids is not None)
     turns = segment_turns(mask, turn_ids) if need_turns else None
     level_segments = segments_for_level(spec.ratio_level, mask, turns)
 
@@ -253,21 +254,20 @@ def _policy_terms(
     pg_loss = (per_token if is_weights is None else per_token * is_weights).sum()
     loss = pg_loss
 
-    bias = None
-    clipped = None
-    if need_bias:
-        # Clip bias (SORL eq. 7/8/14): indicators from the loss ratio, or token ratios on request.
-        clipped = clip_high | clip_low | dual
-        indicator = clipped
-        if config.clip_bias.indicator == "token_ratio" and spec.ratio_level != "token":
-            indicator = (
-                ((advantages > 0) & (token_ratio > config.clip_high))
-                | ((advantages < 0) & (token_ratio < config.clip_low))
-            ) & mask
-        # d ratio_t / d log pi_j: spread over the unit (turn / sequence ratios) or token t's own (GSPO-token)
-        grad_segments = None if spec.token_gradient else level_segments
-        bias_adv = weighted_adv if is_weights is None else weighted_adv * is_weights
-        bias = clip_bias_terms(ratio, level_lr_raw, clamp, indicator, bias_adv, grad_segments, surrogate=surrogate)
+    # Clip bias (SORL eq. 7/8/14), for every loss: ||C|| (clip_bias/sq_sum) is a logged leading indicator,
+    # and an engine measuring ||C|| in parameter space reads it (0 means C = 0, no backward).
+    # Indicators from the loss ratio, or token ratios on request.
+    clipped = clip_high | clip_low | dual
+    indicator = clipped
+    if config.clip_bias.indicator == "token_ratio" and spec.ratio_level != "token":
+        indicator = (
+            ((advantages > 0) & (token_ratio > config.clip_high))
+            | ((advantages < 0) & (token_ratio < config.clip_low))
+        ) & mask
+    # d ratio_t / d log pi_j: spread over the unit (turn / sequence ratios) or token t's own (GSPO-token)
+    grad_segments = None if spec.token_gradient else level_segments
+    bias_adv = weighted_adv if is_weights is None else weighted_adv * is_weights
+    bias = clip_bias_terms(ratio, level_lr_raw, clamp, indicator, bias_adv, grad_segments, surrogate=surrogate)
 
     metrics: dict[str, torch.Tensor] = {}
     if spec.sapo_penalty:
@@ -342,6 +342,12 @@ def _policy_terms(
             metrics[f"{prefix}/min"] = _ratio_of(level_lo, clamp, tokens)
             metrics[f"{prefix}/max"] = _ratio_of(level_hi, clamp, tokens)
         metrics.update(is_metrics)
+        # leading indicators: tokens clipped by their own ratio, turns by their turn ratio (SORL eq. 4)
+        counts = clip_counts(token_lr_raw, advantages, mask, config.clip_low, config.clip_high, turns, clamp)
+        metrics["clip_frac/token"] = (counts["tokens_clipped"] / count).float()
+        if turns is not None:  # sums: an engine adds them over micro-batches (clip_frac/turn)
+            metrics["clip/turns_clipped"] = counts["turns_clipped"]
+            metrics["clip/turns"] = counts["turns"]
     return _PolicyTerms(spec=spec, loss=loss, bias=bias, metrics=metrics)
 
 

@@ -208,6 +208,8 @@ class PolicyEngine(EngineBase):
         if "turn_ratio/multi_turn_rows" in reduced:  # turn-level losses, or loss.diagnostics
             rows = reduced.pop("turn_ratio/multi_turn_rows")
             out["turn_ratio/spread"] = reduced.pop("turn_ratio/spread_sum", 0.0) / max(rows, 1.0)
+        if "clip/turns" in reduced:  # the fraction of turns clipped by their turn ratio
+            out["clip_frac/turn"] = reduced.pop("clip/turns_clipped", 0.0) / max(reduced.pop("clip/turns"), 1.0)
         h = Histogram.empty(ABS_LOG_RATIO_EDGES, device())
         for part in log_ratios if self.contributes else []:
             h = h.merge(part)

@@ -108,6 +108,7 @@ def recompute_overrides(mode: str) -> dict[str, Any]:
 SUM_METRICS = {
     "loss", "pg_loss", "kl_ref", "entropy", "sapo/penalty", "clip_bias/scalar", "clip_bias/sq_sum",
     "policy_tokens", "value_loss", "tokens", "turn_ratio/spread_sum", "turn_ratio/multi_turn_rows",
+    "clip/turns_clipped", "clip/turns",
 }
 
 

@@ -6,7 +6,8 @@ in-flight requests), tensors sent between ``begin_update`` and ``end_update``, a
 ``weight_version`` sent with them, take effect together at the end; the model is rebuilt
 once, and the prefix cache (KV of other weights) is dropped with every rebuild.
 
-Routed experts come from forward hooks on the model's own MoE routers (``RouterTap``).
+Routed experts come from forward hooks on the model's own MoE routers (``RouterTap``), which
+also apply the study's route-flip injector (``route_flip.py``) when it is on.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..common.hf_build import HF_BUILD_LOCK
 from .batch import KV, PrefixCache
 from .options import EngineConfig
 from .precision import apply_precision
+from .route_flip import RouteFlipper
 from .weights import check_compatible, dequantize_fp8_pairs, read_checkpoint
 
 transformers.utils.logging.disable_progress_bar()
@@ -33,9 +35,11 @@ class RouterTap:
     """Forward hooks on the model's own MoE routers, recording top-k expert ids per layer.
 
     As SGLang's capture buffer, the routing has one row per decoder layer; dense layers
-    (DeepSeek-V3 / GLM-4.5's leading ones) are never routed and read -1."""
+    (DeepSeek-V3 / GLM-4.5's leading ones) are never routed and read -1. With a ``flipper``
+    (the route-flip injector) the hooks return the perturbed routing, which the MoE block then
+    computes with and which is what gets recorded."""
 
-    def __init__(self, model: torch.nn.Module, num_layers: int):
+    def __init__(self, model: torch.nn.Module, num_layers: int, flipper: RouteFlipper | None = None):
         # Qwen/Mixtral name theirs *TopKRouter, DeepSeek-V3 / GLM-4.5 *TopkRouter.
         found = [(n, m) for n, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
         self.routers = [m for _, m in found]
@@ -43,13 +47,19 @@ class RouterTap:
         self.num_layers = num_layers
         self.active = False
         self._records: list[torch.Tensor | None] = [None] * len(self.routers)
+        self.flipper = flipper if flipper is not None and flipper.fraction > 0 else None
+        if self.flipper is not None:
+            self.flipper.check(self.routers)
         for i, m in enumerate(self.routers):
             m.register_forward_hook(self._hook(i))
 
     def _hook(self, i: int):
-        def fn(_mod, _inp, out):
+        def fn(mod, _inp, out):
+            if self.flipper is not None:
+                out = self.flipper.apply(mod, self.layers[i], out)
             if self.active:
                 self._records[i] = out[2].to(torch.int32)  # (logits, scores, indices)
+            return out
 
         return fn
 
@@ -122,7 +132,8 @@ class ServedModel:
             model = cls.from_pretrained(None, config=self.hf_config, state_dict=self.state, dtype=torch.float32)
         model = apply_precision(model.eval(), self.cfg.precision, self.cfg.fp8_block_size)
         self.model = model
-        self.tap = RouterTap(model, int(self.hf_config.num_hidden_layers))
+        flipper = RouteFlipper(self.cfg.inject_route_flip_fraction, self.cfg.inject_route_flip_seed)
+        self.tap = RouterTap(model, int(self.hf_config.num_hidden_layers), flipper)
         self._dirty = False
         self.gen += 1
         self.prefix_cache.clear()  # KV of other weights must not be reused
@@ -156,14 +167,20 @@ class ServedModel:
     def run(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv: KV | None, keep: int):
         """One forward: logits of the last ``keep`` positions and the KV grown by ``ids``."""
         cache = self._cache(kv)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        if self.tap.flipper is not None:  # the injector keys its flips on each token's id and position
+            self.tap.flipper.bind(ids, pos)
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+        finally:
+            if self.tap.flipper is not None:
+                self.tap.flipper.bind(None, None)
         return out.logits.float(), [(layer.keys, layer.values) for layer in cache.layers]
 
     # ----- weight updates (scheduler thread only, via RolloutEngine.call) -----
@@ -240,6 +257,7 @@ class ServedModel:
             "is_generation": True,
             "weight_version": self.weight_version,
             "precision": self.cfg.precision,
+            "inject_route_flip_fraction": self.cfg.inject_route_flip_fraction,
             "architectures": list(getattr(self.hf_config, "architectures", None) or []),
             "num_hidden_layers": int(self.hf_config.num_hidden_layers),
             "num_moe_layers": len(self.tap.routers),

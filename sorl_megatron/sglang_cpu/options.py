@@ -30,6 +30,13 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     prefix_cache_max_tokens: int = 1 << 16
     deterministic: bool = False
+    # study injector (route_flip.py): this fraction of (token, layer) top-k choices perturbed
+    inject_route_flip_fraction: float = 0.0
+    inject_route_flip_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.inject_route_flip_fraction <= 1.0:
+            raise ValueError(f"inject_route_flip_fraction must be in [0, 1], got {self.inject_route_flip_fraction}")
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,10 @@ def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--port must be in [0, 65535], got {args.port}")
     if not 0 <= args.random_seed < 2**63:
         p.error(f"--random-seed must be in [0, 2^63), got {args.random_seed}")
+    if not 0.0 <= args.inject_route_flip_fraction <= 1.0:
+        p.error(f"--inject-route-flip-fraction must be in [0, 1], got {args.inject_route_flip_fraction}")
+    if not 0 <= args.inject_route_flip_seed < 2**31:
+        p.error(f"--inject-route-flip-seed must be in [0, 2^31), got {args.inject_route_flip_seed}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -225,6 +229,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "it has no /begin_weight_update and /end_weight_update and applies each update at once; from 0.5.21 it "
         "refuses tensor and distributed updates outside them",
     )
+    p.add_argument(
+        "--inject-route-flip-fraction", type=float, default=0.0,
+        help="STUDY INJECTOR, not an SGLang flag: replace one top-k expert of this fraction of the (token, MoE "
+        "layer) routing choices by another expert and compute with it (returned routes are the ones used); "
+        "default 0 (off)",
+    )
+    p.add_argument("--inject-route-flip-seed", type=int, default=0,
+                   help="seed of the route-flip injector's hash (default 0)")
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)
     _check_ranges(p, args)
@@ -272,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         enable_prefix_cache=not args.disable_radix_cache,
         prefix_cache_max_tokens=args.prefix_cache_max_tokens,
         deterministic=args.enable_deterministic_inference,
+        inject_route_flip_fraction=args.inject_route_flip_fraction,
+        inject_route_flip_seed=args.inject_route_flip_seed,
     )
     opts = ServerOptions(
         max_body_mb=args.max_body_mb,

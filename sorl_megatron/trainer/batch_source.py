@@ -8,6 +8,8 @@ A new mode is one new subclass here and one entry in ``SOURCES``.
 - ``sync``: a step's groups are generated at the start of the step, on the current weights.
 - ``one_step_off``: step ``k + 1``'s batch is generated on a thread while step ``k`` trains;
   the weight sync after step ``k`` waits for it (one version behind, exactly reproducible).
+- ``lagged`` (a study axis): the same, ``rollout.lag`` versions deep: step ``k`` trains on the
+  batch generated on weights ``k - lag``, whatever the timing.
 - ``async``: a producer thread keeps the servers generating across weight updates, up to
   ``(rollout.max_staleness + 1) x batch`` groups ahead (``producer.AsyncProducer``).
 
@@ -23,6 +25,7 @@ import concurrent.futures
 import json
 import logging
 import time
+from collections import deque
 from pathlib import Path
 from typing import Optional
 
@@ -270,42 +273,59 @@ class SyncSource(RolloutSource):
         return self._generate(step)
 
 
-class OneStepOffSource(SyncSource):
-    """Step ``k + 1``'s batch is generated while step ``k`` trains, on step ``k``'s weights;
-    the weight sync after step ``k`` waits for it. The first step of a run (or of a resume)
-    generates its own."""
+class LaggedSource(SyncSource):
+    """Step ``k``'s batch is generated on the weights of version ``k - lag`` (``rollout.lag``):
+    while step ``k`` trains, a thread generates step ``k + lag``'s batch on step ``k``'s weights,
+    and the weight sync after step ``k`` waits for it. The pipeline fills at the start of a run
+    (and of a resume, which regenerates the batches that were waiting): the first step
+    generates its own batch and the next ``lag`` ones on the same weights, so step ``k`` then
+    lags ``min(k, lag)`` versions (``k`` counted from the start or the resume)."""
 
-    name, lagged = "one_step_off", True
+    name, lagged = "lagged", True
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._pending: Optional[concurrent.futures.Future] = None
+        self._pending: deque[concurrent.futures.Future] = deque()  # steps k + 1 ... k + lag, in order
+
+    @property
+    def depth(self) -> int:
+        return self.cfg.rollout.lag
 
     def _groups(self, step: int):
-        if self._pending is not None:
-            out = self._pending.result()
-            self._pending = None
-        else:
-            out = self._generate(step)
-        if step + 1 < self.cfg.schedule.total_steps:
+        out = self._pending.popleft().result() if self._pending else self._generate(step)
+        # batches are drawn in step order on one thread: the groups of step j are always the same
+        ahead = min(step + self.depth, self.cfg.schedule.total_steps - 1)
+        for target in range(step + 1 + len(self._pending), ahead + 1):
             if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="one-step-off")
-            self._pending = self._executor.submit(self._generate, step + 1)
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-rollout")
+            self._pending.append(self._executor.submit(self._generate, target))
         return out
 
     def before_sync(self) -> dict[str, float]:
-        if self._pending is None:
+        if not self._pending:
             return {}
-        t0 = time.perf_counter()  # the next batch is made on these weights: it must finish first
-        concurrent.futures.wait([self._pending])
+        t0 = time.perf_counter()  # the batches queued this step are made on these weights: they must finish first
+        concurrent.futures.wait(list(self._pending))
         return {"time/trainer_idle_next_batch": time.perf_counter() - t0}
 
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
-            self._pending = None
+            self._pending.clear()
+
+
+class OneStepOffSource(LaggedSource):
+    """``lagged`` with a lag of exactly one version: step ``k + 1``'s batch is generated while
+    step ``k`` trains, on step ``k``'s weights. The first step of a run (or of a resume)
+    generates its own."""
+
+    name = "one_step_off"
+
+    @property
+    def depth(self) -> int:
+        return 1
 
 
 class AsyncSource(RolloutSource):
@@ -341,7 +361,9 @@ class AsyncSource(RolloutSource):
             self._producer = None
 
 
-SOURCES: dict[str, type[RolloutSource]] = {cls.name: cls for cls in (SyncSource, OneStepOffSource, AsyncSource)}
+SOURCES: dict[str, type[RolloutSource]] = {
+    cls.name: cls for cls in (SyncSource, OneStepOffSource, LaggedSource, AsyncSource)
+}
 
 
 def source_class(cfg: TrainConfig) -> type[RolloutSource]:

@@ -142,6 +142,22 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RolloutInjectConfig:
+    """Study injectors (off by default; docs/study.md): the embedded servers perturb this fraction
+    of the (token, MoE layer) top-k routing choices they compute with and return (a hash of
+    ``seed``, the layer and each token's position and id; ``sglang_cpu/route_flip.py``)."""
+
+    route_flip_fraction: float = 0.0
+    seed: int = 0
+
+    def validate(self, prefix: str = "rollout.inject") -> None:
+        _check_finite(self, prefix)
+        _in_range(f"{prefix}.route_flip_fraction", self.route_flip_fraction, 0.0, 1.0)
+        if not 0 <= self.seed < 2**31:
+            raise RecipeError(f"{prefix}.seed must be in [0, 2^31), got {self.seed}")
+
+
+@dataclass
 class RolloutConfig:
     """Multi-turn generation. No URLs = start the embedded CPU server."""
 
@@ -202,9 +218,11 @@ class RolloutConfig:
     # the step's own weights; one_step_off generates step k+1's batch while step k trains, on
     # the weights step k started from (a lag of exactly one version); async keeps episodes in
     # flight across weight updates (partial rollouts) and trains on finished groups whose oldest
-    # token is at most max_staleness versions behind the trainer ...
-    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    # token is at most max_staleness versions behind the trainer; lagged (a study axis) trains
+    # step k on the batch generated on weights k - lag (min(k, lag) while the pipeline fills) ...
+    mode: Literal["sync", "one_step_off", "lagged", "async"] = "sync"
     max_staleness: int = 1
+    lag: int = 2
     # ... and what happens to a group beyond it: dropped (and replaced), or kept: trained with the
     # IS correction of algorithm.loss.is_correction on its true behaviour log-probs
     stale_groups: Literal["drop", "keep"] = "drop"
@@ -226,6 +244,7 @@ class RolloutConfig:
     overlong: Literal["keep", "filter", "penalty"] = "keep"
     overlong_buffer: int = 64
     overlong_penalty: float = 1.0
+    inject: RolloutInjectConfig = field(default_factory=RolloutInjectConfig)
 
     def validate(self, prefix: str = "rollout") -> None:
         _check_finite(self, prefix)
@@ -254,6 +273,10 @@ class RolloutConfig:
             _check_url(f"{prefix}.urls[{i}]", url)
         self._check_fleet(prefix)
         self._check_modes(prefix)
+        self.inject.validate(f"{prefix}.inject")
+        if self.inject.route_flip_fraction > 0 and self.urls:
+            raise RecipeError(f"{prefix}.inject.route_flip_fraction is an injector of the embedded servers; "
+                              f"{prefix}.urls names external ones")
 
     def _check_fleet(self, prefix: str) -> None:
         """The fleet keys (servers, router, restarts) fit together."""
@@ -304,6 +327,10 @@ class RolloutConfig:
         if self.mode == "one_step_off" and self.max_staleness < 1:
             raise RecipeError(f"{prefix}.mode=one_step_off trains on batches one weight version old: "
                               f"{prefix}.max_staleness must be >= 1")
+        _positive_int(f"{prefix}.lag", self.lag)
+        if self.mode == "lagged" and self.max_staleness < self.lag:
+            raise RecipeError(f"{prefix}.mode=lagged trains on batches {prefix}.lag={self.lag} versions old: "
+                              f"{prefix}.max_staleness={self.max_staleness} must be >= {self.lag}")
         if self.mode == "async" and self.max_staleness < 1:
             raise RecipeError(f"{prefix}.mode=async with {prefix}.max_staleness=0 would drop every group that was in "
                               f"flight at a weight update: use {prefix}.mode=sync, or max_staleness >= 1")
@@ -607,6 +634,12 @@ class TrainConfig:
             )
         if self.algorithm.advantage.estimator == "grpo" and self.rollout.group_size < 2:
             raise RecipeError("algorithm.advantage.estimator=grpo needs rollout.group_size >= 2")
+
+    @property
+    def rollout_routes(self) -> bool:
+        """Whether the rollout returns its routed experts: R3 replays them; with the route-flip
+        injector on, the trainer compares them with its own (``mismatch/route_flip_rate``)."""
+        return self.algorithm.routing_replay == "r3" or self.rollout.inject.route_flip_fraction > 0
 
     def _check_modes(self) -> None:
         """What the rollout mode and dynamic sampling ask of the loss and the batch."""

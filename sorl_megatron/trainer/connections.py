@@ -70,8 +70,9 @@ class Connections:
         """The rollout fleet (embedded servers on ``policy_path``, or the recipe's URLs)."""
         cfg, r = self.cfg, self.cfg.rollout
         self.fleet = start_fleet(r, self.run_dir, self.servers, lambda name: rollout_server_spec(
-            policy_path, r.precision, cfg.algorithm.routing_replay == "r3", cfg.schedule.seed, name=name,
-            health_timeout_s=r.start_timeout_s, deterministic=r.deterministic))
+            policy_path, r.precision, cfg.rollout_routes, cfg.schedule.seed, name=name,
+            health_timeout_s=r.start_timeout_s, deterministic=r.deterministic,
+            route_flip=(r.inject.route_flip_fraction, r.inject.seed)))
         stack.callback(self.fleet.close)
         self.rollout_urls = self.fleet.urls()
         # refuse at once a server this run cannot use (its SGLang version, --skip-tokenizer-init)
@@ -96,7 +97,7 @@ class Connections:
         """The agent loop's limits and sampling, from the recipe (greedy: validation)."""
         r = self.cfg.rollout
         if routed_experts is None:
-            routed_experts = self.cfg.algorithm.routing_replay == "r3"
+            routed_experts = self.cfg.rollout_routes
         return AgentConfig(
             max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_total_tokens=r.max_total_tokens,
             max_obs_tokens=r.max_obs_tokens, topk=self.cfg.retrieval.topk,
@@ -121,8 +122,9 @@ class Connections:
 
     def routing_shape(self) -> Optional[tuple[int, int]]:
         """``(layers, top_k)`` of the routed experts R3 asks for, from ``model.path``'s own
-        ``config.json`` (SGLang's ``/model_info`` does not report it); None without R3."""
-        if self.cfg.algorithm.routing_replay != "r3":
+        ``config.json`` (SGLang's ``/model_info`` does not report it); None when the rollout
+        returns no routes (``TrainConfig.rollout_routes``)."""
+        if not self.cfg.rollout_routes:
             return None
         if self._routing_shape is None:
             from ..bridge.families import routing_shape

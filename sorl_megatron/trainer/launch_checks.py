@@ -91,6 +91,8 @@ def _check_model_layout(cfg: TrainConfig, hf_config, key: str) -> None:
         raise RecipeError(
             f"algorithm.routing_replay={cfg.algorithm.routing_replay} needs an MoE model; {cfg.model.path} is dense"
         )
+    if key == "model.path" and cfg.rollout.inject.route_flip_fraction > 0 and experts == 0:
+        raise RecipeError(f"rollout.inject.route_flip_fraction needs an MoE model; {cfg.model.path} is dense")
 
 
 def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) -> None:

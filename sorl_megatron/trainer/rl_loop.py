@@ -53,6 +53,7 @@ from ..weight_sync.factory import make_weight_sync
 from .batch_source import RolloutSource, make_rollout_source, source_class
 from .config import TrainConfig
 from .connections import Connections
+from .indicators import mismatch_metrics, route_flip_metrics
 from .inputs import check_resume_dir, load_tokenizer, validate_inputs
 from .metrics_log import MetricsLogger, open_wandb
 from .recipe import dump_config
@@ -254,8 +255,12 @@ class RLTrainer:
 
     # -- the step ----------------------------------------------------------------------
 
-    def _to_batch(self, res: RolloutResult) -> RLBatch:
+    def _to_batch(self, res: RolloutResult, held: dict) -> RLBatch:
+        """The step's batch (R3: with the rollout's routes); without R3, rank 0 keeps the routes
+        the rollout returned in ``held`` (the route flip rate's)."""
         t = collate(res.trajectories, pad_token_id=self.pad_id)
+        if self.cfg.algorithm.routing_replay != "r3" and t.get("routed_experts") is not None:
+            held["rollout_routes"] = t["routed_experts"]
         return RLBatch(
             input_ids=t["input_ids"], attention_mask=t["attention_mask"], loss_mask=t["loss_mask"],
             rollout_logprobs=t["rollout_logprobs"], turn_ids=t["turn_ids"], group_ids=res.group_ids,
@@ -285,7 +290,7 @@ class RLTrainer:
 
             def rollout():
                 res, injected, batch_metrics = self.source.next_batch(step)
-                held["batch"] = self._to_batch(res)
+                held["batch"] = self._to_batch(res, held)
                 return injected, res.rewards, batch_metrics
 
             phase = f"the rollout phase of step {step + 1}"
@@ -294,7 +299,10 @@ class RLTrainer:
         metrics.update(rollout_metrics_)
         metrics["rollout/injected_ground_truth"] = float(injected.sum())
         with timer("old_logprobs"):
-            out = self.actor.compute_logprobs(batch, record_routing=cfg.algorithm.routing_replay == "r2")
+            # R2 records its routes; without replay, recorded routes meet the rollout's (route flip rate)
+            replay = cfg.algorithm.routing_replay
+            record = replay == "r2" or (replay == "off" and cfg.rollout_routes)
+            out = self.actor.compute_logprobs(batch, record_routing=record)
             old = torch.where(injected[:, None], batch.rollout_logprobs, out.logprobs)  # PVPO eq. 6 for GT rows
             batch = batch.replace(old_logprobs=old)
             if cfg.algorithm.routing_replay == "r2":
@@ -302,6 +310,8 @@ class RLTrainer:
             # R3: how often the trainer's own router disagrees with the rollout engine's routes
             # (the update's actor/routing/* say the same of the replayed routes after each step)
             metrics.update({f"old/{k}": v for k, v in out.metrics.items()})
+        metrics.update(mismatch_metrics(old, batch.rollout_logprobs, batch.loss_mask, injected))
+        metrics.update(route_flip_metrics(held.get("rollout_routes"), out.routed_experts, injected, out.metrics))
         if self.ref is not None:
             with timer("ref_logprobs"):
                 # the reference never replays routes (and holds none of the actor's update rows)

@@ -84,18 +84,20 @@ def rollout_metrics(trajs: Sequence[Trajectory], scores: torch.Tensor, prefix: s
     episodes the rollout server refused to continue. ``valid_action_ratio`` (SORL Fig. 2b):
     each episode's share of turns that parse as a search or an answer, averaged over episodes
     (Search-R1's ``env/ratio_of_valid_action``; a search on the last allowed turn counts,
-    though it is never run).
+    though it is never run); ``valid_action_turn_frac``: the same share over all the turns.
     """
     if not trajs:
         return {}
     n = len(trajs)
     turns = sum(t.num_turns for t in trajs)
-    valid = sum(sum(parse_action(text)[0] is not None for text in t.turn_texts) / max(t.num_turns, 1) for t in trajs)
+    parsed = [sum(parse_action(text)[0] is not None for text in t.turn_texts) for t in trajs]
+    valid = sum(p / max(t.num_turns, 1) for p, t in zip(parsed, trajs))
     metrics = {
         f"{prefix}/reward": float(scores.mean()),
         f"{prefix}/searches": sum(t.num_searches for t in trajs) / n,
         f"{prefix}/turns": turns / n,
         f"{prefix}/valid_action_ratio": valid / n,
+        f"{prefix}/valid_action_turn_frac": sum(parsed) / max(turns, 1),  # over all turns, not per episode
         f"{prefix}/response_length": sum(t.response_len for t in trajs) / n,
         f"{prefix}/policy_tokens": sum(t.num_policy_tokens for t in trajs) / n,
         f"{prefix}/sequence_length": sum(len(t) for t in trajs) / n,

@@ -170,10 +170,12 @@ class EmbeddedServers:
 def rollout_server_spec(model_path: str, precision: str, routed_experts: bool, seed: int,
                         tokenizer_path: Optional[str] = None, max_running_requests: Optional[int] = None,
                         name: str = "rollout", health_timeout_s: float = 300.0,
-                        deterministic: bool = False) -> ServerSpec:
+                        deterministic: bool = False, route_flip: tuple[float, int] = (0.0, 0)) -> ServerSpec:
     args = ["--model-path", model_path, "--precision", precision, "--random-seed", str(seed)]
     if deterministic:
         args.append("--enable-deterministic-inference")
+    if route_flip[0] > 0:  # the study's routing-mismatch injector (rollout.inject)
+        args += ["--inject-route-flip-fraction", repr(route_flip[0]), "--inject-route-flip-seed", str(route_flip[1])]
     if tokenizer_path:
         args += ["--tokenizer-path", tokenizer_path]
     if routed_experts:

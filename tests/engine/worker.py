@@ -286,7 +286,7 @@ def op_placement(case: dict, models: str, work: str) -> dict:
         after = params_of(actor)
         update = sum(float(((after[k] - before[k]) ** 2).sum()) for k in before) ** 0.5
         keys = ("clip_bias/factor", "clip_bias/grad_scale", "clip_bias/lr_scale", "grad_norm", "clip_bias/logprob_norm")
-        res[variant] = {"update_norm": update, **{k: m[k] for k in keys if k in m}}  # grpo: no ||C|| (lean)
+        res[variant] = {"update_norm": update, **{k: m[k] for k in keys if k in m}}
         del actor
     return res
 

@@ -24,6 +24,8 @@ FLAGS = [
     "--quantization",
     "--fp8-block-size",
     "--enable-return-routed-experts",
+    "--inject-route-flip-fraction",
+    "--inject-route-flip-seed",
     "--skip-tokenizer-init",
     "--max-running-requests",
     "--context-length",

@@ -226,7 +226,7 @@ def test_server_killed_while_a_background_thread_generates(tiny_data, tmp_path, 
     training) or the async producer generates: the failure is handled from that thread (failover,
     one restart), the run finishes, the metrics count it, and every step trains a full batch of
     complete groups (no accepted episode lost, none drawn twice)."""
-    busy = {"one_step_off": lambda t: getattr(t.source, "_pending", None) is not None,
+    busy = {"one_step_off": lambda t: bool(getattr(t.source, "_pending", None)),
             "async": lambda t: getattr(t.source, "_producer", None) is not None}[mode]
     metrics, victim = _run_with(tiny_data, tmp_path, mode, signal.SIGKILL, f"rollout.mode={mode}",
                                 "algorithm.loss.is_correction.mode=tis", when=busy)
