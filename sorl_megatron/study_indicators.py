@@ -64,7 +64,8 @@ class Indicator:
 # KL above ~1e-1 as a failure signature; the others mark a clear departure from the demo's
 # low-stress runs of round one (KL(old || new) <= 0.005, clip ratio <= 0.02).
 DEFAULT_INDICATORS: dict[str, Indicator] = {
-    "train_inference_kl": Indicator("actor/is/mismatch_kl_k3", "above", 0.1),
+    "train_inference_kl": Indicator("mismatch/kl_k3", "above", 0.1),
+    "ess": Indicator("mismatch/ess_frac", "below", 0.5),
     "kl_old_new": Indicator("actor/approx_kl_k3", "above", 0.05),
     "clip_frac": Indicator("actor/clip_frac", "above", 0.1),
     "grad_norm": Indicator("actor/grad_norm", "rel_above", 5.0),
