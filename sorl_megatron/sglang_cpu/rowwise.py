@@ -54,7 +54,7 @@ class RowwiseMode(TorchFunctionMode):
 
     @staticmethod
     def _linear(func, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] == 1:
+        if x.dim() < 2 or x.shape[0] == 1:
             return func(x, weight, bias)
         return torch.cat([func(x[r : r + 1], weight, bias) for r in range(x.shape[0])])
 

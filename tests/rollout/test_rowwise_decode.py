@@ -23,9 +23,12 @@ def _prefilled(served: ServedModel, n: int, seed: int):
     return kv
 
 
-@pytest.mark.parametrize("lengths", [[9], [40, 7, 33], [5, 64, 17, 31, 2, 50, 12, 33, 8]])
-def test_rowwise_decode_equals_single_row_forwards(moe_dir, lengths):
-    served = ServedModel(EngineConfig(model_path=str(moe_dir), enable_return_routed_experts=True, deterministic=True))
+@pytest.mark.parametrize("lengths,precision", [([9], "fp32"), ([40, 7, 33], "fp32"),
+                                               ([5, 64, 17, 31, 2, 50, 12, 33, 8], "fp32"),
+                                               ([5, 64, 17, 31, 2, 50, 12, 33, 8], "bf16")])
+def test_rowwise_decode_equals_single_row_forwards(moe_dir, lengths, precision):
+    served = ServedModel(EngineConfig(model_path=str(moe_dir), enable_return_routed_experts=True, deterministic=True,
+                                      precision=precision))
     with torch.inference_mode():
         kvs = [_prefilled(served, n, seed) for seed, n in enumerate(lengths)]
         toks = torch.tensor([(37 * i) % 290 + 5 for i in range(len(lengths))])
