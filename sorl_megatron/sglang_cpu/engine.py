@@ -115,7 +115,7 @@ class RolloutEngine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.served = ServedModel(cfg)
-        self.sampler = Sampler(self.served, cfg.random_seed, cfg.deterministic)
+        self.sampler = Sampler(self.served, cfg.random_seed)
         self.groups = WeightGroups(self.served)
         self.requests = LiveRequests()
         self._queue: queue.Queue = queue.Queue()

@@ -7,11 +7,12 @@ of its longest common prefix with any stored sequence (``lookup``; at least one 
 always prefilled) and reports the reused length in ``meta_info.cached_tokens``. A sequence
 whose KV spans a weight change is not stored. The cache itself is ``batch.PrefixCache``.
 
-Deterministic mode: every sequence is forwarded alone (batch of one, no padding) and prompts
-are prefilled in chunks aligned at multiples of ``DETERMINISTIC_CHUNK`` tokens; prefix-cache
-hits are rounded down to such a multiple and only the chunk-prefilled part of a sequence is
-stored. A request with ``sampling_seed`` then gets the same tokens and log-probs whatever else
-is in flight and whatever the cache holds.
+Deterministic mode: every prompt is prefilled alone (batch of one, no padding) in chunks
+aligned at multiples of ``DETERMINISTIC_CHUNK`` tokens; prefix-cache hits are rounded down to
+such a multiple and only the chunk-prefilled part of a sequence is stored. Decode steps run
+all rows in one forward under ``rowwise.RowwiseMode``, which computes each row bit for bit as
+a forward of that row alone would. A request with ``sampling_seed`` then gets the same tokens
+and log-probs whatever else is in flight and whatever the cache holds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from .batch import Batch, Seq, Unit
 from .model import ServedModel
+from .rowwise import RowwiseMode
 
 DETERMINISTIC_CHUNK = 32  # prefill chunk (and prefix-cache granularity) of the deterministic mode
 
@@ -162,46 +164,23 @@ def _input_logprobs(u: Unit, logits: torch.Tensor, keep: int) -> None:
 
 
 def decode_forward(served: ServedModel, b: Batch, tokens: torch.Tensor, rows: list[int], want_routing: bool):
-    """Feed one token per row ``rows`` of ``b``; returns (kv, mask, last logits, routing [rows, layers, k])
-    (kv and mask are None when ``rows`` is not the whole batch in deterministic mode)."""
-    whole = len(rows) == len(b)
-    if not served.cfg.deterministic:
-        if whole:
-            kv, mask, pos = b.kv, b.mask, b.pos
-        else:
-            idx = torch.tensor(rows, dtype=torch.long)
-            kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in b.kv]
-            mask, pos = b.mask[idx], b.pos[idx]
-        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
-        served.tap.active = want_routing
+    """Feed one token per row ``rows`` of ``b``; returns (kv, mask, last logits, routing [rows, layers, k])."""
+    if len(rows) == len(b):
+        kv, mask, pos = b.kv, b.mask, b.pos
+    else:
+        idx = torch.tensor(rows, dtype=torch.long)
+        kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in b.kv]
+        mask, pos = b.mask[idx], b.pos[idx]
+    mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
+    served.tap.active = want_routing
+    if served.cfg.deterministic:  # each row exactly as if forwarded alone, on its own last pos + 1 columns
+        with RowwiseMode(pos + 1):
+            logits, kv = served.run(tokens[:, None], None, pos[:, None], kv, 1)
+    else:
         logits, kv = served.run(tokens[:, None], mask, pos[:, None], kv, 1)
-        served.tap.active = False
-        routing = served.tap.take(len(rows), 1)[:, 0] if want_routing else None
-        return kv, mask, logits[:, -1], routing
-    # deterministic: every row alone on its own columns (the last pos[r] ones: no gaps there)
-    width = b.width
-    cols: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in b.kv]
-    lasts, routes = [], []
-    for r, tok in zip(rows, tokens):
-        n = int(b.pos[r])
-        own = [(k[r : r + 1, :, width - n :], v[r : r + 1, :, width - n :]) for k, v in b.kv]
-        served.tap.active = want_routing
-        logits, kv = served.run(tok.view(1, 1), torch.ones((1, n + 1), dtype=torch.long), b.pos[r].view(1, 1),
-                                own, 1)
-        served.tap.active = False
-        for (ks, vs), (k, v) in zip(cols, kv):
-            ks.append(k[:, :, -1:])
-            vs.append(v[:, :, -1:])
-        lasts.append(logits[:, -1])
-        if want_routing:
-            routes.append(served.tap.take(1, 1)[0])
-    routing = np.concatenate(routes) if routes else None
-    if not whole:
-        return None, None, torch.cat(lasts), routing
-    kv = [(torch.cat([k, torch.cat(ks)], dim=2), torch.cat([v, torch.cat(vs)], dim=2))
-          for (k, v), (ks, vs) in zip(b.kv, cols)]
-    mask = torch.cat([b.mask, torch.ones((len(rows), 1), dtype=b.mask.dtype)], dim=1)
-    return kv, mask, torch.cat(lasts), routing
+    served.tap.active = False
+    routing = served.tap.take(len(rows), 1)[:, 0] if want_routing else None
+    return kv, mask, logits[:, -1], routing
 
 
 def store(served: ServedModel, b: Batch, k: int) -> None:

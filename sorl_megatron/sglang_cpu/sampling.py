@@ -28,19 +28,14 @@ class Sampler:
     """Samples with the server's seeded generator (requests without ``sampling_seed``) or each
     sequence's own (``sampling_seed + sample index``); scheduler thread only."""
 
-    def __init__(self, served: ServedModel, random_seed: int, deterministic: bool):
+    def __init__(self, served: ServedModel, random_seed: int):
         self.served = served
-        self.deterministic = deterministic
         self._generator = torch.Generator().manual_seed(random_seed)
 
     def sample_rows(self, logits: torch.Tensor, seqs: list[Seq], temps: torch.Tensor):
-        if self.deterministic and len(seqs) > 1:  # row by row: nothing depends on the batch
-            outs = [self._sample(logits[k : k + 1], [s], temps[k : k + 1]) for k, s in enumerate(seqs)]
-            return torch.cat([t for t, _ in outs]), torch.cat([lp for _, lp in outs])
-        return self._sample(logits, seqs, temps)
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Seq], temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one token per row; returns tokens and their log-probs (see module doc)."""
+        """Sample one token per row; returns tokens and their log-probs (see module doc). Every op
+        works row by row (the softmaxes' sums run along a row, whatever the row count), so a seeded
+        row's token and log-prob do not depend on the other rows (tests/rollout/test_rowwise_decode.py)."""
         greedy = temps == 0
         scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
         # min_new_tokens: stop tokens are not allowed yet.

@@ -1,0 +1,99 @@
+"""Deterministic mode decodes all running rows in one forward (``sglang_cpu/rowwise.py``): every
+row must be bit for bit what a forward of that row alone gives (the mode's former one-at-a-time
+decode), and a seeded request's tokens, log-probs and routing the same alone and in any batch."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sorl_megatron.sglang_cpu.model import ServedModel
+from sorl_megatron.sglang_cpu.options import EngineConfig
+from sorl_megatron.sglang_cpu.rowwise import RowwiseMode
+from sorl_megatron.sglang_cpu.server import start_rollout_server
+from tests.http_calls import call
+
+
+def _prefilled(served: ServedModel, n: int, seed: int):
+    ids = torch.randint(3, 300, (1, n), generator=torch.Generator().manual_seed(seed))
+    _, kv = served.run(ids, torch.ones((1, n), dtype=torch.long), torch.arange(n)[None], None, 1)
+    return kv
+
+
+@pytest.mark.parametrize("lengths,precision", [([9], "fp32"), ([40, 7, 33], "fp32"),
+                                               ([5, 64, 17, 31, 2, 50, 12, 33, 8], "fp32"),
+                                               ([5, 64, 17, 31, 2, 50, 12, 33, 8], "bf16")])
+def test_rowwise_decode_equals_single_row_forwards(moe_dir, lengths, precision):
+    served = ServedModel(EngineConfig(model_path=str(moe_dir), enable_return_routed_experts=True, deterministic=True,
+                                      precision=precision))
+    with torch.inference_mode():
+        kvs = [_prefilled(served, n, seed) for seed, n in enumerate(lengths)]
+        toks = torch.tensor([(37 * i) % 290 + 5 for i in range(len(lengths))])
+        alone = []
+        for r, n in enumerate(lengths):  # the former deterministic decode: one row, its own columns, no padding
+            served.tap.active = True
+            logits, kv = served.run(toks[r].view(1, 1), torch.ones((1, n + 1), dtype=torch.long),
+                                    torch.tensor([[n]]), kvs[r], 1)
+            served.tap.active = False
+            alone.append((logits[0, -1], [(k[0, :, -1], v[0, :, -1]) for k, v in kv], served.tap.take(1, 1)[0, 0]))
+        width = max(lengths)
+        padded = [tuple(torch.cat([F.pad(kv[layer][j], (0, 0, width - n, 0)) for kv, n in zip(kvs, lengths)])
+                        for j in (0, 1)) for layer in range(len(kvs[0]))]  # left padding, as in the running batch
+        pos = torch.tensor(lengths)
+        served.tap.active = True
+        with RowwiseMode(pos + 1):
+            logits, kv = served.run(toks[:, None], None, pos[:, None], padded, 1)
+        served.tap.active = False
+        routing = served.tap.take(len(lengths), 1)[:, 0]
+    for r in range(len(lengths)):
+        assert torch.equal(logits[r, -1], alone[r][0]), f"row {r}: logits differ from the row's forward alone"
+        for layer, (k, v) in enumerate(kv):
+            assert torch.equal(k[r, :, -1], alone[r][1][layer][0]) and torch.equal(v[r, :, -1], alone[r][1][layer][1])
+        assert (routing[r] == alone[r][2]).all()
+
+
+def _generate(url: str, prompt: list[int], max_new: int, seed: int | None, n: int = 1) -> list[dict]:
+    sp = {"max_new_tokens": max_new, "ignore_eos": True, "no_stop_trim": True, "n": n, "temperature": 0.9}
+    if seed is not None:
+        sp["sampling_seed"] = seed
+    status, obj = call(url, "POST", "/generate", {"input_ids": prompt, "sampling_params": sp, "return_logprob": True,
+                                                  "return_routed_experts": True})
+    assert status == 200, obj
+    return obj if isinstance(obj, list) else [obj]
+
+
+def _key(outs: list[dict]):
+    """What must not depend on the batch: tokens, log-probs (exact floats) and routing, per sample."""
+    return [(o["output_ids"], [t[0] for t in o["meta_info"]["output_token_logprobs"]],
+             o["meta_info"].get("routed_experts")) for o in outs]
+
+
+def test_seeded_requests_are_bit_identical_alone_and_in_any_batch(moe_dir):
+    srv = start_rollout_server(EngineConfig(model_path=str(moe_dir), deterministic=True,
+                                            enable_return_routed_experts=True))
+    base = [(11 * i) % 290 + 5 for i in range(70)]
+    # (prompt, new tokens, seed, n): different lengths, two samples, and two prompts that extend
+    # another's (a later turn: a prefix-cache hit once the shorter one has finished)
+    reqs = [(base[:3], 12, 1, 1), (base[:45], 20, 2, 2), (base[:70], 9, 3, 1), (base[:33], 16, 4, 1),
+            (base[:45] + [7, 8, 9, 10] * 8, 14, 5, 1)]
+    fillers = [([(13 * i + j) % 290 + 5 for i in range(4 + 9 * j)], 6 + 3 * j, None, 1) for j in range(8)]
+    try:
+        alone = []
+        for r in reqs:  # one at a time, from an empty cache
+            assert call(srv.url, "POST", "/flush_cache")[0] == 200
+            alone.append(_key(_generate(srv.url, *r)))
+        compositions = [list(range(5)), [4, 0], [2, 3, 1], list(range(5))]
+        for c, comp in enumerate(compositions):
+            jobs = [reqs[i] for i in comp] + (fillers if c % 2 == 0 else fillers[:3])
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                outs = list(pool.map(lambda job: _generate(srv.url, *job), jobs))
+            for i, out in zip(comp, outs):
+                assert _key(out) == alone[i], f"composition {comp}: request {i} differs from its run alone"
+        assert srv.engine.max_batch >= 8  # the requests really ran batched
+        info = call(srv.url, "GET", "/server_info")[1]["prefix_cache"]
+        assert info["hits"] >= 3 and info["hit_tokens"] >= 3 * 32  # and from the prefix cache
+    finally:
+        srv.stop()
