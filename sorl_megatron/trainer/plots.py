@@ -162,6 +162,9 @@ def style_axis(ax, key: str, values: Sequence[float], xlabel: str = "RL step", y
     if axis is None or not values:
         return
     low, high = min(values), max(values)
+    if low == high and not axis.unit_interval:  # a flat line says nothing its value does not
+        ax.text(0.5, 0.5, f"{low:g} at every step", transform=ax.transAxes, ha="center", va="center",
+                fontsize=9, color="0.3")
     if axis.unit_interval:
         low, high = min(0.0, low), max(1.0, high)
     elif low > 0 and axis.log_when_spread and high / low >= LOG_SPREAD:

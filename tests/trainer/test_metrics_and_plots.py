@@ -180,6 +180,12 @@ def test_an_all_zero_non_negative_metric_sits_at_the_bottom():
     style_axis(ax, "actor/grad_norm", [0.0, 0.0])
     low, high = ax.get_ylim()
     assert -0.1 < low <= 0 and high >= 1
+    # a flat line on an axis of its own scale would hide that it is exactly constant: the panel says so
+    assert [t.get_text() for t in ax.texts] == ["0 at every step"]
+    plt.close(fig)
+    fig, ax = plt.subplots()
+    style_axis(ax, "actor/grad_norm", [0.0, 0.5])
+    assert len(ax.texts) == 0
     plt.close(fig)
 
 
