@@ -13,8 +13,6 @@ import json
 import os
 import pickle
 import socket
-import subprocess
-import sys
 import threading
 import time
 from urllib.parse import urlparse
@@ -23,13 +21,13 @@ import psutil
 import pytest
 import torch
 
-from sorl_megatron.common.background import free_port, wait_healthy
 from sorl_megatron.common.http import RequestRejectedError
 from sorl_megatron.common.protocol import GenRequest, SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.sglang_cpu.options import EngineConfig, ServerOptions
 from sorl_megatron.sglang_cpu.server import start_rollout_server
 from tests.http_calls import call
+from tests.rollout.server_process import server_process
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 KEY = "test-key-0123456789"
@@ -333,24 +331,10 @@ def test_a_client_that_disconnects_stops_its_sequences(server):
 
 @pytest.fixture(scope="module")
 def proc_server(moe_dir, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("srv") / "server.log", "wb")
-    env = {**os.environ, "SORL_ROLLOUT_API_KEY": KEY}  # the key travels in the environment, not argv
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--model-path", str(moe_dir), "--port", str(port),
-         "--num-threads", "1", "--log-level", "warning"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout_s=120, proc=proc)
-        yield url, proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        log.close()
+    # the key travels in the environment, not argv
+    log = tmp_path_factory.mktemp("srv") / "server.log"
+    with server_process(moe_dir, log, env={"SORL_ROLLOUT_API_KEY": KEY}) as running:
+        yield running
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -9,10 +9,7 @@ from __future__ import annotations
 import base64
 import http.client
 import io
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from sorl_megatron.common.background import free_port, wait_healthy
 from sorl_megatron.sglang_cpu.options import EngineConfig, ServerOptions
 from sorl_megatron.sglang_cpu.server import start_rollout_server
 from tests.http_calls import call
+from tests.rollout.server_process import server_process
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 MiB = 1024**2
@@ -120,22 +117,9 @@ def _peak_rss(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def proc_server(moe_dir, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("bodies") / "server.log", "w")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--model-path", str(moe_dir), "--port", str(port),
-         "--num-threads", "1", "--log-level", "warning", "--weight-body-wait-s", "300"],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout_s=120, proc=proc)
-        yield url, proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        log.close()
+    log = tmp_path_factory.mktemp("bodies") / "server.log"
+    with server_process(moe_dir, log, "--weight-body-wait-s", "300") as running:
+        yield running
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
