@@ -5,6 +5,7 @@ process liveness checks (no psutil)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -161,3 +162,48 @@ def wait_dead(pids: Iterable[int], timeout_s: float = 30.0) -> list[int]:
             return []
         time.sleep(0.2)
     return pids
+
+
+@dataclasses.dataclass
+class Interrupted:
+    """What :func:`ctrl_c_train` saw: the exit code, the output, the embedded servers and the
+    child processes at the moment of Ctrl-C, and the children still alive 30 s after it."""
+
+    code: int
+    stdout: str
+    stderr: str
+    servers: list[int]
+    left: list[int]
+
+
+def ctrl_c_train(args: list[str], workdir: Path, ready, what: str, timeout_s: float = 300.0) -> Interrupted:
+    """``python -m sorl_megatron.train`` with ``args``, Ctrl-C as a terminal sends it (SIGINT to
+    the launch's process group) once ``ready()`` holds; ``what`` names the awaited moment."""
+    import signal
+    import time
+
+    out_path, err_path = workdir / "stdout.txt", workdir / "stderr.txt"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *args], cwd=ROOT,
+            env=subprocess_env(), stdout=out, stderr=err, start_new_session=True,
+            # a shell's background job ignores SIGINT and children inherit that: take Python's default
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not ready():
+                assert proc.poll() is None, f"the run exited early:\n{err_path.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, f"the run did not reach {what}"
+                time.sleep(0.1)
+            servers, helpers = server_children(proc.pid), children(proc.pid)
+            os.killpg(proc.pid, signal.SIGINT)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    left = wait_dead(helpers, timeout_s=30)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return Interrupted(code, out_path.read_text(), err_path.read_text(), servers, left)

@@ -40,6 +40,7 @@ from .e2e_helpers import (
     assert_finite,
     children,
     comparable,
+    ctrl_c_train,
     make_tiny_data,
     read_metrics,
     run_overrides,
@@ -364,34 +365,12 @@ def test_ctrl_c_stops_the_run_and_its_servers_with_one_line(tiny_data, tmp_path)
     trains: exit code 130, one line saying what happened and how to resume, no traceback, and
     the embedded servers and every other child process gone."""
     args = run_overrides(tiny_data, tmp_path, "interrupted", "schedule.total_steps=50", "logging.progress=plain")
-    out, err = (tmp_path / "stdout.txt").open("w+"), (tmp_path / "stderr.txt").open("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *args], cwd=ROOT,
-        env=subprocess_env(), stdout=out, stderr=err, start_new_session=True,
-        # a shell's background job ignores SIGINT and children inherit that: take Python's default
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
     metrics = tmp_path / "interrupted" / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 300
-        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):  # steps 0 and 1 logged
-            assert proc.poll() is None, f"the run exited early:\n{Path(err.name).read_text()[-4000:]}"
-            assert time.monotonic() < deadline, "the run did not reach step 1"
-            time.sleep(0.1)
-        servers, helpers = server_children(proc.pid), children(proc.pid)
-        os.killpg(proc.pid, signal.SIGINT)
-        code = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        out.close()
-        err.close()
-    left = wait_dead(helpers, timeout_s=30)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    # steps 0 and 1 logged
+    run = ctrl_c_train(args, tmp_path, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2,
+                       "step 1")
+    code, stdout, stderr, servers, left = run.code, run.stdout, run.stderr, run.servers, run.left
     assert len(servers) == 2 and not left, f"servers {servers}; still alive after Ctrl-C: {left}"
-    stdout, stderr = Path(out.name).read_text(), Path(err.name).read_text()
     assert code == 130, stderr[-4000:]
     assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stdout + stderr, stderr[-4000:]
     # what a rerun does, as the disk has it: no RL checkpoint yet (the first is at step 4), or the newest one

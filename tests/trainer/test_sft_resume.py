@@ -10,12 +10,7 @@ no rollout server is needed; one retrieval server serves the gold plans' searche
 from __future__ import annotations
 
 import logging
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,14 +24,11 @@ from sorl_megatron.trainer.rl_loop import RLTrainer
 
 from .e2e_helpers import (
     BASE_RECIPE,
-    ROOT,
-    children,
     comparable,
+    ctrl_c_train,
     make_tiny_data,
     read_metrics,
     run_overrides,
-    subprocess_env,
-    wait_dead,
 )
 
 SFT = ["sft.enabled=true", "sft.batch_size=2", "schedule.total_steps=1", "rollout.max_turns=3",
@@ -147,29 +139,10 @@ def test_ctrl_c_during_sft_names_the_step_a_rerun_resumes_from(tiny_data, retrie
     args = run_overrides(tiny_data, tmp_path, "sigint", *SFT, "sft.steps=400", "sft.save_every=2",
                          "logging.progress=plain", *retrieval)
     sft_root = tmp_path / "sigint" / "ckpt" / "sft"
-    err_path = tmp_path / "stderr.txt"
-    with err_path.open("w") as err, (tmp_path / "stdout.txt").open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *args], cwd=ROOT,
-            env=subprocess_env(), stdout=out, stderr=err, start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a foreground job
-        )
-        try:
-            deadline = time.monotonic() + 300
-            while not (sft_root / "step_2" / "MANIFEST.json").is_file():
-                assert proc.poll() is None, f"the run exited early:\n{err_path.read_text()[-4000:]}"
-                assert time.monotonic() < deadline, "the run did not reach its first SFT checkpoint"
-                time.sleep(0.1)
-            helpers = children(proc.pid)
-            os.killpg(proc.pid, signal.SIGINT)
-            code = proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    for pid in wait_dead(helpers, timeout_s=30):
-        os.kill(pid, signal.SIGKILL)
-    stderr = err_path.read_text()
+    run = ctrl_c_train(args, tmp_path, lambda: (sft_root / "step_2" / "MANIFEST.json").is_file(),
+                       "its first SFT checkpoint")
+    code, stderr = run.code, run.stderr
+    assert not run.left, f"still alive after Ctrl-C: {run.left}"
     assert code == 130 and "Traceback" not in stderr, stderr[-4000:]
     line = stderr.strip().splitlines()[-1]
     match = re.fullmatch(r"interrupted \(Ctrl-C\) during (SFT step \d+ of 400|the SFT checkpoint of step \d+): "
