@@ -462,8 +462,9 @@ def test_servers_stopped_after_failures(tiny_data, server_spy, monkeypatch, tmp_
         raise KeyboardInterrupt("crafted Ctrl-C")
 
     monkeypatch.setattr(RLTrainer, "step", interrupted)
-    with pytest.raises(KeyboardInterrupt, match="crafted"):
+    with pytest.raises(KeyboardInterrupt, match="during RL step 1 of 20") as err:  # the phase it stopped in
         _trainer(run_overrides(tiny_data, tmp_path, "interrupted")).run()
+    assert "crafted Ctrl-C" in str(err.value.__context__ or err.value.__cause__)
     started = sorted(p.args[2] for p in server_spy)
     assert started == ["sorl_megatron.retrieval.server", "sorl_megatron.sglang_cpu.server"]
     _assert_reaped(server_spy)
