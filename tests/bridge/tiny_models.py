@@ -212,6 +212,18 @@ CONFIGS: dict[str, Callable] = {
 _WIDE_ROUTERS = ("deepseek_v3", "qwen2_moe", "glm4_moe")
 
 
+def _random_norm_or_bias(name: str, p: torch.Tensor) -> bool:
+    """Random (not default-initialized) norms, so a norm loaded into the wrong slot shows up, and
+    biases; False (nothing drawn) for any other tensor."""
+    if "norm" in name:
+        p.uniform_(0.5, 1.5)
+        return True
+    if name.endswith("bias"):
+        p.normal_(0.0, 0.1)
+        return True
+    return False
+
+
 def save_tiny_model(kind: str, out_dir: str, seed: int = 0, with_tokenizer: bool = True) -> str:
     """Create a random `kind` model in float32 and save_pretrained it to out_dir."""
     from transformers import AutoModelForCausalLM
@@ -220,14 +232,11 @@ def save_tiny_model(kind: str, out_dir: str, seed: int = 0, with_tokenizer: bool
     config = CONFIGS[kind]()
     with HF_BUILD_LOCK:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random (not default-initialized) norms, so a norm loaded into the wrong slot shows up.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif name.endswith("mlp.gate.weight") and config.model_type in _WIDE_ROUTERS:
+            if _random_norm_or_bias(name, p):
+                continue
+            if name.endswith("mlp.gate.weight") and config.model_type in _WIDE_ROUTERS:
                 p.normal_(0.0, 0.3)  # clear top-k margins (no near-ties between HF and Megatron)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # sigmoid routers' load-balancing bias
@@ -254,11 +263,7 @@ def save_large_logit_model(out_dir: str, seed: int = 0) -> str:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            else:
+            if not _random_norm_or_bias(name, p):
                 p.normal_(0.0, 3.0 / p.shape[-1] ** 0.5)
     model.save_pretrained(out_dir)
     _write_tokenizer(out_dir)
