@@ -17,12 +17,17 @@ stops replaying them (the pair then agrees above it), or if the KL stops telling
 from __future__ import annotations
 
 import math
+import os
+import signal
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from .trainer.e2e_helpers import BASE_RECIPE, make_tiny_data, read_metrics, run_overrides
+from .trainer.e2e_helpers import BASE_RECIPE, ROOT, make_tiny_data, read_metrics, run_overrides, subprocess_env
 
 # the study's cells (recipes/study/round2_replay.yaml): GRPO, with and without R3, at `route`
 GRPO = ("algorithm.loss.name=grpo", "algorithm.advantage.estimator=grpo")
@@ -31,6 +36,8 @@ STEPS = 3
 # fp32 log-probs recomputed on the same routes agree to ~1e-7 nats, a k3 KL of ~1e-13 (the study's
 # R3 cells: at most 6e-13; this pair: ~5e-14); the study's no-replay cells stayed above 1e-7
 FLOOR = 1e-10
+# one cell takes ~45 s of CPU (its trainer and servers); the bound leaves room for a loaded machine
+CELL_TIMEOUT_S = 480.0
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +45,39 @@ def tiny_data(tmp_path_factory) -> Path:
     return make_tiny_data(tmp_path_factory.mktemp("gate_data"))
 
 
-def _cell(tiny_data: Path, tmp_path: Path, name: str, *overrides: str) -> list[dict]:
-    from sorl_megatron.trainer.recipe import load_recipe
-    from sorl_megatron.trainer.rl_loop import RLTrainer
-
-    RLTrainer(load_recipe(BASE_RECIPE, run_overrides(
-        tiny_data, tmp_path, name, *GRPO, *ROUTE, f"schedule.total_steps={STEPS}", *overrides))).run()
-    metrics = read_metrics(tmp_path / name)
-    return [metrics[step] for step in range(1, STEPS + 1)]
+def _run_cells(tiny_data: Path, tmp_path: Path, cells: dict[str, tuple[str, ...]]) -> dict[str, list[dict]]:
+    """Each cell a ``python -m sorl_megatron.train`` of its own, all at once (each is mostly one
+    thread: on two cores the pair takes about as long as one); ``{cell: its step rows}``."""
+    procs = {}
+    try:
+        for name, overrides in cells.items():
+            args = run_overrides(tiny_data, tmp_path, name, *GRPO, *ROUTE, f"schedule.total_steps={STEPS}", *overrides)
+            with (tmp_path / f"{name}.log").open("w") as log:
+                procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *args], cwd=ROOT,
+                    env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + CELL_TIMEOUT_S
+        for name, proc in procs.items():
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the gate's cell {name} did not finish in {CELL_TIMEOUT_S:.0f} s")
+            assert code == 0, f"the gate's cell {name} failed:\n{(tmp_path / f'{name}.log').read_text()[-4000:]}"
+    finally:
+        for proc in procs.values():  # the launch and its servers (one process group each)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    rows = {name: read_metrics(tmp_path / name) for name in cells}
+    return {name: [r[step] for step in range(1, STEPS + 1)] for name, r in rows.items()}
 
 
 @pytest.mark.slow
 def test_gate_r3_removes_the_injected_train_inference_mismatch_and_no_replay_keeps_it(tiny_data, tmp_path):
-    off = _cell(tiny_data, tmp_path, "grpo")  # routing_replay: off (the default)
-    r3 = _cell(tiny_data, tmp_path, "grpo_r3", "algorithm.routing_replay=r3")
+    cells = _run_cells(tiny_data, tmp_path, {"grpo": (), "grpo_r3": ("algorithm.routing_replay=r3",)})
+    off, r3 = cells["grpo"], cells["grpo_r3"]
     # the injector works: in both cells the rollout's routes differ from the trainer's own router
-    for cell, rows in (("grpo", off), ("grpo_r3", r3)):
+    for cell, rows in cells.items():
         rates = [m["mismatch/route_flip_rate"] for m in rows]
         assert all(0.01 < r < 0.3 for r in rates), (cell, rates)
     kl_off = [m["mismatch/kl_k3"] for m in off]
