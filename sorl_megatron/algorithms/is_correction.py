@@ -49,14 +49,11 @@ def is_correction_weights(
         log_gap = masked_log_ratio(old_logprobs, rollout_logprobs, mask)  # log pi_old - log mu, 0 off the mask
         count = mask.sum(dtype=torch.float64).clamp(min=1)
         flat = log_gap.reshape(-1)
-        # whole-tensor reductions: every entry off the mask is exactly 0 and adds nothing
-        ratio_sum = torch.exp(flat.clamp(-clamp, clamp)).sum(dtype=torch.float64)
-        kl_sum = ratio_sum - flat.numel() - flat.sum(dtype=torch.float64)
+        # whole-tensor reductions: every entry off the mask is exactly 0 and adds nothing. The
+        # k3 KL(mu || pi_old) is the trainer's mismatch/kl_k3 (trainer/indicators.py), once a step
         metrics = {
             "is/mismatch_abs_mean": (torch.linalg.vector_norm(flat, 1, dtype=torch.float64) / count).float(),
             "is/mismatch_abs_max": torch.linalg.vector_norm(flat, float("inf")),
-            # k3 estimate of KL(mu || pi_old) from tokens sampled by mu: r - 1 - log r, r = pi_old/mu
-            "is/mismatch_kl_k3": (kl_sum / count).float(),
         }
         if config.mode == "off":
             weights = mask.to(torch.float32)

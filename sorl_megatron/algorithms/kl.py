@@ -6,7 +6,9 @@ With ``x = log pi_ref - log pi_theta`` on tokens sampled from the policy (Schulm
 - ``k2 = x^2 / 2``                 low variance, biased
 - ``k3 = exp(x) - x - 1``          unbiased and non-negative (the GRPO choice)
 
-``x`` is clamped before ``exp`` so ``k3`` stays finite.
+``x`` is clamped before ``exp`` so ``k3`` stays finite. The one owner of these estimators: the
+loss's KL penalty computes them in float32, the train/inference mismatch diagnostic
+(``mismatch.k3_kl``) in float64, where gaps of fp32 rounding (~1e-7 nats) still register.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 import torch
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str, clamp: float = 20.0) -> torch.Tensor:
-    """Per-token KL estimate of ``KL(pi_theta || pi_ref)``; gradients flow to ``logprobs``."""
-    x = (ref_logprobs.float() - logprobs.float()).clamp(-clamp, clamp)
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str, clamp: float = 20.0,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-token estimate, in ``dtype``, of ``KL(pi_theta || pi_ref)`` from tokens sampled by
+    ``pi_theta`` (``logprobs``); gradients flow to ``logprobs``."""
+    x = (ref_logprobs.to(dtype) - logprobs.to(dtype)).clamp(-clamp, clamp)
     if estimator == "k1":
         return -x
     if estimator == "k2":

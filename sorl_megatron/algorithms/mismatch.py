@@ -6,8 +6,8 @@
   ch. 9), as a fraction of the number of tokens ``N`` (1 when every weight is equal, ``1/N``
   when one dominates), over the whole batch and averaged over sequences.
 - :func:`k3_kl`: Schulman's k3 estimator ``r - 1 - log r`` ("Approximating KL divergence",
-  2020) of ``KL(mu || pi_old)`` from tokens sampled by ``mu``, ``r = pi_old / mu``: unbiased
-  and never negative.
+  2020; ``kl.kl_penalty``'s, in float64) of ``KL(mu || pi_old)`` from tokens sampled by ``mu``,
+  ``r = pi_old / mu``: unbiased and never negative.
 - :func:`route_flip_counts`: how many (token, MoE layer) top-k expert sets differ between two
   routings (rollout engine vs trainer), as sets (the order of the k ids is irrelevant).
 - :func:`clip_counts`: PPO's clipping indicators (the update's gradient is cut where
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .kl import kl_penalty
 from .turns import TurnSegments, segment_sum
 
 
@@ -52,12 +53,10 @@ def importance_ess(log_w: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
 
 def k3_kl(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, clamp: float = 20.0) -> torch.Tensor:
     """Mean over masked tokens of ``r - 1 - log r``, ``log r = logp - behaviour_logp`` clamped to
-    ``[-clamp, clamp]``: the k3 estimate of ``KL(behaviour || p)`` (0 without tokens)."""
+    ``[-clamp, clamp]``: the k3 estimate of ``KL(behaviour || p)`` (0 without tokens), in float64."""
     m = mask.bool()
-    lr = torch.where(m, (logp.double() - behaviour_logp.double()).clamp(-clamp, clamp),
-                     torch.zeros((), dtype=torch.float64, device=logp.device))
-    k3 = torch.where(m, torch.expm1(lr) - lr, torch.zeros_like(lr))
-    return k3.sum() / m.sum().clamp(min=1)
+    k3 = kl_penalty(behaviour_logp, logp, "k3", clamp, dtype=torch.float64)  # sampled by the behaviour policy
+    return torch.where(m, k3, torch.zeros_like(k3)).sum() / m.sum().clamp(min=1)
 
 
 def route_flip_counts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sorl_megatron.algorithms import PolicyLossConfig, compute_policy_loss
+from sorl_megatron.algorithms.kl import kl_penalty
 from sorl_megatron.algorithms.mismatch import clip_counts, importance_ess, k3_kl, route_flip_counts
 from sorl_megatron.algorithms.turns import segment_turns
 
@@ -34,6 +35,12 @@ def test_k3_hand_example():
     assert k3_kl(lp, mu, mask).item() == pytest.approx(want)
     assert k3_kl(mu, mu, mask).item() == 0.0
     assert k3_kl(lp, mu, torch.zeros(1, 3)).item() == 0.0
+    # kl_penalty's k3 (one owner), in float64: a gap of fp32 rounding (~1e-7 nats) still registers
+    per_token = kl_penalty(mu, lp, "k3", dtype=torch.float64)
+    assert per_token.dtype == torch.float64 and k3_kl(lp, mu, mask).item() == per_token[0, :2].mean().item()
+    gap = torch.full((1, 3), 1e-7)
+    assert k3_kl(gap, torch.zeros(1, 3), mask).item() == pytest.approx(0.5e-14, rel=0.05)
+    assert kl_penalty(torch.zeros(1, 3), gap, "k3").dtype == torch.float32  # the loss's default
 
 
 def test_route_flip_counts_compare_sets():
