@@ -18,7 +18,8 @@ phases, of the process's wall time per step (with start-up, validations and chec
 of its CPU time per step (the trainer's and its servers' user + system seconds: on a loaded
 machine less noisy than wall time), the per-round ratios old / new, the load average, and
 whether every non-timing metric (rewards, lengths, losses, validation EM) of each step is the
-same in both trees, i.e. whether the change left the run's numbers alone.
+same in both trees, i.e. whether the change left the run's numbers alone (metrics only one tree
+writes, e.g. an indicator added since the old commit, are named and not compared).
 """
 
 from __future__ import annotations
@@ -120,8 +121,18 @@ def main() -> None:
         ratios = [o[key] / n[key] for o, n in zip(results["old"], results["new"])]
         print(f"old / new {key:10s}: median {statistics.median(ratios):.2f}x  per round "
               + " ".join(f"{x:.2f}x" for x in ratios))
-    same = all(x["numbers"] == results["old"][0]["numbers"] for rs in results.values() for x in rs)
+    # metrics one tree writes and the other does not (an indicator added since) are named, not compared
+    ref = results["old"][0]["numbers"]
+    runs = [x["numbers"] for rs in results.values() for x in rs]
+    only = sorted({k for run in runs for a, b in zip(ref, run) for k in set(a) ^ set(b)})
+    diffs = sorted({f"step {a.get('step')}: {k}" for run in runs for a, b in zip(ref, run)
+                    for k in set(a) & set(b) if a[k] != b[k]})
+    same = not diffs and all(len(run) == len(ref) for run in runs)
     print(f"every non-timing metric of every step identical in all runs (old and new): {same}")
+    if diffs:
+        print("differing: " + "; ".join(diffs[:20]))
+    if only:
+        print("written by one tree only (not compared): " + ", ".join(only))
 
 
 if __name__ == "__main__":
