@@ -2,20 +2,24 @@
 commit), run in alternation; and whether the two produced the same run.
 
     python benchmarks/bench_study_step.py --old-src /tmp/old_checkout [--data runs/tiny]
-        [--policy runs/tiny_search/so_grpo/sft_model] [--loss so_grpo] [--stress low] [--seed 1]
-        [--steps 4] [--rounds 3] [key=value ...]
+        [--policy runs/tiny_search/so_grpo/sft_model] [--study recipes/study/tiny_stability.yaml]
+        [--loss so_grpo] [--stress low] [--seed 1] [--steps 4] [--rounds 3] [key=value ...]
 
 Each run is the study's own command for the cell (``sorl_megatron.study.cell_overrides`` on
-``recipes/study/tiny_stability.yaml``: the demo's recipe from ``--policy`` with the loss's and the
-stress level's overrides, validation every 4 steps, one torch thread as the study gives each of
-its two cells), cut to ``--steps`` RL steps, with the CLI ``python -m sorl_megatron.train`` of
-each tree (``PYTHONPATH`` its root). The two trees run in alternation (old first in even rounds,
-new first in odd ones), so a change of the machine's load hits both alike; reported per tree:
-the median over rounds of the mean ``time/step_wall`` (rollout + log-probs + update + weight
-sync of a step) and of the process's wall time per step (with start-up, validations and
-checkpoints), the per-round ratios old / new, the load average, and whether every non-timing
-metric (rewards, lengths, losses, validation EM) of each step is the same in both trees, i.e.
-whether the change left the run's numbers alone.
+``--study``, by default ``recipes/study/tiny_stability.yaml``; round two's grids, e.g.
+``recipes/study/round2_replay.yaml`` with ``--loss grpo --stress control``, work the same way:
+the demo's recipe from ``--policy`` with the loss's, the stress level's and the study's
+overrides, one torch thread as the study gives each of its two cells), cut to ``--steps`` RL
+steps, with the CLI ``python -m sorl_megatron.train`` of each tree (``PYTHONPATH`` its root).
+The two trees run in alternation (old first in even rounds, new first in odd ones), so a change
+of the machine's load hits both alike; reported per tree: the median over rounds of the mean
+``time/step_wall`` (rollout + log-probs + update + weight sync of a step), of each of those
+phases, of the process's wall time per step (with start-up, validations and checkpoints) and
+of its CPU time per step (the trainer's and its servers' user + system seconds: on a loaded
+machine less noisy than wall time), the per-round ratios old / new, the load average, and
+whether every non-timing metric (rewards, lengths, losses, validation EM) of each step is the
+same in both trees, i.e. whether the change left the run's numbers alone (metrics only one tree
+writes, e.g. an indicator added since the old commit, are named and not compared).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -42,7 +47,7 @@ def cell_command(src: Path, data: Path, policy: Path, out: Path, args: argparse.
     """The study's command line for the cell (run from ``src``) and its run directory."""
     from sorl_megatron.study import Cell, cell_overrides, load_study
 
-    study = load_study(STUDY, [f"data={data}", f"start_policy={policy}"])
+    study = load_study(Path(args.study), [f"data={data}", f"start_policy={policy}"])
     cell = Cell(args.loss, args.stress, args.seed)
     overrides = [*cell_overrides(study, cell, out), "checkpoint.resume=none", f"schedule.total_steps={args.steps}",
                  *args.overrides]
@@ -50,18 +55,29 @@ def cell_command(src: Path, data: Path, policy: Path, out: Path, args: argparse.
     return [sys.executable, "-m", "sorl_megatron.train", "--config", str(recipe), *overrides], out / "runs" / cell.name
 
 
+PHASES = ("rollout", "old_logprobs", "actor_update", "weight_sync")
+
+
+def children_cpu() -> float:
+    """CPU seconds (user + system) of the finished child processes of this one, theirs included."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def run(src: Path, cmd: list[str], run_dir: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{src / 'kernels'}", OMP_NUM_THREADS="1")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), children_cpu()
     proc = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, children_cpu() - c0
     if proc.returncode != 0:
         raise RuntimeError(f"{src} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("step", 0) > 0 and "time/step_wall" in r]
     numbers = [{k: v for k, v in r.items() if not k.startswith("time") and k != "time"} for r in rows]
-    return {"step_s": statistics.mean(r["time/step_wall"] for r in steps), "process_s": wall / len(steps),
-            "rollout_s": statistics.mean(r["time/rollout"] for r in steps), "numbers": numbers}
+    out = {"step_s": statistics.mean(r["time/step_wall"] for r in steps), "process_s": wall / len(steps),
+           "cpu_s": cpu / len(steps), "numbers": numbers}
+    out.update({f"{p}_s": statistics.mean(r.get(f"time/{p}", 0.0) for r in steps) for p in PHASES})
+    return out
 
 
 def main() -> None:
@@ -69,6 +85,7 @@ def main() -> None:
     ap.add_argument("--old-src", required=True, help="root of the checkout to compare with (e.g. a git worktree)")
     ap.add_argument("--data", default="runs/tiny", help="the demo's data (tools/demo.py generates it)")
     ap.add_argument("--policy", default=None, help="policy to start from (default: <data>/model)")
+    ap.add_argument("--study", default=str(STUDY), help="the study whose cell runs (its losses and stress levels)")
     ap.add_argument("--loss", default="so_grpo")
     ap.add_argument("--stress", default="low")
     ap.add_argument("--seed", type=int, default=1)
@@ -89,19 +106,33 @@ def main() -> None:
                 cmd, run_dir = cell_command(trees[name], data, policy, out, args)
                 res = run(trees[name], cmd, run_dir)
                 results[name].append(res)
-                print(f"round {r} {name}: step {res['step_s']:6.1f}s (rollout {res['rollout_s']:5.1f}s)  "
-                      f"process {res['process_s']:6.1f}s per step  ({load()})", flush=True)
+                print(f"round {r} {name}: step {res['step_s']:6.1f}s ("
+                      + ", ".join(f"{p} {res[f'{p}_s']:.1f}s" for p in PHASES)
+                      + f")  process {res['process_s']:6.1f}s, CPU {res['cpu_s']:6.1f}s per step  ({load()})",
+                      flush=True)
     print(f"\nend: {load()}")
-    print(f"{'tree':5s} {'step (s)':>9s} {'rollout (s)':>12s} {'process/step (s)':>17s}")
+    keys = ("step_s", *(f"{p}_s" for p in PHASES), "process_s", "cpu_s")
+    print("medians over rounds, seconds per RL step (process: wall time of the whole run; cpu: its CPU time, "
+          "servers included)")
+    print(f"{'tree':5s} " + " ".join(f"{k[:-2]:>13s}" for k in keys))
     for name, rs in results.items():
-        med = {key: statistics.median(x[key] for x in rs) for key in ("step_s", "rollout_s", "process_s")}
-        print(f"{name:5s} {med['step_s']:9.1f} {med['rollout_s']:12.1f} {med['process_s']:17.1f}")
-    for key in ("step_s", "rollout_s", "process_s"):
+        print(f"{name:5s} " + " ".join(f"{statistics.median(x[k] for x in rs):13.2f}" for k in keys))
+    for key in keys:
         ratios = [o[key] / n[key] for o, n in zip(results["old"], results["new"])]
         print(f"old / new {key:10s}: median {statistics.median(ratios):.2f}x  per round "
               + " ".join(f"{x:.2f}x" for x in ratios))
-    same = all(x["numbers"] == results["old"][0]["numbers"] for rs in results.values() for x in rs)
+    # metrics one tree writes and the other does not (an indicator added since) are named, not compared
+    ref = results["old"][0]["numbers"]
+    runs = [x["numbers"] for rs in results.values() for x in rs]
+    only = sorted({k for run in runs for a, b in zip(ref, run) for k in set(a) ^ set(b)})
+    diffs = sorted({f"step {a.get('step')}: {k}" for run in runs for a, b in zip(ref, run)
+                    for k in set(a) & set(b) if a[k] != b[k]})
+    same = not diffs and all(len(run) == len(ref) for run in runs)
     print(f"every non-timing metric of every step identical in all runs (old and new): {same}")
+    if diffs:
+        print("differing: " + "; ".join(diffs[:20]))
+    if only:
+        print("written by one tree only (not compared): " + ", ".join(only))
 
 
 if __name__ == "__main__":

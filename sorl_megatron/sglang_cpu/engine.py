@@ -132,6 +132,7 @@ class RolloutEngine:
         self.num_waves = 0  # prefill forwards (admissions)
         self.num_steps = 0  # decode steps
         self.max_batch = 0  # most rows decoded together so far
+        self.max_prefill = 0  # most prompts prefilled together so far
 
     # ----- public API (any thread) -----
 
@@ -363,13 +364,13 @@ class RolloutEngine:
             return
         for u in units:
             forward.lookup(self.served, u)
-        if self.cfg.deterministic:
-            groups = [[u] for u in units]
-        else:  # prompt log-probs: a prefill of its own (its logits cost positions x vocab)
-            groups = [[u] for u in units if u.input_lp]
-            rest = [u for u in units if not u.input_lp]
-            if rest:
-                groups.append(rest)
+        # prompt log-probs: a prefill of its own (its logits cost positions x vocab); the deterministic
+        # mode prefills the others together batch-invariantly where the model allows (forward.prefill_rowwise)
+        together = not self.cfg.deterministic or self.served.rowwise_prefill
+        groups = [[u] for u in units if u.input_lp or not together]
+        rest = [u for u in units if not u.input_lp and together]
+        if rest:
+            groups.append(rest)
         for g in groups:
             for new in self._prefill_safe(g):
                 self._batch.merge(new)
@@ -377,11 +378,14 @@ class RolloutEngine:
 
     def _prefill_safe(self, group: list[Unit]) -> list[Batch]:
         try:
-            if self.cfg.deterministic:
+            if self.cfg.deterministic and len(group) == 1:
                 new = forward.prefill_chunked(self.served, group[0])
+            elif self.cfg.deterministic:
+                new = forward.prefill_rowwise(self.served, group)
             else:
                 new = forward.prefill(self.served, group)
             self.num_waves += 1
+            self.max_prefill = max(self.max_prefill, len(group))
             return [new]
         except Exception as exc:
             if len(group) > 1:  # find the culprit: each unit alone, so only it fails

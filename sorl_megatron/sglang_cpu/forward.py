@@ -7,12 +7,13 @@ of its longest common prefix with any stored sequence (``lookup``; at least one 
 always prefilled) and reports the reused length in ``meta_info.cached_tokens``. A sequence
 whose KV spans a weight change is not stored. The cache itself is ``batch.PrefixCache``.
 
-Deterministic mode: every prompt is prefilled alone (batch of one, no padding) in chunks
-aligned at multiples of ``DETERMINISTIC_CHUNK`` tokens; prefix-cache hits are rounded down to
-such a multiple and only the chunk-prefilled part of a sequence is stored. Decode steps run
-all rows in one forward under ``rowwise.RowwiseMode``, which computes each row bit for bit as
-a forward of that row alone would. A request with ``sampling_seed`` then gets the same tokens
-and log-probs whatever else is in flight and whatever the cache holds.
+Deterministic mode: every prompt is prefilled in chunks aligned at multiples of
+``DETERMINISTIC_CHUNK`` tokens, as it would be alone (batch of one, no padding:
+``prefill_chunked``); prefix-cache hits are rounded down to such a multiple and only the
+chunk-prefilled part of a sequence is stored. Prompts admitted together (``prefill_rowwise``)
+and decode steps run all rows in one forward under ``rowwise.RowwiseMode``, which computes each
+row bit for bit as a forward of that row alone would. A request with ``sampling_seed`` then gets
+the same tokens and log-probs whatever else is in flight and whatever the cache holds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .batch import Batch, Seq, Unit
+from .batch import KV, Batch, Seq, Unit, pad_left
 from .model import ServedModel
 from .rowwise import RowwiseMode
 
@@ -128,6 +129,87 @@ def prefill_chunked(served: ServedModel, u: Unit) -> Batch:
         pos=torch.full((m,), n, dtype=torch.long),
         last=logits[:, -1].expand(m, -1).contiguous(),
         versions=[served.weight_version] * m,
+    )
+
+
+def prefill_rowwise(served: ServedModel, units: list[Unit]) -> Batch:
+    """Deterministic mode, several units (no prompt log-probs) at once: each round feeds every
+    unfinished unit its next ``prefill_chunked`` chunk, all in one forward under ``RowwiseMode``,
+    so every row's logits, KV and routing are bit for bit those of ``prefill_chunked`` alone.
+    Rows are left-padded to the round's longest chunk; between rounds each row's KV (cached
+    prefix, then its chunks) is moved to the right end of the padded width, where the mode
+    reads a row's past."""
+    C = DETERMINISTIC_CHUNK
+    ends = [len(u.tokens) for u in units]
+    at = [u.hit for u in units]  # tokens each row has fed (its own KV columns)
+    want_routing = served.wants_routing(s for u in units for s in u.seqs)
+    routes: list[list[np.ndarray]] = [[] for _ in units]
+    done: list[tuple[KV, torch.Tensor] | None] = [None] * len(units)  # a finished row's own KV and last logits
+    rows = list(range(len(units)))  # unfinished units, by index
+    kv = None
+    if any(at):  # cached prefixes, right-aligned
+        width, ref = max(at), next(u.entry.kv for u in units if u.hit)
+
+        def cached(u: Unit, layer: int, j: int) -> torch.Tensor:
+            return pad_left((u.entry.kv if u.hit else ref)[layer][j][:, : u.hit], width, 1)
+
+        kv = [tuple(torch.stack([cached(u, layer, j) for u in units]) for j in (0, 1)) for layer in range(len(ref))]
+    while rows:
+        a = torch.tensor([at[i] for i in rows])
+        b = torch.minimum((a // C + 1) * C, torch.tensor([ends[i] for i in rows]))
+        new = b - a
+        R, T = len(rows), int(new.max())
+        past_w = 0 if kv is None else kv[0][0].shape[2]
+        ids = torch.full((R, T), served.pad_id, dtype=torch.long)
+        for j, i in enumerate(rows):
+            ids[j, T - int(new[j]) :] = torch.tensor(units[i].tokens[at[i] : int(b[j])])
+        col = torch.arange(T)[None] - (T - new)[:, None]  # index within the row's new tokens (< 0: padding)
+        pos = (a[:, None] + col).clamp(min=0)
+        # the mask the model sees (the mode reads each row's own columns itself): past, then new
+        mask = torch.cat([torch.arange(past_w)[None] >= (past_w - a)[:, None], col >= 0], 1).long()
+        served.tap.active = want_routing
+        with RowwiseMode(b, new, served.experts, served.kv_heads):
+            logits, kv = served.run(ids, mask, pos, kv, 1)
+        served.tap.active = False
+        if want_routing:
+            routing = served.tap.take(R, T)
+            for j, i in enumerate(rows):
+                routes[i].append(routing[j, T - int(new[j]) :])
+        # each row's own columns (past, then new) moved to the right end of width max(b)
+        width = int(b.max())
+        t = torch.arange(width)[None] - (width - b)[:, None]  # index within the row's own tokens (< 0: padding)
+        src = torch.where(t < a[:, None], past_w - a[:, None] + t, past_w + T - new[:, None] + t - a[:, None])
+        idx = src.clamp(min=0)[:, None, :, None]
+        kv = [(k.gather(2, idx.expand(-1, k.shape[1], -1, k.shape[3])),
+               v.gather(2, idx.expand(-1, v.shape[1], -1, v.shape[3]))) for k, v in kv]
+        keep = []
+        for j, i in enumerate(rows):
+            at[i] = int(b[j])
+            if at[i] == ends[i]:
+                done[i] = ([(k[j, :, width - at[i] :], v[j, :, width - at[i] :]) for k, v in kv], logits[j, -1])
+            else:
+                keep.append(j)
+        if keep and len(keep) < R:
+            sel = torch.tensor(keep)
+            cut = width - max(at[rows[j]] for j in keep)  # leading columns now padding in every row
+            kv = [(k[sel, :, cut:], v[sel, :, cut:]) for k, v in kv]
+        rows = [rows[j] for j in keep]
+    for u, r in zip(units, routes):
+        for s in u.seqs:
+            _prefilled(served, s, u, np.concatenate(r) if r else None)
+            s.storable = len(u.tokens) // C * C
+    width = max(ends)
+    idx = torch.tensor([i for i, u in enumerate(units) for _ in u.seqs], dtype=torch.long)
+    kv = [tuple(torch.stack([pad_left(own[layer][j], width, 1) for own, _ in done]).index_select(0, idx)
+                for j in (0, 1)) for layer in range(len(done[0][0]))]
+    n = torch.tensor(ends)[idx]
+    return Batch(
+        rows=[s for u in units for s in u.seqs],
+        kv=kv,
+        mask=(torch.arange(width)[None] >= (width - n)[:, None]).long(),
+        pos=n,
+        last=torch.stack([last for _, last in done]).index_select(0, idx),
+        versions=[served.weight_version] * len(idx),
     )
 
 

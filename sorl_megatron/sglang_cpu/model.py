@@ -26,6 +26,7 @@ from .batch import KV, PrefixCache
 from .options import EngineConfig
 from .precision import apply_precision
 from .route_flip import RouteFlipper
+from .rowwise import expert_modules
 from .weights import check_compatible, dequantize_fp8_pairs, read_checkpoint
 
 transformers.utils.logging.disable_progress_bar()
@@ -134,6 +135,7 @@ class ServedModel:
         self.model = model
         flipper = RouteFlipper(self.cfg.inject_route_flip_fraction, self.cfg.inject_route_flip_seed)
         self.tap = RouterTap(model, int(self.hf_config.num_hidden_layers), flipper)
+        self.experts = expert_modules(model)  # what a batch-invariant prefill runs row by row
         self._dirty = False
         self.gen += 1
         self.prefix_cache.clear()  # KV of other weights must not be reused
@@ -150,6 +152,17 @@ class ServedModel:
     @property
     def routing_shape(self) -> tuple[int, int] | None:
         return (self.tap.num_layers, self.tap.top_k) if self.is_moe else None
+
+    @property
+    def kv_heads(self) -> int:
+        c = self.hf_config
+        return int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+
+    @property
+    def rowwise_prefill(self) -> bool:
+        """Whether prompts may be prefilled together batch-invariantly (``forward.prefill_rowwise``):
+        a dense model, or an MoE whose expert modules ``rowwise`` knows how to run row by row."""
+        return not self.is_moe or bool(self.experts)
 
     def wants_routing(self, seqs) -> bool:
         return self.is_moe and any(s.req.return_routed_experts for s in seqs)

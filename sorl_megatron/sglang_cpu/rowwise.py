@@ -1,19 +1,27 @@
-"""Batch-invariant decoding for the deterministic mode: one forward for all running rows, with
-every row's numbers exactly those of a forward of that row alone.
+"""Batch-invariant forwards for the deterministic mode: one forward for many rows, with every
+row's numbers exactly those of a forward of that row alone.
 
 A batched forward differs from single-row ones only in the few ops that mix rows: BLAS picks
 another kernel (and reduction order) for a matrix of M > 1 rows than for one row (on this
 project's CPU build rows agree bit for bit only from M = 4 with one thread, M = 12 with two,
 and never with M = 1), grouped expert matmuls see other group sizes, and attention sees a
-padded key width. ``RowwiseMode`` intercepts exactly those ops (``F.linear``, grouped mm,
+padded key width. ``RowwiseMode`` intercepts exactly those ops (``F.linear``, the MoE experts,
 scaled-dot-product attention) inside the model's forward and runs them once per row, with the
-shapes that row has when it is forwarded alone: a ``[1, 1, hidden]`` linear, a one-row expert
-group, attention over the row's own ``n`` key columns (contiguous, no mask). Every other op of
-the forward (embedding, norms, RoPE, routing softmax / top-k, the expert-output sum) works row by
-row anyway, so the whole forward, and the KV it appends, is bit-identical to the batch-of-one
-forward the deterministic mode ran before (tests/rollout/test_rowwise_decode.py compares them).
-What is saved is the per-forward Python cost of the model (modules, masks, cache), which on a
-small model is most of a decode step.
+shapes that row has when it is forwarded alone. Every other op of the forward (embedding,
+norms, RoPE, routing softmax / top-k, the expert-output sum) works token by token anyway, so
+the whole forward, and the KV it appends, is bit-identical to the row's forward alone
+(tests/rollout/test_rowwise_decode.py compares them). What is saved is the per-forward Python
+cost of the model (modules, masks, cache), which on a small model is most of a forward.
+
+Decode (one new token per row): a ``[1, 1, hidden]`` linear, a one-row expert matmul, attention
+over the row's own ``n`` key columns. Prefill (``new[r]`` tokens per row, left-padded to the
+longest; the row's past KV right-aligned before them): linears on the row's own positions, the
+experts module called on the row's own tokens (its grouped matmul sorts the tokens of all rows
+by expert, so the mode swaps the ``forward`` of the model's expert modules while it is active),
+and attention on the row's own past and new columns, called as the model's SDPA integration
+calls it for the row alone: no mask and ``is_causal`` without a past (grouped KV heads), HF's
+boolean causal mask over past + new with the KV heads repeated when there is one, no mask for
+a single token.
 """
 
 from __future__ import annotations
@@ -33,17 +41,47 @@ def _alone(offs: torch.Tensor, r: int) -> torch.Tensor:
     return (torch.arange(len(offs)) >= g).to(offs.dtype)
 
 
-class RowwiseMode(TorchFunctionMode):
-    """Within ``with RowwiseMode(lengths):`` a one-token-per-row decode forward computes every
-    row as if it were alone; ``lengths[r]`` is row ``r``'s key count after this token (its own
-    columns are the last ``lengths[r]`` of the padded KV)."""
+def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's MoE expert collections (HF names them ``*Experts``): what a prefill swaps."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
 
-    def __init__(self, lengths: torch.Tensor):
+
+class RowwiseMode(TorchFunctionMode):
+    """Within ``with RowwiseMode(lengths, new, experts, kv_heads):`` a forward of ``len(lengths)``
+    rows computes every row as if it were alone. Row ``r`` feeds ``new[r]`` tokens (default 1: a
+    decode step), the last ``new[r]`` of the padded query width, and has ``lengths[r]`` keys after
+    them: its past KV is the last ``lengths[r] - new[r]`` columns before the new ones. A prefill
+    (any ``new[r] > 1``) needs the model's ``experts`` (:func:`expert_modules`) and its number of
+    ``kv_heads``."""
+
+    def __init__(self, lengths, new=None, experts=(), kv_heads: int | None = None):
         super().__init__()
         self.lengths = [int(n) for n in lengths]
+        self.new = [1] * len(self.lengths) if new is None else [int(m) for m in new]
+        self.prefill = any(m > 1 for m in self.new)
+        self.experts = list(experts) if self.prefill else []
+        self.kv_heads = kv_heads
+        self._inside = False  # within one row's own experts call: every op runs as it is
+        self._saved: list = []  # (module, its own instance-level forward or None)
+
+    def __enter__(self):
+        self._saved = [(m, m.__dict__.get("forward")) for m in self.experts]
+        for m in self.experts:
+            m.forward = self._own_experts(m.forward)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for m, own in self._saved:
+            if own is None:
+                del m.forward  # back to the class's
+            else:
+                m.forward = own
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._inside:
+            return func(*args, **kwargs)
         if func in _LINEAR:
             return self._linear(func, *args, **kwargs)
         if func in _GROUPED:
@@ -52,17 +90,32 @@ class RowwiseMode(TorchFunctionMode):
             return self._attention(func, *args, **kwargs)
         return func(*args, **kwargs)
 
-    @staticmethod
-    def _linear(func, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() < 2 or x.shape[0] == 1:
+    def _linear(self, func, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = len(self.new)
+        if x.dim() < 2 or (rows == 1 and not self.prefill):
             return func(x, weight, bias)
-        return torch.cat([func(x[r : r + 1], weight, bias) for r in range(x.shape[0])])
+        flat = x.dim() == 2  # tokens flattened ([rows * width, in], e.g. a MoE router's input)
+        if (flat and x.shape[0] % rows) or (not flat and x.shape[0] != rows):
+            raise RuntimeError(f"RowwiseMode: a linear's input {tuple(x.shape)} is not {rows} rows of tokens")
+        width = x.shape[0] // rows if flat else x.shape[1]
+        take = [min(m, width) for m in self.new]  # a row's own positions: its last ones (the LM head keeps fewer)
+        outs = [func(x[r * width + width - t : (r + 1) * width] if flat else x[r : r + 1, width - t :], weight, bias)
+                for r, t in enumerate(take)]
+        if all(t == width for t in take):  # no padding: the rows' outputs are the whole output
+            return torch.cat(outs)
+        out = outs[0].new_zeros((*x.shape[:-1], weight.shape[0]))
+        rows_view = out.view(rows, width, -1)
+        for r, (t, o) in enumerate(zip(take, outs)):
+            rows_view[r, width - t :] = o.view(t, -1)
+        return out
 
-    @staticmethod
-    def _grouped(func, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Rows sorted by group (``offs``: cumulative ends, ``weight`` [groups, in, out]); each row
-        multiplied alone by its group's matrix: a one-row ``mm``, bit-identical to the grouped
-        kernel's one-row group (checked by the tests) and several times cheaper to call."""
+    def _grouped(self, func, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Decode: rows sorted by group (``offs``: cumulative ends, ``weight`` [groups, in, out]);
+        each row multiplied alone by its group's matrix: a one-row ``mm``, bit-identical to the
+        grouped kernel's one-row group (checked by the tests) and several times cheaper to call."""
+        if self.prefill:  # the experts' own calls pass through (_inside); reaching here is a model we do not know
+            raise RuntimeError("RowwiseMode: a grouped matmul outside an experts module in a prefill "
+                               f"({len(self.experts)} expert modules swapped)")
         if kwargs.get("bias") is not None or kwargs.get("out_dtype") not in (None, x.dtype) or weight.dim() != 3:
             return torch.cat([func(x[r : r + 1], weight, offs=_alone(offs, r), **kwargs) for r in range(len(x))])
         groups = torch.searchsorted(offs, torch.arange(len(x), dtype=offs.dtype), right=True).tolist()
@@ -72,15 +125,52 @@ class RowwiseMode(TorchFunctionMode):
             out.append(x.new_zeros((len(x) - used, weight.shape[-1])))
         return torch.cat(out)
 
-    def _attention(self, func, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
-        if q.shape[2] != 1 or q.shape[0] != len(self.lengths):
-            raise RuntimeError(f"RowwiseMode decodes one token per row for {len(self.lengths)} rows; "
-                               f"attention got queries {tuple(q.shape)}")
-        width = k.shape[2]
-        out = []
-        for r, n in enumerate(self.lengths):
-            own_k = k[r : r + 1, :, width - n :].contiguous()
-            own_v = v[r : r + 1, :, width - n :].contiguous()
-            out.append(func(q[r : r + 1], own_k, own_v, attn_mask=None, dropout_p=dropout_p, is_causal=False,
-                            **kwargs))
-        return torch.cat(out)
+    def _own_experts(self, forward):
+        """An experts module's ``forward`` that runs the original once per row, on the row's own
+        tokens of the flattened ``[rows * width, hidden]`` input (padding positions give 0)."""
+
+        def per_row(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args,
+                    **kwargs) -> torch.Tensor:
+            rows = len(self.new)
+            width = hidden_states.shape[0] // rows
+            out = hidden_states.new_zeros(hidden_states.shape)
+            self._inside = True
+            try:
+                for r, m in enumerate(self.new):
+                    own = slice(r * width + width - m, (r + 1) * width)
+                    out[own] = forward(hidden_states[own], top_k_index[own], top_k_weights[own], *args, **kwargs)
+            finally:
+                self._inside = False
+            return out
+
+        return per_row
+
+    def _attention(self, func, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        rows, width, keys = len(self.lengths), q.shape[2], k.shape[2]
+        if q.shape[0] != rows or (not self.prefill and width != 1):
+            raise RuntimeError(f"RowwiseMode feeds {self.new} tokens to {rows} rows; attention got queries "
+                               f"{tuple(q.shape)}")
+        if not self.prefill:  # decode: the row's own last n key columns, no mask
+            return torch.cat([
+                func(q[r : r + 1], k[r : r + 1, :, keys - n :].contiguous(), v[r : r + 1, :, keys - n :].contiguous(),
+                     attn_mask=None, dropout_p=dropout_p, is_causal=False, scale=scale, **kwargs)
+                for r, n in enumerate(self.lengths)])
+        past_end = keys - width  # the padded past's columns, then the padded new ones
+        kv_heads = self.kv_heads or k.shape[1]
+        rep = q.shape[1] // kv_heads
+        out = q.new_zeros(q.shape)
+        for r, (n, m) in enumerate(zip(self.lengths, self.new)):
+            p = n - m
+            own_k, own_v = (torch.cat([t[r : r + 1, :, past_end - p : past_end], t[r : r + 1, :, keys - m :]], 2)
+                            for t in (k, v))
+            if own_k.shape[1] != kv_heads:  # the padded batch's mask made the model repeat the KV heads
+                own_k, own_v = own_k[:, ::rep].contiguous(), own_v[:, ::rep].contiguous()
+            extra = {"enable_gqa": True} if rep > 1 else {}
+            mask, causal = None, m > 1
+            if m > 1 and p > 0:  # alone: HF's boolean causal mask over past + new, KV heads repeated for it
+                mask, causal, extra = torch.ones((m, n), dtype=torch.bool).tril(p)[None, None], False, {}
+                own_k, own_v = (t[:, :, None].expand(1, kv_heads, rep, n, t.shape[-1]).reshape(1, kv_heads * rep, n, -1)
+                                for t in (own_k, own_v))
+            out[r : r + 1, :, width - m :] = func(q[r : r + 1, :, width - m :], own_k, own_v, attn_mask=mask,
+                                                  dropout_p=dropout_p, is_causal=causal, scale=scale, **extra)
+        return out

@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from ..common import aio
 from ..common.clock import ActiveClock
 from ..data.qa import QARow, encode_prompt
 from ..rewards.registry import RewardRegistry
@@ -161,7 +162,7 @@ class RolloutSource:
             finally:
                 await close()
 
-        return list(asyncio.run(go()))
+        return list(aio.run(go()))
 
     def score_group(self, group: Group) -> int:
         """Rewards, overlong handling and PVPO ground truth of one group (in place); returns the

@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional
 
+from ..common import aio
 from ..common.http import RetryPolicy, ServerError
 from ..data.gold import gold_plan, gold_trajectory
 from ..data.qa import QARow, encode_prompt
@@ -76,7 +77,7 @@ class Connections:
         stack.callback(self.fleet.close)
         self.rollout_urls = self.fleet.urls()
         # refuse at once a server this run cannot use (its SGLang version, --skip-tokenizer-init)
-        asyncio.run(self.with_client(lambda c: c.check_for_rollouts()))
+        aio.run(self.with_client(lambda c: c.check_for_rollouts()))
 
     def get_fleet(self) -> RolloutFleet:
         """The run's fleet; one made of ``rollout_urls`` (external servers, no router) when
@@ -184,7 +185,7 @@ class Connections:
             if errors:
                 raise errors[0]
 
-        asyncio.run(go())
+        aio.run(go())
 
     # -- rollouts ----------------------------------------------------------------------
 
@@ -201,7 +202,7 @@ class Connections:
             finally:
                 await close()
 
-        return asyncio.run(go())
+        return aio.run(go())
 
     # -- weight updates ----------------------------------------------------------------
 
@@ -220,12 +221,12 @@ class Connections:
             return False
         self.pause_clock.pause()  # before the call: a server pauses as soon as it is asked
         try:
-            self._pause_supported = asyncio.run(
+            self._pause_supported = aio.run(
                 self.with_client(lambda c: c.pause_generation(self.cfg.rollout.pause_mode)))
         except Exception:
             # some servers may have paused before one failed: never leave them paused
             try:
-                asyncio.run(self.with_client(lambda c: c.continue_generation(force=True)))
+                aio.run(self.with_client(lambda c: c.continue_generation(force=True)))
             except Exception as err:
                 log.warning("after a failed /pause_generation, /continue_generation failed too: %s", err)
             self.pause_clock.resume()
@@ -239,7 +240,7 @@ class Connections:
         """``/continue_generation`` after a paused update (a fresh client: it has not seen the
         pause, so it must be told to continue)."""
         try:
-            asyncio.run(self.with_client(lambda c: c.continue_generation(force=True)))
+            aio.run(self.with_client(lambda c: c.continue_generation(force=True)))
         finally:
             self.pause_clock.resume()
 
@@ -281,7 +282,7 @@ class Connections:
             finally:
                 await retriever.close()
 
-        asyncio.run(go())
+        aio.run(go())
         if complete_only:
             cut = sorted(i for i, t in out.items() if t.finish_reason != "answer")
             if cut:

@@ -49,6 +49,7 @@ from typing import Optional
 
 import aiohttp
 
+from ..common import aio
 from ..common.http import RetryPolicy, ServerError, ServerUnavailableError, check_health
 from ..common.protocol import ROLLOUT_API_KEY_ENV, bearer_headers
 from ..rollout.router import RouterAdmin
@@ -268,7 +269,7 @@ class RolloutFleet:
                     log.error("rollout server %s did not come back: %s", w.name, err)
         external = [url for w, url, _ in down if w.name is None]
         if external:
-            errors = asyncio.run(self._health(external, "before the weight sync"))
+            errors = aio.run(self._health(external, "before the weight sync"))
             ready.update({u: errors[u] is None for u in external})
         with self._lock:
             for w, url, failures in down:
@@ -314,7 +315,7 @@ class RolloutFleet:
                         return
                     await asyncio.sleep(0.1)
 
-            asyncio.run(register())
+            aio.run(register())
         with self._lock:
             back = still_joining()
             for w, _, _ in back:
@@ -323,7 +324,7 @@ class RolloutFleet:
                 log.warning("rollout server %s is back (current weights%s)", w.url, ", in the router" if router else "")
             failed = [url for w, url, _ in joining if w.state != "up" or w.url != url]
         if failed:  # a failure handled before its registration found nothing to take out of the router
-            asyncio.run(self._take_out_of_router(failed))
+            aio.run(self._take_out_of_router(failed))
 
     def close(self) -> None:
         for p in self._hooks:
@@ -363,7 +364,7 @@ def start_fleet(rollout, run_dir: Path, servers: Optional[EmbeddedServers],
     if router_url is not None and not r.router_url:
         router = fleet._router()
         try:
-            asyncio.run(router.wait_for(present=[w.url for w in workers], timeout_s=r.start_timeout_s))
+            aio.run(router.wait_for(present=[w.url for w in workers], timeout_s=r.start_timeout_s))
         except ServerError as err:
             raise RuntimeError(f"{err}; see {servers.log_path('router')}") from None
     return fleet

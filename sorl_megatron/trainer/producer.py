@@ -36,6 +36,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from ..common import aio
 from ..rollout.trajectory import Trajectory
 
 log = logging.getLogger("sorl_megatron.trainer")
@@ -188,7 +189,7 @@ class AsyncProducer:
 
     def _main(self) -> None:
         try:
-            asyncio.run(self._loop())
+            aio.run(self._loop())
         except BaseException as err:  # handed to the trainer by take()
             with self._cv:
                 self._error = err

@@ -9,7 +9,6 @@ back on a new URL.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -20,6 +19,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from ..common import aio
 from ..common.fp8 import quantize_hf_tensor
 from ..common.http import RequestRejectedError, RetryPolicy
 from ..rollout.client import FailureHook, RolloutClient, RolloutClientConfig
@@ -149,7 +149,7 @@ def _flush_when_idle(cfg: RolloutClientConfig, wait_idle_s: float) -> None:
             await client.flush_cache(wait_idle_s=wait_idle_s)
 
     try:
-        asyncio.run(go())
+        aio.run(go())
         log.info("the rollout servers' caches were flushed once idle")
     except Exception as err:  # a background call: its failure is reported, the run goes on
         log.warning("prefix cache not flushed after the weight sync (the servers were not idle within "

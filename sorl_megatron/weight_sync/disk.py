@@ -8,9 +8,8 @@ cannot reach the trainer but share its file system.
 
 from __future__ import annotations
 
-import asyncio
-
 from ..bridge.weights import save_hf_checkpoint
+from ..common import aio
 from ..common.comm import rank
 from .base import SyncStats, SyncTargets, WeightSync, control_client, external_fp8, flush_after_sync, weight_format
 
@@ -31,5 +30,5 @@ class DiskWeightSync(WeightSync):
                     await c.update_weights_from_disk(out, weight_version=version, flush_cache=False)
                     await flush_after_sync(c, self.settings.flush_idle_timeout_s)
 
-            asyncio.run(reload())
+            aio.run(reload())
         return SyncStats()

@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from ..common import comm
+from ..common import aio, comm
 from ..common.buckets import buckets
 from ..common.http import RequestRejectedError, RetryPolicy, ServerError, request
 from ..rollout.client import RolloutClient
@@ -374,7 +374,7 @@ class DistributedWeightSync(WeightSync):
         fmt: Optional[WeightFormat] = None
         if comm.rank() == 0:
             try:
-                fmt = asyncio.run(self._with_client(urls, self.api_key, lambda c: begin_update(c, self.settings)))
+                fmt = aio.run(self._with_client(urls, self.api_key, lambda c: begin_update(c, self.settings)))
             except BaseException as exc:
                 error = exc
         failed = comm.any_rank(error is not None)
@@ -383,7 +383,7 @@ class DistributedWeightSync(WeightSync):
         if not failed:
             try:
                 if any(weight_sync_roles()):
-                    self.bytes_sent = asyncio.run(self._send(model, urls, self.api_key, fmt, gens))
+                    self.bytes_sent = aio.run(self._send(model, urls, self.api_key, fmt, gens))
                 else:
                     for _ in iter_owned_hf_weights(model):  # the gathers need every rank
                         pass
@@ -393,7 +393,7 @@ class DistributedWeightSync(WeightSync):
         if comm.rank() == 0:
             flush_s, ok = self.settings.flush_idle_timeout_s, not failed
             try:
-                asyncio.run(self._with_client(urls, self.api_key, lambda c: end_update(c, version, ok, flush_s)))
+                aio.run(self._with_client(urls, self.api_key, lambda c: end_update(c, version, ok, flush_s)))
             except BaseException as exc:
                 error, failed = error or exc, True
         if error is not None:
@@ -413,6 +413,6 @@ class DistributedWeightSync(WeightSync):
             await sender.close()
 
         try:
-            asyncio.run(self._with_client(sender.group_urls, self.api_key, go))
+            aio.run(self._with_client(sender.group_urls, self.api_key, go))
         except Exception as exc:  # the run's own outcome is what matters now
             log.warning("leaving the weight-update group failed: %s", exc)

@@ -9,12 +9,12 @@ embedded server reads these bodies (SGLang's come from a colocated CUDA process)
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 
 import torch
 
 from ..bridge.weights import iter_hf_weights
+from ..common import aio
 from ..common.buckets import buckets
 from ..common.comm import rank
 from ..rollout.client import RolloutClient
@@ -63,4 +63,4 @@ class TensorWeightSync(WeightSync):
             async with control_client(self.settings, targets.urls, targets.api_key, targets.on_failure) as client:
                 return await send_tensors(client, tensors, version, self.bucket_bytes)
 
-        return SyncStats(bytes_sent=asyncio.run(push()))
+        return SyncStats(bytes_sent=aio.run(push()))

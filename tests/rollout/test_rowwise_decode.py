@@ -1,15 +1,20 @@
-"""Deterministic mode decodes all running rows in one forward (``sglang_cpu/rowwise.py``): every
-row must be bit for bit what a forward of that row alone gives (the mode's former one-at-a-time
-decode), and a seeded request's tokens, log-probs and routing the same alone and in any batch."""
+"""Deterministic mode decodes all running rows in one forward and prefills all admitted prompts
+together (``sglang_cpu/rowwise.py``): every row must be bit for bit what a forward of that row
+alone gives (the mode's former one-at-a-time decode and prefill), and a seeded request's tokens,
+log-probs and routing the same alone and in any batch."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from sorl_megatron.common.protocol import GenRequest, SamplingParams
+from sorl_megatron.sglang_cpu import forward
+from sorl_megatron.sglang_cpu.batch import Seq, Unit
 from sorl_megatron.sglang_cpu.model import ServedModel
 from sorl_megatron.sglang_cpu.options import EngineConfig
 from sorl_megatron.sglang_cpu.rowwise import RowwiseMode
@@ -55,6 +60,59 @@ def test_rowwise_decode_equals_single_row_forwards(moe_dir, lengths, precision):
         assert (routing[r] == alone[r][2]).all()
 
 
+def _unit(tokens: list[int], n: int = 1, routed: bool = True) -> Unit:
+    req = GenRequest(input_ids=tokens, params=SamplingParams(n=n), return_routed_experts=routed)
+    return Unit(list(tokens), [Seq(req=req, sample=k, generator=None) for k in range(n)], input_lp=False)
+
+
+def _cached(served: ServedModel, tokens: list[int]) -> None:
+    """Put ``tokens``' KV (and routing) into the prefix cache, as a finished sequence leaves it."""
+    b = forward.prefill_chunked(served, _unit(tokens, routed=served.is_moe))
+    b.rows[0].storable = len(tokens)
+    forward.store(served, b, 0)
+
+
+@pytest.mark.parametrize("arch,precision", [("moe", "fp32"), ("moe", "bf16"), ("dense", "fp32")])
+def test_rowwise_prefill_equals_each_prompt_prefilled_alone(moe_dir, dense_dir, arch, precision):
+    """``prefill_rowwise`` of prompts of 1 to 100 tokens (chunk ends at 32, 64, 96; one chunk of a
+    single token; two samples of one prompt; three prompts that extend cached ones by a chunk-aligned
+    prefix hit) against ``prefill_chunked`` of each alone: logits, the KV of every layer and routing
+    bit for bit, and the batch the scheduler decodes from laid out as the decode expects."""
+    served = ServedModel(EngineConfig(model_path=str(moe_dir if arch == "moe" else dense_dir), deterministic=True,
+                                      enable_return_routed_experts=True, precision=precision))
+    base = [(11 * i) % 290 + 5 for i in range(110)]
+    prompts = [(base[:3], 1), (base[:31], 1), (base[:32], 1), (base[:33], 2), (base[:65], 1), (base[:100], 1),
+               (base[:1], 1), ([(7 * i) % 290 + 5 for i in range(70)], 1), (base[:64] + [9] * 7, 1),
+               (base[:96] + [4, 5, 6], 1), (base[:40] + [8] * 30, 1)]
+    with torch.inference_mode():
+        _cached(served, base[:100])  # hits of 32, 64 and 96 for the prompts that share a prefix with it
+
+        def units():
+            us = [_unit(p, n, routed=served.is_moe) for p, n in prompts]
+            for u in us:
+                forward.lookup(served, u)
+            return us
+
+        alone = [forward.prefill_chunked(served, u) for u in units()]
+        us = units()
+        assert {0, 32, 64, 96} <= {u.hit for u in us}  # prefix-cache hits (and none) in one batched prefill
+        both = forward.prefill_rowwise(served, us)
+    rows = [s for u in us for s in u.seqs]
+    assert len(both) == len(rows) == sum(len(b) for b in alone)
+    k = 0
+    for b in alone:
+        for r in range(len(b)):
+            s, n = rows[k], int(b.pos[r])
+            assert int(both.pos[k]) == n and int(both.mask[k].sum()) == n and both.mask[k, -n:].all()
+            assert torch.equal(both.last[k], b.last[r]), f"row {k}: logits differ from the prompt prefilled alone"
+            for (k1, v1), (k2, v2) in zip(both.kv, b.kv):  # the row's own columns: the last n, as decode reads them
+                assert torch.equal(k1[k, :, -n:], k2[r, :, -n:]) and torch.equal(v1[k, :, -n:], v2[r, :, -n:])
+            if arch == "moe":
+                assert np.array_equal(np.concatenate(s.routing), np.concatenate(b.rows[r].routing))
+            assert s.storable == b.rows[r].storable and s.cached_tokens == b.rows[r].cached_tokens
+            k += 1
+
+
 def _generate(url: str, prompt: list[int], max_new: int, seed: int | None, n: int = 1) -> list[dict]:
     sp = {"max_new_tokens": max_new, "ignore_eos": True, "no_stop_trim": True, "n": n, "temperature": 0.9}
     if seed is not None:
@@ -92,7 +150,7 @@ def test_seeded_requests_are_bit_identical_alone_and_in_any_batch(moe_dir):
                 outs = list(pool.map(lambda job: _generate(srv.url, *job), jobs))
             for i, out in zip(comp, outs):
                 assert _key(out) == alone[i], f"composition {comp}: request {i} differs from its run alone"
-        assert srv.engine.max_batch >= 8  # the requests really ran batched
+        assert srv.engine.max_batch >= 8 and srv.engine.max_prefill >= 3  # the requests really ran batched
         info = call(srv.url, "GET", "/server_info")[1]["prefix_cache"]
         assert info["hits"] >= 3 and info["hit_tokens"] >= 3 * 32  # and from the prefix cache
     finally:

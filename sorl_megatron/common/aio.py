@@ -1,0 +1,28 @@
+"""The one door from synchronous code into asyncio: :func:`run`.
+
+``asyncio.run`` on the main thread installs a SIGINT handler bound to its task and, when it
+restores the previous one, Python 3.11's ``signal`` module looks the handler up in an enum
+whose failed lookup formats ``repr(handler)``, i.e. the task's repr *with its result*: twice
+per call. For a rollout phase's result (hundreds of token and log-prob arrays) that repr took
+about as long as the step's whole log-prob recompute. :func:`run` hands the result back past
+the task, so the task's own result is ``None`` and nothing large is ever formatted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(coro)``'s value (and exceptions, Ctrl-C included) without formatting it."""
+    box: list[T] = []
+
+    async def main() -> None:
+        box.append(await coro)
+
+    asyncio.run(main())
+    return box[0]
