@@ -26,7 +26,7 @@ from ..algorithms.config import PolicyLossConfig
 from ..algorithms.loss_registry import POLICY_LOSSES
 from ..bridge.layout import ParallelLayout
 from ..bridge.te_fp8 import Fp8Error, Fp8Options
-from ..engine.config import OptimConfig
+from ..engine.config import LRSchedule, OptimConfig
 from .config_checks import (
     RecipeError,
     _check_finite,
@@ -462,6 +462,9 @@ class SFTConfig:
     enabled: bool = False
     steps: int = 100
     lr: float = 1e-3
+    # constant, or a linear / cosine decay from lr towards 0 over the SFT steps (step k of N
+    # trains at lr x (1 - k/(N+1)) / (1 + cos(pi k/(N+1)))/2: the last step still trains)
+    lr_schedule: LRSchedule = "constant"
     batch_size: int = 16  # gold trajectories per optimizer step
     # a resumable checkpoint every K steps into <checkpoint.dir>/sft/step_K (0 = none: an interrupted
     # SFT starts over); checkpoint.keep_last applies, and they are removed once sft_model is written
@@ -481,6 +484,11 @@ class SFTConfig:
         _positive_int(f"{prefix}.save_every", self.save_every, minimum=0)
         if not 0 <= self.direct_answer_fraction < 1:
             raise RecipeError(f"{prefix}.direct_answer_fraction must be in [0, 1), got {self.direct_answer_fraction}")
+
+    def optim(self, clip_grad: float) -> OptimConfig:
+        """The SFT engine's optimizer config: ``lr`` and ``lr_schedule`` over ``steps``."""
+        decay = None if self.lr_schedule == "constant" else self.steps + 1
+        return OptimConfig(lr=self.lr, clip_grad=clip_grad, lr_schedule=self.lr_schedule, decay_steps=decay)
 
 
 @dataclass
