@@ -78,6 +78,7 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["data.max_prompt_tokens=0"], r"data.max_prompt_tokens must be >= 1"),
         (["sft.batch_size=0"], r"sft.batch_size must be >= 1"),
         (["sft.save_every=-1"], r"sft.save_every must be >= 0"),
+        (["sft.lr_schedule=exp"], r"sft.lr_schedule: 'exp' is not one of \['constant', 'linear', 'cosine'\]"),
         (["schedule.val_every=-1"], r"schedule.val_every must be >= 0"),
         (["checkpoint.save_every=-1"], r"checkpoint.save_every must be >= 0"),
         (["checkpoint.keep_last=-1"], r"checkpoint.keep_last must be >= 0"),
@@ -730,6 +731,18 @@ def test_the_optimizer_section_is_the_engines_optimizer_config():
     assert (critic.lr, critic.warmup_steps, critic.decay_steps) == (1e-4, 1, 20)
     assert load_recipe(BASE, ["optimizer.decay_steps=7"]).optimizer.actor(40).decay_steps == 7
     assert load_recipe(BASE).optimizer.actor(40).decay_steps is None  # constant: nothing decays
+
+
+def test_the_sft_optimizer_decays_over_the_sft_steps():
+    """Constant by default (the engine's config as before the key existed); a decaying schedule
+    reaches 0 one step after the last, so every SFT step trains."""
+    from sorl_megatron.engine.config import OptimConfig
+
+    cfg = load_recipe(BASE, ["optimizer.clip_grad=0.5"])
+    assert cfg.sft.optim(cfg.optimizer.clip_grad) == OptimConfig(lr=cfg.sft.lr, clip_grad=0.5)
+    cosine = load_recipe(BASE, ["sft.lr_schedule=cosine", "sft.steps=40", "sft.lr=1e-3"]).sft.optim(1.0)
+    assert (cosine.lr, cosine.lr_schedule, cosine.decay_steps, cosine.min_lr, cosine.warmup_steps) == (
+        1e-3, "cosine", 41, 0.0, 0)
 
 
 @pytest.mark.parametrize(
