@@ -26,7 +26,7 @@ from ..algorithms.config import PolicyLossConfig
 from ..algorithms.loss_registry import POLICY_LOSSES
 from ..bridge.layout import ParallelLayout
 from ..bridge.te_fp8 import Fp8Error, Fp8Options
-from ..engine.config import BatchingConfig, LRSchedule, OptimConfig
+from ..engine.config import BatchingConfig, OptimConfig
 from .config_checks import (
     RecipeError,
     _check_finite,
@@ -462,9 +462,6 @@ class SFTConfig:
     enabled: bool = False
     steps: int = 100
     lr: float = 1e-3
-    # constant, or a linear / cosine decay from lr towards 0 over the SFT steps (step k of N
-    # trains at lr x (1 - k/(N+1)) / (1 + cos(pi k/(N+1)))/2: the last step still trains)
-    lr_schedule: LRSchedule = "constant"
     batch_size: int = 16  # gold trajectories per optimizer step
     # the SFT engine's micro-batches, None = the schedule's (schedule.micro_batch_size /
     # pack_sequences); the CPU demo packs its whole SFT batch into one row, its fastest SFT step
@@ -498,11 +495,6 @@ class SFTConfig:
         return BatchingConfig(mini_batch_size=self.batch_size,
                               micro_batch_size=self.micro_batch_size or schedule.micro_batch_size,
                               pack_sequences=pack, max_tokens_per_micro_batch=schedule.max_tokens_per_micro_batch)
-
-    def optim(self, clip_grad: float) -> OptimConfig:
-        """The SFT engine's optimizer config: ``lr`` and ``lr_schedule`` over ``steps``."""
-        decay = None if self.lr_schedule == "constant" else self.steps + 1
-        return OptimConfig(lr=self.lr, clip_grad=clip_grad, lr_schedule=self.lr_schedule, decay_steps=decay)
 
 
 @dataclass

@@ -26,8 +26,9 @@ from ..engine.checkpoint import (
     read_checkpoint_meta,
     save_engine_checkpoint,
 )
+from ..engine.config import OptimConfig
 from ..rewards.registry import RewardRegistry
-from .config import SFTConfig, TrainConfig
+from .config import TrainConfig
 from .connections import Connections
 from .inputs import InputError
 from .metrics_log import MetricsLogger
@@ -68,9 +69,9 @@ def sft_stage(cfg: TrainConfig, run_dir: Path, rows: list[QARow], conn: Optional
 
     on_phase("the SFT demonstrations")
     trajs = comm.on_rank0(demonstrations, "the SFT demonstrations", cfg.parallelism.rank0_phase_timeout_s)
-    start = _checkpoint_step(resume, len(trajs), sft) if resume is not None else 0
+    start = _checkpoint_step(resume, len(trajs), sft.steps) if resume is not None else 0
     engine = PolicyEngine(cfg.model.path, cfg.parallelism, ActorConfig(
-        loss=cfg.algorithm.loss, optim=sft.optim(cfg.optimizer.clip_grad),
+        loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
         batching=sft.batching(cfg.schedule)),
         model_options=model_options)
     engine.config_prefix = "schedule"
@@ -85,7 +86,7 @@ def sft_stage(cfg: TrainConfig, run_dir: Path, rows: list[QARow], conn: Optional
         if sft.save_every and step % sft.save_every == 0 and step < sft.steps:
             on_phase(f"the SFT checkpoint of step {step}")
             save_engine_checkpoint(str(root / f"step_{step}"), engine,
-                                   extra={"sft_step": step, "demonstrations": len(trajs), **_lr_settings(sft)})
+                                   extra={"sft_step": step, "demonstrations": len(trajs)})
             prune_checkpoints(root, cfg.checkpoint.keep_last)
         on_phase(f"SFT step {step + 1} of {sft.steps}" if step < sft.steps else "the SFT policy's save")
 
@@ -104,13 +105,7 @@ def sft_stage(cfg: TrainConfig, run_dir: Path, rows: list[QARow], conn: Optional
     return str(out)
 
 
-def _lr_settings(sft: SFTConfig) -> dict[str, Any]:
-    """What an SFT checkpoint's LR schedule was built from (a decaying one spans ``sft.steps``)."""
-    return {"lr": sft.lr, "lr_schedule": sft.lr_schedule,
-            "decay_steps": None if sft.lr_schedule == "constant" else sft.steps}
-
-
-def _checkpoint_step(path: Path, demonstrations: int, sft: SFTConfig) -> int:
+def _checkpoint_step(path: Path, demonstrations: int, steps: int) -> int:
     """The step an SFT checkpoint was saved after, if this run can resume from it."""
     _, _, extra = read_checkpoint_meta(path)
     try:
@@ -120,20 +115,8 @@ def _checkpoint_step(path: Path, demonstrations: int, sft: SFTConfig) -> int:
     if saved != demonstrations:
         raise InputError(f"SFT checkpoint {path} was trained on {saved} demonstrations, the data now give "
                          f"{demonstrations}: the same data resume it (checkpoint.resume=none starts over)")
-    # megatron's scheduler would refuse another schedule with an assertion; checkpoints written
-    # before sft.lr_schedule existed had a constant LR (and did not record it)
-    then = {"lr": extra.get("lr", sft.lr), "lr_schedule": extra.get("lr_schedule", "constant"),
-            "decay_steps": extra.get("decay_steps")}
-    now = _lr_settings(sft)
-    if then != now:
-        def settings(s: dict[str, Any]) -> str:
-            return (f"sft.lr={s['lr']}, sft.lr_schedule={s['lr_schedule']}"
-                    + (f" over sft.steps={s['decay_steps']}" if s["decay_steps"] is not None else ""))
-
-        raise InputError(f"SFT checkpoint {path} was trained with {settings(then)}, this run has {settings(now)}: "
-                         "the same LR schedule resumes it (checkpoint.resume=none starts over)")
-    if step >= sft.steps:
-        raise InputError(f"SFT checkpoint {path} is at step {step}, not before sft.steps={sft.steps}: raise sft.steps "
+    if step >= steps:
+        raise InputError(f"SFT checkpoint {path} is at step {step}, not before sft.steps={steps}: raise sft.steps "
                          "(checkpoint.resume=none starts over)")
     return step
 

@@ -82,7 +82,6 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["sft.micro_batch_size=3"], r"sft.micro_batch_size=3 must divide sft.batch_size=16"),
         (["schedule.micro_batch_size=3", "schedule.mini_batch_size=3", "rollout.group_size=3", "schedule.batch_size=1"],
          r"schedule.micro_batch_size=3 must divide sft.batch_size=16"),
-        (["sft.lr_schedule=exp"], r"sft.lr_schedule: 'exp' is not one of \['constant', 'linear', 'cosine'\]"),
         (["schedule.val_every=-1"], r"schedule.val_every must be >= 0"),
         (["checkpoint.save_every=-1"], r"checkpoint.save_every must be >= 0"),
         (["checkpoint.keep_last=-1"], r"checkpoint.keep_last must be >= 0"),
@@ -749,18 +748,6 @@ def test_the_sft_engine_micro_batches_by_its_own_keys_else_the_schedules():
                                                             pack_sequences=False)
     # packed rows need no divisibility: any micro-batch size packs the batch
     load_recipe(BASE, ["sft.micro_batch_size=3", "sft.pack_sequences=true"])
-
-
-def test_the_sft_optimizer_decays_over_the_sft_steps():
-    """Constant by default (the engine's config as before the key existed); a decaying schedule
-    reaches 0 one step after the last, so every SFT step trains."""
-    from sorl_megatron.engine.config import OptimConfig
-
-    cfg = load_recipe(BASE, ["optimizer.clip_grad=0.5"])
-    assert cfg.sft.optim(cfg.optimizer.clip_grad) == OptimConfig(lr=cfg.sft.lr, clip_grad=0.5)
-    cosine = load_recipe(BASE, ["sft.lr_schedule=cosine", "sft.steps=40", "sft.lr=1e-3"]).sft.optim(1.0)
-    assert (cosine.lr, cosine.lr_schedule, cosine.decay_steps, cosine.min_lr, cosine.warmup_steps) == (
-        1e-3, "cosine", 41, 0.0, 0)
 
 
 @pytest.mark.parametrize(

@@ -116,39 +116,6 @@ def test_the_rerun_plan_follows_what_is_on_disk(tmp_path):
     assert rerun_plan(cfg) == "nothing left to do, the run is finished (its RL checkpoint is at step 4)"
 
 
-def test_an_sft_checkpoint_resumes_only_under_its_own_lr_schedule(tmp_path):
-    """A decaying SFT schedule spans sft.steps: another schedule, lr or length is an input error
-    naming both (megatron's scheduler would stop on an assertion); a checkpoint from before
-    sft.lr_schedule existed counts as constant."""
-    from sorl_megatron.trainer.inputs import InputError
-    from sorl_megatron.trainer.stages import _checkpoint_step
-
-    def checkpoint(name, **lr):
-        path = tmp_path / name
-        path.mkdir()
-        (path / "trainer.json").write_text(json.dumps({
-            "format_version": FORMAT_VERSION, "world_size": 1, "has_critic": False,
-            "extra": {"sft_step": 4, "demonstrations": 10, **lr}}))
-        return path
-
-    cosine = _sft_cfg(tmp_path, "sft.lr_schedule=cosine", "sft.lr=2e-3").sft
-    path = checkpoint("cos12", lr=2e-3, lr_schedule="cosine", decay_steps=12)
-    assert _checkpoint_step(path, 10, cosine) == 4
-    longer = _sft_cfg(tmp_path, "sft.lr_schedule=cosine", "sft.lr=2e-3", "sft.steps=20").sft
-    with pytest.raises(InputError, match=r"cos12 was trained with sft.lr=0.002, sft.lr_schedule=cosine over "
-                                         r"sft.steps=12, this run has sft.lr=0.002, sft.lr_schedule=cosine over "
-                                         r"sft.steps=20: the same LR schedule resumes it"):
-        _checkpoint_step(path, 10, longer)
-    old = checkpoint("old")  # written before the key: a constant LR
-    constant = _sft_cfg(tmp_path).sft
-    assert _checkpoint_step(old, 10, constant) == 4
-    with pytest.raises(InputError, match=r"old was trained with sft.lr=0.002, sft.lr_schedule=constant, this run has "
-                                         r"sft.lr=0.002, sft.lr_schedule=cosine over sft.steps=12"):
-        _checkpoint_step(old, 10, cosine)
-    with pytest.raises(InputError, match=r"at step 4, not before sft.steps=4"):
-        _checkpoint_step(old, 10, _sft_cfg(tmp_path, "sft.steps=4").sft)
-
-
 def test_ctrl_c_in_the_set_up_says_what_a_rerun_does(tmp_path, monkeypatch, capsys):
     """The trainer's interrupt carries its phase and plan; report_interrupt prints them in one line."""
     import signal
