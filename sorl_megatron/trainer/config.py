@@ -642,9 +642,9 @@ class TrainConfig:
         if s.fixed_micro_batches and s.mini_batch_size % s.micro_batch_size:
             raise RecipeError(f"schedule.micro_batch_size={s.micro_batch_size} must divide "
                               f"schedule.mini_batch_size={s.mini_batch_size}")
-        sft = self.sft.batching(s)
-        if self.sft.enabled and not (sft.pack_sequences or sft.max_tokens_per_micro_batch) and (
-                self.sft.batch_size % sft.micro_batch_size):
+        sft = self.sft.batching(s) if self.sft.enabled else None  # a disabled section may hold anything
+        padded_rows = sft and not (sft.pack_sequences or sft.max_tokens_per_micro_batch)
+        if padded_rows and self.sft.batch_size % sft.micro_batch_size:
             key = "sft.micro_batch_size" if self.sft.micro_batch_size else "schedule.micro_batch_size"
             raise RecipeError(f"{key}={sft.micro_batch_size} must divide sft.batch_size={self.sft.batch_size}")
         if self.algorithm.advantage.estimator == "grpo" and self.rollout.group_size < 2:
