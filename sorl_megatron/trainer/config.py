@@ -26,7 +26,7 @@ from ..algorithms.config import PolicyLossConfig
 from ..algorithms.loss_registry import POLICY_LOSSES
 from ..bridge.layout import ParallelLayout
 from ..bridge.te_fp8 import Fp8Error, Fp8Options
-from ..engine.config import OptimConfig
+from ..engine.config import BatchingConfig, OptimConfig
 from .config_checks import (
     RecipeError,
     _check_finite,
@@ -463,6 +463,10 @@ class SFTConfig:
     steps: int = 100
     lr: float = 1e-3
     batch_size: int = 16  # gold trajectories per optimizer step
+    # the SFT engine's micro-batches, None = the schedule's (schedule.micro_batch_size /
+    # pack_sequences); the CPU demo packs its whole SFT batch into one row, its fastest SFT step
+    micro_batch_size: Optional[int] = None
+    pack_sequences: Optional[bool] = None
     # a resumable checkpoint every K steps into <checkpoint.dir>/sft/step_K (0 = none: an interrupted
     # SFT starts over); checkpoint.keep_last applies, and they are removed once sft_model is written
     save_every: int = 200
@@ -478,9 +482,19 @@ class SFTConfig:
             return
         _positive_int(f"{prefix}.steps", self.steps)
         _positive_int(f"{prefix}.batch_size", self.batch_size)
+        if self.micro_batch_size is not None:
+            _positive_int(f"{prefix}.micro_batch_size", self.micro_batch_size)
         _positive_int(f"{prefix}.save_every", self.save_every, minimum=0)
         if not 0 <= self.direct_answer_fraction < 1:
             raise RecipeError(f"{prefix}.direct_answer_fraction must be in [0, 1), got {self.direct_answer_fraction}")
+
+    def batching(self, schedule: ScheduleConfig) -> BatchingConfig:
+        """The SFT engine's batching: ``batch_size`` rows per optimizer step, micro-batched by
+        this section's keys where set, else by the schedule's."""
+        pack = schedule.pack_sequences if self.pack_sequences is None else self.pack_sequences
+        return BatchingConfig(mini_batch_size=self.batch_size,
+                              micro_batch_size=self.micro_batch_size or schedule.micro_batch_size,
+                              pack_sequences=pack, max_tokens_per_micro_batch=schedule.max_tokens_per_micro_batch)
 
 
 @dataclass
@@ -628,10 +642,11 @@ class TrainConfig:
         if s.fixed_micro_batches and s.mini_batch_size % s.micro_batch_size:
             raise RecipeError(f"schedule.micro_batch_size={s.micro_batch_size} must divide "
                               f"schedule.mini_batch_size={s.mini_batch_size}")
-        if self.sft.enabled and s.fixed_micro_batches and self.sft.batch_size % s.micro_batch_size:
-            raise RecipeError(
-                f"schedule.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={self.sft.batch_size}"
-            )
+        sft = self.sft.batching(s) if self.sft.enabled else None  # a disabled section may hold anything
+        padded_rows = sft and not (sft.pack_sequences or sft.max_tokens_per_micro_batch)
+        if padded_rows and self.sft.batch_size % sft.micro_batch_size:
+            key = "sft.micro_batch_size" if self.sft.micro_batch_size else "schedule.micro_batch_size"
+            raise RecipeError(f"{key}={sft.micro_batch_size} must divide sft.batch_size={self.sft.batch_size}")
         if self.algorithm.advantage.estimator == "grpo" and self.rollout.group_size < 2:
             raise RecipeError("algorithm.advantage.estimator=grpo needs rollout.group_size >= 2")
 

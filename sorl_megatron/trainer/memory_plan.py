@@ -180,10 +180,12 @@ def _gcd(a: int, b: int) -> int:
 
 
 def micro_batch_tokens(cfg: TrainConfig) -> int:
-    """The most tokens one micro-batch holds: the token budget, else micro_batch_size x the
-    longest trajectory (a packed row's capacity, or the padded rows)."""
+    """The most tokens one micro-batch holds, RL's or (when it has its own) SFT's: the token
+    budget, else micro_batch_size x the longest trajectory (a packed row's capacity, or the
+    padded rows)."""
     s = cfg.schedule
-    return s.max_tokens_per_micro_batch or s.micro_batch_size * cfg.rollout.max_total_tokens
+    rows = max(s.micro_batch_size, cfg.sft.micro_batch_size or 0) if cfg.sft.enabled else s.micro_batch_size
+    return s.max_tokens_per_micro_batch or rows * cfg.rollout.max_total_tokens
 
 
 def _stage_layers(cfg: TrainConfig, c: Any) -> int:

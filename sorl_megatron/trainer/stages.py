@@ -26,7 +26,7 @@ from ..engine.checkpoint import (
     read_checkpoint_meta,
     save_engine_checkpoint,
 )
-from ..engine.config import BatchingConfig, OptimConfig
+from ..engine.config import OptimConfig
 from ..rewards.registry import RewardRegistry
 from .config import TrainConfig
 from .connections import Connections
@@ -72,9 +72,7 @@ def sft_stage(cfg: TrainConfig, run_dir: Path, rows: list[QARow], conn: Optional
     start = _checkpoint_step(resume, len(trajs), sft.steps) if resume is not None else 0
     engine = PolicyEngine(cfg.model.path, cfg.parallelism, ActorConfig(
         loss=cfg.algorithm.loss, optim=OptimConfig(lr=sft.lr, clip_grad=cfg.optimizer.clip_grad),
-        batching=BatchingConfig(mini_batch_size=sft.batch_size, micro_batch_size=cfg.schedule.micro_batch_size,
-                                pack_sequences=cfg.schedule.pack_sequences,
-                                max_tokens_per_micro_batch=cfg.schedule.max_tokens_per_micro_batch)),
+        batching=sft.batching(cfg.schedule)),
         model_options=model_options)
     engine.config_prefix = "schedule"
     if resume is not None:

@@ -67,6 +67,17 @@ def test_the_old_7b_ppo_settings_are_refused_on_gpu_only():
     assert check_memory_for_launch(fixed, 8, on_gpu=True).fits
 
 
+def test_an_sft_micro_batch_larger_than_rls_is_what_the_plan_sizes():
+    from sorl_megatron.trainer.memory_plan import micro_batch_tokens
+
+    base = ROOT / "recipes" / "tiny_search_base.yaml"
+    rl = micro_batch_tokens(load_recipe(base, ["sft.micro_batch_size=null"]))
+    assert rl == 8 * 640  # schedule.micro_batch_size x rollout.max_total_tokens
+    assert micro_batch_tokens(load_recipe(base, ["sft.micro_batch_size=16"])) == 16 * 640
+    assert micro_batch_tokens(load_recipe(base, ["sft.micro_batch_size=16", "sft.enabled=false"])) == rl
+    assert micro_batch_tokens(load_recipe(base, ["sft.micro_batch_size=2"])) == rl
+
+
 def test_print_memory_cli(capsys):
     from sorl_megatron.train import main
 

@@ -78,6 +78,12 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["data.max_prompt_tokens=0"], r"data.max_prompt_tokens must be >= 1"),
         (["sft.batch_size=0"], r"sft.batch_size must be >= 1"),
         (["sft.save_every=-1"], r"sft.save_every must be >= 0"),
+        (["sft.micro_batch_size=0"], r"sft.micro_batch_size must be >= 1"),
+        (["sft.micro_batch_size=3", "sft.pack_sequences=false"],
+         r"sft.micro_batch_size=3 must divide sft.batch_size=16"),
+        (["schedule.micro_batch_size=3", "schedule.mini_batch_size=3", "rollout.group_size=3", "schedule.batch_size=1",
+          "sft.micro_batch_size=null", "sft.pack_sequences=null"],
+         r"schedule.micro_batch_size=3 must divide sft.batch_size=16"),
         (["schedule.val_every=-1"], r"schedule.val_every must be >= 0"),
         (["checkpoint.save_every=-1"], r"checkpoint.save_every must be >= 0"),
         (["checkpoint.keep_last=-1"], r"checkpoint.keep_last must be >= 0"),
@@ -730,6 +736,20 @@ def test_the_optimizer_section_is_the_engines_optimizer_config():
     assert (critic.lr, critic.warmup_steps, critic.decay_steps) == (1e-4, 1, 20)
     assert load_recipe(BASE, ["optimizer.decay_steps=7"]).optimizer.actor(40).decay_steps == 7
     assert load_recipe(BASE).optimizer.actor(40).decay_steps is None  # constant: nothing decays
+
+
+def test_the_sft_engine_micro_batches_by_its_own_keys_else_the_schedules():
+    from sorl_megatron.engine.config import BatchingConfig
+
+    cfg = load_recipe(BASE, ["sft.micro_batch_size=null", "sft.pack_sequences=null", "schedule.pack_sequences=true",
+                             "schedule.micro_batch_size=4"])
+    assert cfg.sft.batching(cfg.schedule) == BatchingConfig(mini_batch_size=cfg.sft.batch_size, micro_batch_size=4,
+                                                            pack_sequences=True)
+    own = load_recipe(BASE, ["sft.micro_batch_size=16", "sft.pack_sequences=false", "schedule.pack_sequences=true"])
+    assert own.sft.batching(own.schedule) == BatchingConfig(mini_batch_size=16, micro_batch_size=16,
+                                                            pack_sequences=False)
+    # packed rows need no divisibility: any micro-batch size packs the batch
+    load_recipe(BASE, ["sft.micro_batch_size=3", "sft.pack_sequences=true"])
 
 
 @pytest.mark.parametrize(
