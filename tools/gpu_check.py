@@ -28,7 +28,8 @@ MARK = "GPU_CHECK_RESULT "  # the child's last line: MARK + {"status", "detail"}
 
 # What the checks import, the distribution that provides it, and where it comes from on a GPU
 # machine without network (docs/gpu.md): "device" = preinstalled there, "wheels" = the folder
-# tools/gpu_wheels.sh builds, "optional" = a SKIP, not a FAIL, when absent.
+# tools/gpu_wheels.sh builds (GPU_WHEELS_ALL=1 adds the "device" ones the lent image already
+# has), "optional" = a SKIP, not a FAIL, when absent.
 PACKAGES = [
     ("torch", "torch", "device"),
     ("triton", "triton", "device"),
@@ -40,11 +41,11 @@ PACKAGES = [
     ("megatron.core", "megatron-core==0.16.1", "wheels"),
     ("mbridge", "mbridge==0.15.1", "wheels"),
     ("omegaconf", "omegaconf", "wheels"),
-    ("einops", "einops", "wheels"),
+    ("einops", "einops", "device"),
     ("bm25s", "bm25s", "wheels"),
-    ("aiohttp", "aiohttp", "wheels"),
-    ("pyarrow", "pyarrow", "wheels"),
-    ("psutil", "psutil", "wheels"),
+    ("aiohttp", "aiohttp", "device"),
+    ("pyarrow", "pyarrow", "device"),
+    ("psutil", "psutil", "device"),
     ("sorl_megatron", "sorl-megatron", "wheels"),
     ("sorl_kernels", "sorl-megatron", "wheels"),
     ("transformer_engine.pytorch", "transformer-engine[pytorch]", "optional"),
@@ -466,6 +467,10 @@ def check_rl_step(args, transport: str) -> str:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout - 10)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+        for log in sorted((out / name / "servers").glob("*.log")):  # an embedded server's own end
+            lines = log.read_text(errors="replace").strip().splitlines()
+            if any("Error" in line or "Traceback" in line for line in lines):
+                tail += [f"[{log.name}]"] + lines[-4:]
         raise AssertionError(f"train exited {proc.returncode}: " + " / ".join(tail))
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if not rows:

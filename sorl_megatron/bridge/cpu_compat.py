@@ -1,7 +1,9 @@
 """Make megatron-core 0.16.1 and mbridge 0.15.1 run on a CPU-only torch with gloo.
 
-Applied by `apply_cpu_compat()` only when CUDA is unavailable, so on a GPU megatron-core
-runs untouched. Every patch below is a named `CpuPatch` whose docstring says what fails
+Applied by `apply_cpu_compat()` when CUDA is unavailable. On a GPU only the patches marked
+`without_te` apply, and only where TransformerEngine does not import: they mend megatron-core
+0.16.1 bugs of a TE-less install, which a GPU machine without TE hits too (seen on an H100:
+the MoE router's `te_general_gemm` NameError). Every patch below is a named `CpuPatch` whose docstring says what fails
 without it; tests/bridge/test_cpu_compat.py reverts each one in turn and checks that the
 documented failure comes back (so a patch that stops being needed is noticed), and the
 logits tests fail if any is removed.
@@ -38,6 +40,7 @@ class CpuPatch:
     name: str
     why: str
     targets: Callable[[], list[tuple[Any, str, Any]]]
+    without_te: bool = False  # a TE-less megatron bug, not a CPU one: applies on a GPU too
     saved: list[tuple[Any, str, Any, bool]] = field(default_factory=list)
 
     def apply(self) -> None:
@@ -260,8 +263,9 @@ PATCHES: dict[str, CpuPatch] = {
             "te_general_gemm_defined",
             "megatron-core 0.16.1 moe_utils references te_general_gemm in the router gating "
             "but only defines it when TransformerEngine imports: NameError. Define it as None "
-            "(megatron then uses torch matmul).",
+            "(megatron then uses torch matmul). On a GPU without TE too.",
             _te_gemm_targets,
+            without_te=True,
         ),
         CpuPatch(
             "mla_knows_te_is_missing",
@@ -270,8 +274,9 @@ PATCHES: dict[str, CpuPatch] = {
             "without TE (it builds its classes on a MagicMock), so MLASelfAttention.__init__ "
             "evaluates isinstance(self.linear_proj, TELinear) with TELinear a MagicMock: "
             "'TypeError: isinstance() arg 2 must be a type' (multi_latent_attention.py:185). "
-            "Tell that module TE is absent when its TELinear is not a class.",
+            "Tell that module TE is absent when its TELinear is not a class. On a GPU without TE too.",
             _mla_te_targets,
+            without_te=True,
         ),
         CpuPatch(
             "all_to_all_splits_as_lists",
@@ -361,10 +366,15 @@ _NOT_ON_CPU_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
 
 
 def apply_cpu_compat(force: bool = False) -> list[str]:
-    """Apply every patch if CUDA is unavailable (or `force`); idempotent. Returns applied names."""
+    """Apply every patch if CUDA is unavailable (or `force`), else only the `without_te` ones
+    (each a no-op where TE imports); idempotent. Returns the applied names."""
     if cuda_available() and not force:
-        return []
-    if not _APPLIED:
+        for name, patch in PATCHES.items():
+            if patch.without_te and name not in _APPLIED:
+                patch.apply()
+                _APPLIED[name] = patch
+        return list(_APPLIED)
+    if not any(not p.without_te for p in _APPLIED.values()):
         logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropCpuRngWarning())
         for message, category in _NOT_ON_CPU_WARNINGS:
             warnings.filterwarnings("ignore", message=message, category=category)

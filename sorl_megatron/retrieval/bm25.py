@@ -3,13 +3,34 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import bm25s
 import numpy as np
 
 from .corpus import Passage, read_corpus
+
+
+def _import_bm25s_without_jax():
+    """bm25s imports JAX when it is installed and runs a top-k at import: on a CUDA machine that
+    starts JAX's GPU backend, which preallocates 75% of the GPU's memory in the retrieval server
+    (seen on an H100: the trainer beside it died with cudaErrorMemoryAllocation, or a second
+    such process failed to start). Hide JAX from that import (unless this process already
+    imported it) so bm25s selects its top-k with numpy, as it does where JAX is absent: the
+    same passages and order on every machine."""
+    if "bm25s" in sys.modules or "jax" in sys.modules:
+        import bm25s
+        return bm25s
+    sys.modules["jax"] = None  # `import jax.lax` now raises ImportError
+    try:
+        import bm25s
+    finally:
+        del sys.modules["jax"]
+    return bm25s
+
+
+bm25s = _import_bm25s_without_jax()
 
 STOPWORDS = "en"  # bm25s's English list; its tokenizer also drops one-character words
 NO_TERMS = (
@@ -75,7 +96,8 @@ class BM25Index:
         known = [i for i, t in enumerate(q_tokens) if t]
         out = [[Passage(p.id, p.contents, 0.0) for p in self.passages[:k]] for _ in q_tokens]
         if known:
-            ids, scores = self._bm25.retrieve([q_tokens[i] for i in known], k=k, show_progress=False, n_threads=1)
+            ids, scores = self._bm25.retrieve([q_tokens[i] for i in known], k=k, show_progress=False, n_threads=1,
+                                               backend_selection="numpy")
             ids, scores = np.asarray(ids), np.asarray(scores, dtype=np.float64)
             if not np.isfinite(scores).all():  # never NaN into JSON (check_bm25_params keeps this away)
                 raise ValueError(f"BM25 scores are not finite (k1={self._bm25.k1}, b={self._bm25.b})")

@@ -2,7 +2,8 @@
 (so a patch that is no longer needed gets noticed), and with it applied it must run.
 
 Runs inside worker.py (megatron imported, process group up). The GPU side cannot be probed
-here: there is no GPU on these machines; on one, apply_cpu_compat() applies nothing.
+here: there is no GPU on these machines; on one, apply_cpu_compat() applies only the patches
+marked without_te (TE-less megatron bugs), and those only where TransformerEngine does not import.
 """
 
 from __future__ import annotations

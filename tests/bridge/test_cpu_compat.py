@@ -52,16 +52,27 @@ def test_reverting_a_patch_keeps_the_patches_layered_over_it(single_results):
     assert r["inside"] == [outer, megatron], r
 
 
-def test_nothing_is_patched_when_cuda_is_available(monkeypatch):
-    # Mocked: there is no GPU on these machines.
+def test_only_the_te_less_patches_apply_when_cuda_is_available(monkeypatch):
+    # Mocked: there is no GPU on these machines. TE does not import here, as on the GPU machine
+    # where the router's te_general_gemm NameError was seen: those patches apply there too.
     import torch
 
     from sorl_megatron.bridge import cpu_compat
 
+    for patch in cpu_compat.PATCHES.values():
+        monkeypatch.setattr(patch, "saved", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cpu_compat, "_APPLIED", {})
-    assert cpu_compat.apply_cpu_compat() == []
-    assert cpu_compat.applied_patches() == []
+    try:
+        applied = cpu_compat.apply_cpu_compat()
+        assert applied == ["te_general_gemm_defined", "mla_knows_te_is_missing"]
+        assert cpu_compat.applied_patches() == applied
+        from megatron.core.transformer.moe import moe_utils
+
+        assert moe_utils.te_general_gemm is None  # the router takes torch's matmul
+    finally:
+        for name in reversed(cpu_compat.applied_patches()):
+            cpu_compat.PATCHES[name].revert()
 
 
 _IMPORT_MEGATRON = """
