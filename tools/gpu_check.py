@@ -438,22 +438,30 @@ TINY_RUN = [
 ]
 
 
-def _tiny_data(work: Path) -> Path:
-    data = work / "data"
+def _tiny_data(work: Path, hidden_size: int = 64) -> Path:
+    data = work / ("data" if hidden_size == 64 else f"data_h{hidden_size}")
     with _work_lock(work):
         if not (data / "model" / "config.json").is_file():
             from sorl_megatron.data.synthetic import main as make_data
 
             make_data(["--out", str(data), "--num-people", "8", "--make-model", "--vocab-size", "512",
-                       "--tie-embeddings"])
+                       "--hidden-size", str(hidden_size), "--tie-embeddings"])
     return data
 
 
-def check_rl_step(args, transport: str) -> str:
+def check_memory_plan(args) -> str:
+    """One RL step of a 0.2B-parameter MoE (hidden 2048): the trainer's CUDA peak against the
+    memory plan's estimate for the same run, which must bound it."""
+    if cuda_device(args) != "cuda":
+        raise Skip("needs CUDA (it reads the CUDA allocator's peak)")
+    return check_rl_step(args, "tensor", hidden_size=2048)
+
+
+def check_rl_step(args, transport: str, hidden_size: int = 64) -> str:
     device = cuda_device(args)
-    data = _tiny_data(Path(args.work))
+    data = _tiny_data(Path(args.work), hidden_size)
     out = Path(args.work) / "runs"
-    name = f"rl_{transport}_{device}"
+    name = f"rl_{transport}_{device}" + ("" if hidden_size == 64 else f"_h{hidden_size}")
     cmd = [sys.executable, "-m", "sorl_megatron.train", "--config", str(ROOT / "recipes" / "tiny_search_base.yaml"),
            f"model.path={data / 'model'}", f"retrieval.corpus={data / 'corpus.jsonl'}",
            f"data.train={data / 'train.parquet'}", *TINY_RUN, f"rollout.weight_sync={transport}",
@@ -482,8 +490,30 @@ def check_rl_step(args, transport: str) -> str:
     sync = m.get("time/weight_sync")
     if not sync:
         raise AssertionError(f"no weight sync was timed (time/weight_sync={sync})")
+    memory = ""
+    if device == "cuda":  # the trainer's measured peak against the memory plan's estimate
+        peak = m.get("memory/peak_allocated_gib")
+        if peak is None:
+            raise AssertionError("no memory/peak_allocated_gib in the metrics row of a CUDA run")
+        plan = _memory_plan(cmd[cmd.index("--config") + 1:])
+        if peak > plan.total_gib:
+            raise AssertionError(f"peak allocated {peak:.2f} GiB exceeds the memory plan's {plan.total_gib:.2f} GiB")
+        reserve = sum(i.gib for i in plan.items if i.name == "runtime reserve")
+        memory = (f", peak allocated {peak:.3f} GiB / reserved {m['memory/peak_reserved_gib']:.3f} GiB; plan "
+                  f"{plan.total_gib:.2f} GiB = {plan.total_gib - reserve:.3f} GiB of states and activations "
+                  f"+ {reserve:.1f} runtime reserve ({plan.phase})")
     return (f"step {m['step']} on {device}: reward {m.get('rollout/reward', float('nan')):.3f}, "
-            f"weight sync {sync:.2f} s, step {time.perf_counter() - t:.1f} s wall")
+            f"weight sync {sync:.2f} s, step {time.perf_counter() - t:.1f} s wall{memory}")
+
+
+def _memory_plan(config_and_overrides: list[str]):
+    """What ``python -m sorl_megatron.train --print-memory`` estimates for the same run (world of one)."""
+    from sorl_megatron.trainer.memory_plan import model_config_for, plan_memory
+    from sorl_megatron.trainer.recipe import load_recipe
+
+    cfg = load_recipe(config_and_overrides[0], config_and_overrides[1:])
+    c, critic, _ = model_config_for(cfg)
+    return plan_memory(cfg, c, critic, 1, on_gpu=True)
 
 
 CHECKS = {
@@ -496,6 +526,7 @@ CHECKS = {
     "rl_step_distributed": (lambda a: check_rl_step(a, "distributed"), 300),
     "rl_step_tensor": (lambda a: check_rl_step(a, "tensor"), 300),
     "rl_step_disk": (lambda a: check_rl_step(a, "disk"), 300),
+    "memory_plan": (check_memory_plan, 300),
 }
 
 

@@ -95,6 +95,17 @@ def start_message(cfg: TrainConfig, resume: Optional[Path], step: int) -> tuple[
     )
 
 
+def gpu_memory_metrics() -> dict[str, float]:
+    """This process's CUDA allocator peaks since the last call, in GiB (empty without CUDA):
+    what the memory plan (``--print-memory``) estimates, measured. The peaks restart here."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    out = {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "memory/peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
 def validation_sample(n: int, max_rows: int) -> list[int]:
     """The validation rows each evaluation plays: every row, or at most ``max_rows`` of them
     (``data.val_max_rows``), a fixed seeded sample in row order, the same at every evaluation."""
@@ -285,6 +296,7 @@ class RLTrainer:
         timer = StepTimer()
         metrics: dict[str, float] = {}
         wall0, busy0 = time.perf_counter(), self.source.busy.seconds()
+        gpu_memory_metrics()  # the step's peaks start here (validation and checkpoints are not in them)
         with timer("rollout"):
             held: dict[str, RLBatch] = {}  # rank 0's batch: sent as tensors below, not pickled
 
@@ -337,6 +349,7 @@ class RLTrainer:
         with timer("weight_sync"):
             self.sync_weights(step + 1)
         self.source.after_sync(step + 1)
+        metrics.update(gpu_memory_metrics())
         metrics.update(timer.times)
         if self.conn is not None:
             wall = time.perf_counter() - wall0

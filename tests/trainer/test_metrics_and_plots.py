@@ -260,3 +260,21 @@ def test_overlaid_runs_name_identical_curves_keep_legends_outside_and_explain_sy
     assert summary.legends and all(ax.get_legend() is None for ax in summary.axes)
     notes = " ".join(t.get_text() for t in figures["actor_is_mismatch_abs_mean.png"].texts)
     assert "pi_old: the policy that sampled the batch" in notes and "mu: the rollout engine's" in notes
+
+
+def test_gpu_memory_metrics_are_the_allocator_peaks_and_restart_them(monkeypatch):
+    # Mocked: there is no GPU here. The trainer logs CUDA's peaks per step (docs/gpu.md compares
+    # them with the memory plan on an H100); without CUDA it logs nothing.
+    import torch
+
+    from sorl_megatron.trainer.rl_loop import gpu_memory_metrics
+
+    assert gpu_memory_metrics() == {}
+    resets = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**29)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2**31)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(1))
+    assert gpu_memory_metrics() == {"memory/peak_allocated_gib": 1.5, "memory/peak_reserved_gib": 2.0}
+    assert resets == [1]
