@@ -438,30 +438,32 @@ TINY_RUN = [
 ]
 
 
-def _tiny_data(work: Path, hidden_size: int = 64) -> Path:
-    data = work / ("data" if hidden_size == 64 else f"data_h{hidden_size}")
+def _tiny_data(work: Path, hidden_size: int | None = None) -> Path:
+    """The synthetic set and model (the generator's default hidden size unless given)."""
+    data = work / ("data" if hidden_size is None else f"data_h{hidden_size}")
     with _work_lock(work):
         if not (data / "model" / "config.json").is_file():
             from sorl_megatron.data.synthetic import main as make_data
 
-            make_data(["--out", str(data), "--num-people", "8", "--make-model", "--vocab-size", "512",
-                       "--hidden-size", str(hidden_size), "--tie-embeddings"])
+            size = [] if hidden_size is None else ["--hidden-size", str(hidden_size)]
+            make_data(["--out", str(data), "--num-people", "8", "--make-model", "--vocab-size", "512", *size,
+                       "--tie-embeddings"])
     return data
 
 
 def check_memory_plan(args) -> str:
-    """One RL step of a 0.2B-parameter MoE (hidden 2048): the trainer's CUDA peak against the
+    """One RL step of a 0.12B-parameter MoE (hidden 2048): the trainer's CUDA peak against the
     memory plan's estimate for the same run, which must bound it."""
     if cuda_device(args) != "cuda":
         raise Skip("needs CUDA (it reads the CUDA allocator's peak)")
     return check_rl_step(args, "tensor", hidden_size=2048)
 
 
-def check_rl_step(args, transport: str, hidden_size: int = 64) -> str:
+def check_rl_step(args, transport: str, hidden_size: int | None = None) -> str:
     device = cuda_device(args)
     data = _tiny_data(Path(args.work), hidden_size)
     out = Path(args.work) / "runs"
-    name = f"rl_{transport}_{device}" + ("" if hidden_size == 64 else f"_h{hidden_size}")
+    name = f"rl_{transport}_{device}" + ("" if hidden_size is None else f"_h{hidden_size}")
     cmd = [sys.executable, "-m", "sorl_megatron.train", "--config", str(ROOT / "recipes" / "tiny_search_base.yaml"),
            f"model.path={data / 'model'}", f"retrieval.corpus={data / 'corpus.jsonl'}",
            f"data.train={data / 'train.parquet'}", *TINY_RUN, f"rollout.weight_sync={transport}",
@@ -507,13 +509,11 @@ def check_rl_step(args, transport: str, hidden_size: int = 64) -> str:
 
 
 def _memory_plan(config_and_overrides: list[str]):
-    """What ``python -m sorl_megatron.train --print-memory`` estimates for the same run (world of one)."""
-    from sorl_megatron.trainer.memory_plan import model_config_for, plan_memory
+    """The plan the trainer's own launch check made for the same run (world of one)."""
+    from sorl_megatron.trainer.memory_plan import check_memory_for_launch
     from sorl_megatron.trainer.recipe import load_recipe
 
-    cfg = load_recipe(config_and_overrides[0], config_and_overrides[1:])
-    c, critic, _ = model_config_for(cfg)
-    return plan_memory(cfg, c, critic, 1, on_gpu=True)
+    return check_memory_for_launch(load_recipe(config_and_overrides[0], config_and_overrides[1:]), 1, on_gpu=True)
 
 
 CHECKS = {

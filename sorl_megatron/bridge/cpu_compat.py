@@ -3,8 +3,8 @@
 Applied by `apply_cpu_compat()` when CUDA is unavailable. On a GPU only the patches marked
 `without_te` apply, and only where TransformerEngine does not import: they mend megatron-core
 0.16.1 bugs of a TE-less install, which a GPU machine without TE hits too (seen on an H100:
-the MoE router's `te_general_gemm` NameError). Every patch below is a named `CpuPatch` whose docstring says what fails
-without it; tests/bridge/test_cpu_compat.py reverts each one in turn and checks that the
+the MoE router's `te_general_gemm` NameError). Every patch below is a named `CpuPatch` whose
+docstring says what fails without it; tests/bridge/test_cpu_compat.py reverts each one in turn and checks that the
 documented failure comes back (so a patch that stops being needed is noticed), and the
 logits tests fail if any is removed.
 
@@ -368,18 +368,13 @@ _NOT_ON_CPU_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
 def apply_cpu_compat(force: bool = False) -> list[str]:
     """Apply every patch if CUDA is unavailable (or `force`), else only the `without_te` ones
     (each a no-op where TE imports); idempotent. Returns the applied names."""
-    if cuda_available() and not force:
-        for name, patch in PATCHES.items():
-            if patch.without_te and name not in _APPLIED:
-                patch.apply()
-                _APPLIED[name] = patch
-        return list(_APPLIED)
-    if not any(not p.without_te for p in _APPLIED.values()):
+    on_cpu = force or not cuda_available()
+    if on_cpu and not any(not p.without_te for p in _APPLIED.values()):  # the CPU patches' first time
         logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropCpuRngWarning())
         for message, category in _NOT_ON_CPU_WARNINGS:
             warnings.filterwarnings("ignore", message=message, category=category)
     for name, patch in PATCHES.items():
-        if name not in _APPLIED:
+        if name not in _APPLIED and (on_cpu or patch.without_te):
             patch.apply()
             _APPLIED[name] = patch
     return list(_APPLIED)
