@@ -179,7 +179,8 @@ def _make_bridge(hf_config: PretrainedConfig, layout: ParallelLayout, options: M
 
     def layer_spec(self, vp_stage: Optional[int] = None):
         self.has_vp_stage = True
-        return decoder_block_spec(self.config, vp_stage=vp_stage, use_te=use_te)
+        return decoder_block_spec(self.config, vp_stage=vp_stage, use_te=use_te,
+                                  local_attention=options.local_attention)
 
     bridge._get_transformer_layer_spec = types.MethodType(layer_spec, bridge)
     return bridge

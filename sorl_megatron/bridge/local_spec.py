@@ -228,10 +228,12 @@ class LocalDotProductAttention(DotProductAttention):
 
     Megatron's own refuses ``packed_seq_params`` (only TE's attention runs THD). Here each
     segment attends causally within itself: segments of similar length (within 1.5x) are
-    gathered into a right-padded ``[len, n, heads, dim]`` block and run through the parent's
-    causal softmax attention, then scattered back; padding keys sit after every real query, so
-    the causal mask alone hides them. This is the per-document causal mask of packed training
-    without building a ``[T, T]`` mask, at the attention cost of the unpacked rows.
+    gathered into a right-padded ``[len, n, heads, dim]`` block and run through the causal
+    attention of :meth:`_attend`, then scattered back; padding keys sit after every real query,
+    so the causal mask alone hides them. This is the per-document causal mask of packed
+    training without building a ``[T, T]`` mask, at the attention cost of the unpacked rows.
+    :meth:`_attend` is megatron's unfused softmax attention here (``model.local_attention:
+    unfused``); :class:`LocalSdpaAttention` runs torch's fused kernel instead.
     """
 
     def __init__(self, *args: Any, k_channels: Optional[int] = None, v_channels: Optional[int] = None, **kwargs: Any):
@@ -241,10 +243,15 @@ class LocalDotProductAttention(DotProductAttention):
         if v_channels is not None:
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
+    def _attend(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None):
+        """Attention of ``[s, b, heads, dim]`` inputs to ``[s, b, heads * v_dim]``; the mask is
+        megatron's (True = hidden), None = the layer's mask type alone (causal here)."""
+        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if packed_seq_params is None:
-            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+            return self._attend(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if packed_seq_params.qkv_format != "thd":
             fmt = packed_seq_params.qkv_format
             raise ValueError(f"local attention takes packed sequences in THD format, got {fmt!r}")
@@ -267,21 +274,54 @@ class LocalDotProductAttention(DotProductAttention):
             valid = t.unsqueeze(1) < lengths[sel].unsqueeze(0)
             idx = torch.where(valid, idx, starts[sel].unsqueeze(0))  # padding reads a real row (masked)
             mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device=query.device), diagonal=1)
-            ctx = super().forward(query[idx], key[idx], value[idx], mask[None, None], attn_mask_type)
+            ctx = self._attend(query[idx], key[idx], value[idx], mask[None, None], attn_mask_type)
             positions.append(idx[valid])
             outputs.append(ctx[valid])
         order = torch.argsort(torch.cat(positions))
         return torch.cat(outputs)[order]
 
 
-def _attention_spec(qk_layernorm: bool) -> ModuleSpec:
+class LocalSdpaAttention(LocalDotProductAttention):
+    """:class:`LocalDotProductAttention` with torch's ``scaled_dot_product_attention`` (the
+    default, ``model.local_attention: sdpa``): flash / memory-efficient kernels on a GPU without
+    TE (no ``[b, heads, s, s]`` score tensor), a fused kernel on the CPU (3-6x megatron's
+    unfused attention at the demo's shapes, benchmarks/bench_attention.py). Same function up to
+    float rounding (~1e-6, tests/bridge/test_local_attention.py). Settings torch's kernel does
+    not have (attention dropout while training, sliding windows, softmax offsets, a bias,
+    query-key layer scaling) fall back to megatron's unfused path."""
+
+    def _sdpa_supported(self, attention_bias) -> bool:
+        dropout = self.attention_dropout.p if self.training else 0.0
+        return (attention_bias is None and dropout == 0.0 and self.softmax_offset is None
+                and self.scale_mask_softmax.window_size is None and not self.config.apply_query_key_layer_scaling)
+
+    def _attend(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None):
+        if not self._sdpa_supported(attention_bias):
+            return super()._attend(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        sq, b = query.shape[0], query.shape[1]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, dim]
+        if attention_mask is None:  # as megatron's softmax: the mask type's own mask
+            causal = mask_type == AttnMaskType.causal and sq > 1
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.softmax_scale,
+                                                 enable_gqa=k.shape[1] != q.shape[1])
+        else:  # megatron's True hides a key, torch's True keeps it
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask.logical_not(),
+                                                 scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+LOCAL_ATTENTION = {"sdpa": LocalSdpaAttention, "unfused": LocalDotProductAttention}
+
+
+def _attention_spec(qk_layernorm: bool, local_attention: str) -> ModuleSpec:
     qk_norm = LocalRMSNorm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=LocalLayerNormColumnParallelLinear,
-            core_attention=LocalDotProductAttention,
+            core_attention=LOCAL_ATTENTION[local_attention],
             linear_proj=RowParallelLinear,
             q_layernorm=qk_norm,
             k_layernorm=qk_norm,
@@ -289,7 +329,7 @@ def _attention_spec(qk_layernorm: bool) -> ModuleSpec:
     )
 
 
-def _mla_attention_spec() -> ModuleSpec:
+def _mla_attention_spec(local_attention: str) -> ModuleSpec:
     """Multi-latent attention (DeepSeek-V3) with TE's parameter names.
 
     TE's spec fuses the q / kv latent norms into the up projections
@@ -310,7 +350,7 @@ def _mla_attention_spec() -> ModuleSpec:
             linear_q_up_proj=LocalLayerNormColumnParallelLinear,
             linear_kv_down_proj=ColumnParallelLinear,
             linear_kv_up_proj=LocalLayerNormColumnParallelLinear,
-            core_attention=LocalDotProductAttention,
+            core_attention=LOCAL_ATTENTION[local_attention],
             linear_proj=RowParallelLinear,
             q_layernorm=IdentityOp,
             kv_layernorm=IdentityOp,
@@ -318,7 +358,7 @@ def _mla_attention_spec() -> ModuleSpec:
     )
 
 
-def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False) -> ModuleSpec:
+def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False, local_attention: str = "sdpa") -> ModuleSpec:
     """One decoder layer, TE-named: dense layers fuse the MLP norm into fc1; MoE layers keep
     `pre_mlp_layernorm` (as TE's spec does) and use grouped expert linears. MLA layers keep a
     separate `input_layernorm` (TE's MLA spec does: its q / kv down projections are plain
@@ -346,11 +386,12 @@ def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False) -> Module
             submodules=MLPSubmodules(linear_fc1=LocalLayerNormColumnParallelLinear, linear_fc2=RowParallelLinear),
         )
         pre_mlp_norm = IdentityOp
+    attention = _mla_attention_spec(local_attention) if mla else _attention_spec(qk_layernorm, local_attention)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=LocalRMSNorm if mla else IdentityOp,
-            self_attention=_mla_attention_spec() if mla else _attention_spec(qk_layernorm),
+            self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=pre_mlp_norm,
             mlp=mlp,
@@ -359,7 +400,8 @@ def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False) -> Module
     )
 
 
-def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None, use_te: Optional[bool] = None):
+def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None, use_te: Optional[bool] = None,
+                       local_attention: str = "sdpa"):
     """Block spec for this pipeline stage: TE's if TE imports (or use_te=True), else local."""
     if use_te is None:
         use_te = transformer_engine_available()
@@ -371,7 +413,7 @@ def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None
         config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
     )
     mla = bool(getattr(config, "multi_latent_attention", False))
-    dense = local_layer_spec(moe=False, qk_layernorm=config.qk_layernorm, mla=mla)
-    moe = local_layer_spec(moe=True, qk_layernorm=config.qk_layernorm, mla=mla)
+    dense = local_layer_spec(moe=False, qk_layernorm=config.qk_layernorm, mla=mla, local_attention=local_attention)
+    moe = local_layer_spec(moe=True, qk_layernorm=config.qk_layernorm, mla=mla, local_attention=local_attention)
     layers = [moe if spec.submodules.mlp.module is MoELayer else dense for spec in stock.layer_specs]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LocalRMSNorm)

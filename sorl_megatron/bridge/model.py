@@ -37,6 +37,11 @@ class ModelOptions:
     seed: int = 1234
     fp8: Optional[Fp8Options] = None
     offload_idle: bool = False
+    local_attention: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.local_attention not in ("sdpa", "unfused"):
+            raise ValueError(f"local_attention must be 'sdpa' or 'unfused', got {self.local_attention!r}")
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype is not None:

@@ -16,6 +16,7 @@ gradient of the mini-batch loss (``calculate_per_token_loss`` stays off).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import warnings
@@ -235,16 +236,8 @@ class EngineBase(Offloadable):
                 overlap_grad_reduce=False,
                 overlap_param_gather=False,
             )
-        options = ModelOptions(
-            dtype=options.dtype,
-            value_head=self.value_head,
-            use_te=options.use_te,
-            config_overrides=overrides,
-            wrap_with_ddp=trainable,
-            ddp_config=ddp_config,
-            seed=options.seed,
-            fp8=options.fp8,
-        )
+        options = dataclasses.replace(options, value_head=self.value_head, config_overrides=overrides,
+                                      wrap_with_ddp=trainable, ddp_config=ddp_config)
         self.model: MegatronModel = build_model(hf, layout, options)
         self.layout = self.model.layout
         self.config = self.model.config

@@ -51,6 +51,10 @@ class ModelConfig:
     # the reference and critic models (and the critic's gradients and Adam state) wait on the CPU
     # between their passes: GPU memory for the actor's update (docs/recipes.md#memory-plan)
     offload_idle: bool = False
+    # the core attention of the TE-less layer spec (CPU, or a GPU without TE; TE runs its own):
+    # torch's fused scaled_dot_product_attention, or megatron's unfused softmax math (what every
+    # run before 2026-11-26 used; the study's recipes keep it so their cells stay comparable)
+    local_attention: Literal["sdpa", "unfused"] = "sdpa"
     # an HF config.json the memory plan reads when model.path has none (recipes/gpu/model_configs/)
     config_for_planning: Optional[str] = None
 

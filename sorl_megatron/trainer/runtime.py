@@ -75,4 +75,5 @@ def truncate_jsonl(path: Path, step: int) -> None:
 
 def model_options(cfg: TrainConfig) -> ModelOptions:
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
-    return ModelOptions(dtype=dtype, fp8=cfg.model.fp8, offload_idle=cfg.model.offload_idle)
+    return ModelOptions(dtype=dtype, fp8=cfg.model.fp8, offload_idle=cfg.model.offload_idle,
+                        local_attention=cfg.model.local_attention)

@@ -136,6 +136,7 @@ SINGLE_CASES = (
         },
         {"id": "load/mixtral/ep2->ws1", "op": "load_ckpt", "model": "mixtral", "layout": "", "ckpt": "ck_mixtral_ep2"},
         {"id": "compat_probes", "op": "compat_probes"},
+        {"id": "local_attention", "op": "local_attention"},
         *[{"id": f"family_fixes/{k}", "op": "family_fixes", "model": k} for k in (*NEW_FAMILIES, "deepseek_v3_yarn")],
         {"id": "logits/deepseek_v3_yarn/ws1", "op": "logits", "model": "deepseek_v3_yarn", "layout": ""},
         {"id": "logits/deepseek_v3_no_q_lora/ws1", "op": "logits", "model": "deepseek_v3_no_q_lora", "layout": ""},

@@ -118,7 +118,7 @@ def _mla():
         qk_pos_emb_head_dim=4, v_head_dim=4, rope_type="rope", normalization="RMSNorm", use_cpu_initialization=True,
         add_bias_linear=False,
     )
-    build_module(_mla_attention_spec(), config=cfg, layer_number=1)
+    build_module(_mla_attention_spec("sdpa"), config=cfg, layer_number=1)
 
 
 PROBES = {

@@ -315,6 +315,66 @@ def op_compat_probes(case: dict, models: str, work: str) -> dict:
     return run_probes()
 
 
+def op_local_attention(case: dict, models: str, work: str) -> dict:
+    """The TE-less spec's two core attentions (torch SDPA, megatron's unfused math) on the same
+    inputs: grouped KV heads, the engine's causal mask, no mask, packed THD segments; outputs and
+    input gradients. Then which settings send the SDPA module back to the unfused path."""
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from sorl_megatron.bridge import init_parallel
+    from sorl_megatron.bridge.cpu_modes import CudaDeviceToCpu
+    from sorl_megatron.bridge.forward import causal_attention_mask
+    from sorl_megatron.bridge.local_spec import LOCAL_ATTENTION
+
+    if not parallel_state.model_parallel_is_initialized():
+        init_parallel(ParallelLayout())  # megatron's groups and the CPU stand-ins (its dropout RNG)
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                            use_cpu_initialization=True, attention_dropout=0.0)
+    mods = {k: cls(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+            for k, cls in LOCAL_ATTENTION.items()}
+    g = torch.Generator().manual_seed(0)
+    s, b = 37, 3
+    q, k, v = (torch.randn(s, b, h, 8, generator=g) for h in (8, 2, 2))
+    lengths = [5, 12, 1, 19]  # packed: one row of 37 tokens, segments of four length classes
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=19, max_seqlen_kv=19)
+    inputs = {
+        "mask": ((q, k, v), causal_attention_mask(s, "cpu"), None),
+        "no_mask": ((q, k, v), None, None),
+        "packed": ((q[:, 0], k[:, 0], v[:, 0]), None, packed),
+    }
+    out: dict = {}
+    for name, (qkv, mask, pack) in inputs.items():
+        res = {}
+        for kind, mod in mods.items():
+            leaves = [x.clone().requires_grad_(True) for x in qkv]
+            with CudaDeviceToCpu():  # as the engine runs megatron on the CPU (its default causal mask)
+                y = mod(*leaves, mask, packed_seq_params=pack)
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+            res[kind] = (y.detach(), [x.grad for x in leaves])
+        (ya, ga), (yb, gb) = res["sdpa"], res["unfused"]
+        out[name] = {"shape": list(ya.shape), "shape_unfused": list(yb.shape), "out": (ya - yb).abs().max().item(),
+                     "grad": max((a - c).abs().max().item() for a, c in zip(ga, gb)),
+                     "scale": yb.abs().max().item()}
+    # the engine's causal mask and no mask (the mask type's) are one function on both paths
+    out["mask_vs_none"] = (mods["sdpa"](q, k, v, causal_attention_mask(s, "cpu"))
+                           - mods["sdpa"](q, k, v, None)).abs().max().item()
+    sdpa = mods["sdpa"]
+    supported = {"plain": sdpa._sdpa_supported(None)}
+    sdpa.attention_dropout.p = 0.1
+    sdpa.train()
+    supported["dropout_training"] = sdpa._sdpa_supported(None)
+    sdpa.eval()
+    supported["dropout_eval"] = sdpa._sdpa_supported(None)
+    sdpa.attention_dropout.p = 0.0
+    supported["bias"] = sdpa._sdpa_supported(torch.zeros(1))
+    out["supported"] = supported
+    return out
+
+
 def op_pipeline_split_grid(case: dict, models: str, work: str) -> dict:
     from pipeline_split_grid import run_grid
 
@@ -346,6 +406,7 @@ OPS = {
     "load_ckpt": op_load_ckpt,
     "missing_weight": op_missing_weight,
     "compat_probes": op_compat_probes,
+    "local_attention": op_local_attention,
     "family_fixes": op_family_fixes,
     "spec_selection": op_spec_selection,
 }
