@@ -213,9 +213,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from . import ModelOptions, build_model, forward_logits, load_megatron_checkpoint
 
     if args.ckpt:
-        model = load_megatron_checkpoint(args.ckpt, _layout(args.layout))
+        from .dist_ckpt import read_checkpoint_meta
+
+        meta = read_checkpoint_meta(args.ckpt)
+        options = ModelOptions(value_head=bool(meta["value_head"]), local_attention=args.attention)
+        model = load_megatron_checkpoint(args.ckpt, _layout(args.layout), options)
     else:
-        model = build_model(args.hf, _layout(args.layout), ModelOptions(dtype=_dtype(args.dtype)))
+        model = build_model(args.hf, _layout(args.layout),
+                            ModelOptions(dtype=_dtype(args.dtype), local_attention=args.attention))
     _say_skipped_mtp(model)
     weights = _compare_weights(model, args.hf)
     gen = torch.Generator().manual_seed(args.seed)
@@ -318,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--batch", type=int, default=2, help="random token sequences compared (default 2)")
     v.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
     v.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
+    v.add_argument("--attention", choices=("sdpa", "unfused"), default="sdpa",
+                   help="core attention without TransformerEngine: sdpa (torch's, default) or unfused (megatron's)")
     v.add_argument("--rtol", type=float, default=None,
                    help="logits agree when max |diff| <= rtol x max |logit| + atol (default 1e-4 fp32, 0.25 bf16)")
     v.add_argument("--atol", type=float, default=None, help="see --rtol (default 1e-6 fp32, 5e-2 bf16)")

@@ -12,6 +12,9 @@ from transformers import PretrainedConfig
 from .layout import ParallelLayout
 from .te_fp8 import Fp8Options
 
+# the TE-less spec's core attentions (local_spec.LOCAL_ATTENTION's keys; the recipe's model.local_attention)
+LOCAL_ATTENTIONS = ("sdpa", "unfused")
+
 
 @dataclass
 class ModelOptions:
@@ -40,8 +43,8 @@ class ModelOptions:
     local_attention: str = "sdpa"
 
     def __post_init__(self) -> None:
-        if self.local_attention not in ("sdpa", "unfused"):
-            raise ValueError(f"local_attention must be 'sdpa' or 'unfused', got {self.local_attention!r}")
+        if self.local_attention not in LOCAL_ATTENTIONS:
+            raise ValueError(f"local_attention must be one of {LOCAL_ATTENTIONS}, got {self.local_attention!r}")
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype is not None:

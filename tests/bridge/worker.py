@@ -372,6 +372,7 @@ def op_local_attention(case: dict, models: str, work: str) -> dict:
     sdpa.attention_dropout.p = 0.0
     supported["bias"] = sdpa._sdpa_supported(torch.zeros(1))
     out["supported"] = supported
+    out["kinds"] = sorted(LOCAL_ATTENTION)
     return out
 
 
