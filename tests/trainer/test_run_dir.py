@@ -235,7 +235,9 @@ def test_an_interrupted_study_stops_its_running_cell_starts_no_other_and_says_on
     code = ("import sys, sorl_megatron.study as s; s.TRAIN_MODULE = 'tests.study_stub_train'; "
             "raise SystemExit(s.main(['--config', sys.argv[1]]))")
     proc = subprocess.Popen([sys.executable, "-c", code, str(study)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            # a shell's background job ignores SIGINT and children inherit that: take Python's default
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while not (runs / "grpo__low__s1" / "stub_started").exists():
