@@ -212,12 +212,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from . import ModelOptions, build_model, forward_logits, load_megatron_checkpoint
 
-    if args.ckpt:
-        from .dist_ckpt import read_checkpoint_meta
-
-        meta = read_checkpoint_meta(args.ckpt)
-        options = ModelOptions(value_head=bool(meta["value_head"]), local_attention=args.attention)
-        model = load_megatron_checkpoint(args.ckpt, _layout(args.layout), options)
+    if args.ckpt:  # an LM's (a critic's is refused by the loader, naming it: no HF logits to compare with)
+        model = load_megatron_checkpoint(args.ckpt, _layout(args.layout), ModelOptions(local_attention=args.attention))
     else:
         model = build_model(args.hf, _layout(args.layout),
                             ModelOptions(dtype=_dtype(args.dtype), local_attention=args.attention))

@@ -301,13 +301,11 @@ class LocalSdpaAttention(LocalDotProductAttention):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         sq, b = query.shape[0], query.shape[1]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, dim]
-        if attention_mask is None:  # as megatron's softmax: the mask type's own mask
-            causal = mask_type == AttnMaskType.causal and sq > 1
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.softmax_scale,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
-        else:  # megatron's True hides a key, torch's True keeps it
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask.logical_not(),
-                                                 scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+        # no mask: the mask type's own, as megatron's softmax; else megatron's True hides a key, torch's keeps it
+        keep = None if attention_mask is None else attention_mask.logical_not()
+        causal = keep is None and mask_type == AttnMaskType.causal and sq > 1
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=causal, scale=self.softmax_scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
