@@ -435,6 +435,8 @@ TINY_RUN = [
     "schedule.micro_batch_size=1", "rollout.max_turns=2", "rollout.max_turn_tokens=12",
     "rollout.max_total_tokens=340", "rollout.max_obs_tokens=32", "sft.enabled=false", "schedule.val_every=0",
     "data.val=", "logging.progress=none", "logging.tensorboard=false",
+    # the tiny recipes pin megatron's unfused attention (their CPU numbers); a GPU without TE runs the default
+    "model.local_attention=sdpa",
 ]
 
 
