@@ -121,7 +121,7 @@ def alive(pid: int) -> bool:
     # a zombie still answers kill(0): count it as dead only if /proc says so
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state != "Z"
 
@@ -132,7 +132,7 @@ def children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             out += [int(c) for c in (task / "children").read_text().split()]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # the thread exited between glob and read
             pass
     return out
 
@@ -143,7 +143,7 @@ def server_children(pid: int) -> list[int]:
     for child in children(pid):
         try:
             cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # an exiting child: ESRCH while /proc still lists it
             continue
         if b"sorl_megatron.sglang_cpu.server" in cmd or b"sorl_megatron.retrieval.server" in cmd:
             out.append(child)
