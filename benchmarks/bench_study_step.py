@@ -43,14 +43,17 @@ sys.path.insert(0, str(ROOT))
 STUDY = ROOT / "recipes" / "study" / "tiny_stability.yaml"
 
 
-def cell_command(src: Path, data: Path, policy: Path, out: Path, args: argparse.Namespace) -> tuple[list[str], Path]:
-    """The study's command line for the cell (run from ``src``) and its run directory."""
+def cell_command(src: Path, data: Path, policy: Path, out: Path, args: argparse.Namespace,
+                 without: tuple[str, ...] = ()) -> tuple[list[str], Path]:
+    """The study's command line for the cell (run from ``src``) and its run directory; overrides of the
+    keys in ``without`` are left out (keys a tree older than them does not know)."""
     from sorl_megatron.study import Cell, cell_overrides, load_study
 
     study = load_study(Path(args.study), [f"data={data}", f"start_policy={policy}"])
     cell = Cell(args.loss, args.stress, args.seed)
     overrides = [*cell_overrides(study, cell, out), "checkpoint.resume=none", f"schedule.total_steps={args.steps}",
                  *args.overrides]
+    overrides = [o for o in overrides if o.split("=", 1)[0] not in without]
     recipe = src / "recipes" / "tiny_search_so_grpo.yaml"  # each tree runs its own recipe
     return [sys.executable, "-m", "sorl_megatron.train", "--config", str(recipe), *overrides], out / "runs" / cell.name
 
@@ -91,19 +94,25 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--old-without", action="append", default=[], metavar="KEY",
+                    help="leave this key's overrides out of the old tree's command: a key added since that commit, "
+                         "whose value here must be what the old tree did (e.g. model.local_attention, whose "
+                         "'unfused' every tree before it ran); repeatable")
     ap.add_argument("overrides", nargs="*", help="recipe overrides for every run")
     args = ap.parse_args()
     data = Path(args.data).resolve()
     policy = Path(args.policy).resolve() if args.policy else data / "model"
     trees = {"old": Path(args.old_src).resolve(), "new": ROOT}
     print(f"start: {load()}; policy {policy}; cell {args.loss}/{args.stress}/s{args.seed}, {args.steps} steps x "
-          f"{args.rounds} rounds", flush=True)
+          f"{args.rounds} rounds" + (f"; left out of the old tree's command: {', '.join(args.old_without)}"
+                                     if args.old_without else ""), flush=True)
     results: dict[str, list[dict]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory(prefix="bench_study_step_") as tmp:
         for r in range(args.rounds):
             for name in list(trees) if r % 2 == 0 else list(reversed(trees)):
                 out = Path(tmp) / f"{name}_r{r}"
-                cmd, run_dir = cell_command(trees[name], data, policy, out, args)
+                without = tuple(args.old_without) if name == "old" else ()
+                cmd, run_dir = cell_command(trees[name], data, policy, out, args, without)
                 res = run(trees[name], cmd, run_dir)
                 results[name].append(res)
                 print(f"round {r} {name}: step {res['step_s']:6.1f}s ("
