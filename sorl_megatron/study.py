@@ -8,8 +8,8 @@ A study recipe (YAML) names the training recipe every cell starts from, the star
 ``python -m sorl_megatron.train`` in its own process, writing ``<out>/runs/<loss>__<stress>__s<seed>``.
 A cell whose metrics reach ``schedule.total_steps`` is done and skipped; an interrupted one
 resumes from its last checkpoint (``checkpoint.resume=auto``), so re-running the command
-continues the study. ``<out>/summary.md`` and ``<out>/figures/*.png`` are rewritten at the
-end (``--summarize`` does only that).
+continues the study. ``<out>/summary.md`` and ``<out>/figures/*.png`` (the recipe's ``summary``
+and ``figures``) are rewritten at the end (``--summarize`` does only that).
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ class StudyConfig:
         its servers and exit before it is killed.
     indicators: name -> leading indicator (``study_indicators.Indicator``) for the summary's
         "which warned first" table; the defaults when not given.
+    summary / figures: the summary file and the figures' directory, relative to ``out``: studies
+        that share an ``out`` (and so the cells they both name) keep their own summaries.
     """
 
     recipe: str
@@ -83,6 +85,8 @@ class StudyConfig:
     collapse_fraction: float = 0.5
     stop_timeout_s: float = 120.0
     indicators: dict[str, Indicator] = field(default_factory=lambda: dict(DEFAULT_INDICATORS))
+    summary: str = "summary.md"
+    figures: str = "figures"
 
     def __post_init__(self) -> None:
         if not self.losses or not self.stress or not self.seeds:
@@ -100,6 +104,12 @@ class StudyConfig:
             raise ValueError(f"seeds lists {repeated} more than once: each seed is one cell, one run directory")
         if self.stop_timeout_s <= 0:
             raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s}")
+        for key in ("summary", "figures"):
+            rel = Path(getattr(self, key))
+            if rel.is_absolute() or ".." in rel.parts or rel.parts[:1] in ((), ("runs",)):  # () is "" or "."
+                raise ValueError(f"{key} must be a path inside out, not under its runs/, got {getattr(self, key)!r}")
+        if not self.summary.endswith(".md"):
+            raise ValueError(f"summary must name a .md file, got {self.summary!r}")
 
 
 @dataclass(frozen=True)
@@ -278,7 +288,8 @@ def cell_statistics(rows: list[dict[str, Any]], collapse_fraction: float) -> dic
 
 
 def summarize(cfg: StudyConfig) -> Path:
-    """``summary.md`` (a table per stress level: mean ± std over seeds) and one figure per metric."""
+    """``<out>/<summary>`` (a table per stress level: mean ± std over seeds) and one figure per
+    metric in ``<out>/<figures>``."""
     out = Path(cfg.out)
     runs: dict[Cell, list[dict[str, Any]]] = {}
     for cell in cells(cfg):
@@ -311,9 +322,10 @@ def summarize(cfg: StudyConfig) -> Path:
     lines += run_table(runs) + [""]
     warnings = [run_warnings(cell.name, rows, cfg.indicators, cfg.collapse_fraction) for cell, rows in runs.items()]
     lines += indicator_report(warnings, cfg.indicators)
-    figures = _figures(cfg, runs, out / "figures")
-    lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
-    path = out / "summary.md"
+    path = out / cfg.summary
+    figures = _figures(cfg, runs, out / cfg.figures)
+    lines += ["## Figures", ""] + [f"![{p.stem}]({os.path.relpath(p, path.parent)})" for p in figures] + [""]
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
     return path
 
@@ -424,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="study recipe (YAML)")
     parser.add_argument("--parallel", type=int, default=None, help="cells at once (default: the recipe's)")
-    parser.add_argument("--summarize", action="store_true", help="only rewrite summary.md and the figures")
+    parser.add_argument("--summarize", action="store_true", help="only rewrite the summary and the figures")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the study recipe, e.g. seeds=[1]")
     args = parser.parse_args(argv)
     try:

@@ -114,6 +114,37 @@ def test_the_shipped_study_recipes_load():
             load_recipe(cfg.recipe, cell_overrides(cfg, cell, Path(cfg.out)))  # every cell validates
 
 
+def test_studies_sharing_an_out_keep_their_own_summaries(tmp_path):
+    """Round two's grids share one ``out`` (a cell two of them name runs once); each writes its own
+    summary and figures, listing only its own cells."""
+    import json
+
+    from sorl_megatron.study import StudyConfig, summarize
+
+    out = tmp_path / "out"
+    for name in ("grpo__control__s1", "ppo__control__s1"):
+        (out / "runs" / name).mkdir(parents=True)
+        rows = [{"step": s, "val/em": 0.5 + 0.01 * s, "actor/grad_norm": 1.0} for s in range(0, 5, 2)]
+        (out / "runs" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def study(loss: str, **kw) -> StudyConfig:
+        return StudyConfig(recipe="r.yaml", start_policy="p", out=str(out), losses={loss: []},
+                           stress={"control": []}, **kw)
+
+    for loss in ("grpo", "ppo"):
+        written = summarize(study(loss, summary=f"summary_{loss}.md", figures=f"figures/{loss}"))
+        assert written == out / f"summary_{loss}.md"
+    mine, theirs = (out / "summary_grpo.md").read_text(), (out / "summary_ppo.md").read_text()
+    assert "| grpo | 1 |" in mine and "| ppo |" not in mine and "| ppo | 1 |" in theirs and "| grpo |" not in theirs
+    assert "![val_em](figures/grpo/val_em.png)" in mine and (out / "figures" / "grpo" / "val_em.png").is_file()
+    assert not (out / "summary.md").exists()
+    for bad in ("../x.md", "/tmp/x.md", "runs/x.md", "", "notes.txt"):
+        with pytest.raises(ValueError, match="summary must"):
+            study("grpo", summary=bad)
+    with pytest.raises(ValueError, match="figures must be a path inside out"):
+        study("grpo", figures="runs")
+
+
 def test_figures_draw_seed_bands_on_labelled_axes(tmp_path, monkeypatch):
     """Mean over seeds with a min-max band, EM on [0, 1] with its unit, whole-step ticks."""
     from matplotlib.figure import Figure
