@@ -112,6 +112,15 @@ def subprocess_env() -> dict:
     return env
 
 
+def _proc_read(path: str) -> bytes | None:
+    """A /proc file of a process or thread that may be exiting: None once it is gone (no file, or
+    ESRCH while /proc still lists it)."""
+    try:
+        return Path(path).read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 def alive(pid: int) -> bool:
     """Whether a process with this pid exists (a reaped child raises ProcessLookupError)."""
     try:
@@ -119,21 +128,16 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     # a zombie still answers kill(0): count it as dead only if /proc says so
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state != "Z"
+    after_name = (_proc_read(f"/proc/{pid}/stat") or b"").rsplit(b")", 1)[1:]  # the name may hold spaces
+    fields = after_name[0].split() if after_name else []
+    return bool(fields) and fields[0] != b"Z"
 
 
 def children(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux /proc), any thread."""
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):  # the thread exited between glob and read
-            pass
+        out += [int(c) for c in (_proc_read(f"{task}/children") or b"").split()]
     return out
 
 
@@ -141,10 +145,7 @@ def server_children(pid: int) -> list[int]:
     """Children of ``pid`` that are embedded rollout / retrieval servers."""
     out = []
     for child in children(pid):
-        try:
-            cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        except (FileNotFoundError, ProcessLookupError):  # an exiting child: ESRCH while /proc still lists it
-            continue
+        cmd = (_proc_read(f"/proc/{child}/cmdline") or b"").split(b"\0")
         if b"sorl_megatron.sglang_cpu.server" in cmd or b"sorl_megatron.retrieval.server" in cmd:
             out.append(child)
     return out
