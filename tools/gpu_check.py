@@ -461,11 +461,46 @@ def check_memory_plan(args) -> str:
     return check_rl_step(args, "tensor", hidden_size=2048)
 
 
+# The second study's worst stress (docs/study.md, recipes/study/round2_*.yaml): 3% of the rollout
+# server's (token, layer) top-k choices flipped, rollouts two weight versions old, R3 replaying the
+# rollout's routes in the trainer; three steps, so the last trains on a lagged batch
+STRESS_RUN = ("rollout.inject.route_flip_fraction=0.03", "rollout.mode=lagged", "rollout.lag=2",
+              "rollout.max_staleness=2", "algorithm.routing_replay=r3", "schedule.total_steps=3")
+
+
+def check_rl_step_stress(args) -> str:
+    """The stress injectors and their indicators on the device: every step's row finite, the
+    injected flips seen by the trainer (``mismatch/route_flip_rate`` > 0) and replayed, the last
+    batch two versions old."""
+    detail, rows = run_rl_steps(args, "tensor", extra=STRESS_RUN, name="rl_stress")
+    rows = [r for r in rows if r.get("step", 0) >= 1]  # step 0: the launch's own row
+    if len(rows) != 3:
+        raise AssertionError(f"{len(rows)} metrics rows, expected 3 (schedule.total_steps=3)")
+    flips = [r.get("mismatch/route_flip_rate") for r in rows]
+    replayed = [r.get("actor/routing/replayed_pairs") for r in rows]
+    kl = [r.get("mismatch/kl_k3") for r in rows]
+    lags = [r.get("rollout/version_lag_max") for r in rows]
+    if lags[-1] != 2:
+        raise AssertionError(f"rollout/version_lag_max per step {lags}: the last step's batch is not 2 versions old")
+    if not all(f is not None and f > 0 for f in flips):
+        raise AssertionError(f"mismatch/route_flip_rate per step {flips}: the injected flips were not seen")
+    if not all(p for p in replayed):
+        raise AssertionError(f"routing/replayed_pairs per step {replayed}: R3 replayed nothing")
+    return (detail + f"; route flips seen {', '.join(f'{f:.3f}' for f in flips)}, train/inference KL "
+            f"{', '.join('n/a' if k is None else f'{k:.2e}' for k in kl)}")
+
+
 def check_rl_step(args, transport: str, hidden_size: int | None = None) -> str:
+    return run_rl_steps(args, transport, hidden_size)[0]
+
+
+def run_rl_steps(args, transport: str, hidden_size: int | None = None, extra: tuple[str, ...] = (),
+                 name: str = "rl") -> tuple[str, list[dict]]:
+    """``sorl_megatron.train`` on the tiny synthetic run: (the detail line, every metrics row)."""
     device = cuda_device(args)
     data = _tiny_data(Path(args.work), hidden_size)
     out = Path(args.work) / "runs"
-    name = f"rl_{transport}_{device}" + ("" if hidden_size is None else f"_h{hidden_size}")
+    name = f"{name}_{transport}_{device}" + ("" if hidden_size is None else f"_h{hidden_size}")
     cmd = [sys.executable, "-m", "sorl_megatron.train", "--config", str(ROOT / "recipes" / "tiny_search_base.yaml"),
            f"model.path={data / 'model'}", f"retrieval.corpus={data / 'corpus.jsonl'}",
            f"data.train={data / 'train.parquet'}", *TINY_RUN, f"rollout.weight_sync={transport}",
@@ -474,6 +509,7 @@ def check_rl_step(args, transport: str, hidden_size: int | None = None) -> str:
         cmd += ["rollout.max_turns=1", "rollout.max_turn_tokens=8"]
     if device == "cuda":
         cmd.append("model.dtype=bfloat16")
+    cmd += list(extra)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0") if device == "cuda" else "")
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout - 10)
@@ -488,9 +524,10 @@ def check_rl_step(args, transport: str, hidden_size: int | None = None) -> str:
     if not rows:
         raise AssertionError("no metrics row written")
     m = rows[-1]
-    bad = _finite(m)  # MetricsLogger writes a non-finite value as null
-    if bad:
-        raise AssertionError(f"non-finite metrics {sorted(bad)[:6]}")
+    for row in rows:
+        bad = _finite(row)  # MetricsLogger writes a non-finite value as null
+        if bad:
+            raise AssertionError(f"non-finite metrics at step {row.get('step')}: {sorted(bad)[:6]}")
     sync = m.get("time/weight_sync")
     if not sync:
         raise AssertionError(f"no weight sync was timed (time/weight_sync={sync})")
@@ -506,8 +543,9 @@ def check_rl_step(args, transport: str, hidden_size: int | None = None) -> str:
         memory = (f", peak allocated {peak:.3f} GiB / reserved {m['memory/peak_reserved_gib']:.3f} GiB; plan "
                   f"{plan.total_gib:.2f} GiB = {plan.total_gib - reserve:.3f} GiB of states and activations "
                   f"+ {reserve:.1f} runtime reserve ({plan.phase})")
-    return (f"step {m['step']} on {device}: reward {m.get('rollout/reward', float('nan')):.3f}, "
-            f"weight sync {sync:.2f} s, step {time.perf_counter() - t:.1f} s wall{memory}")
+    detail = (f"step {m['step']} on {device}: reward {m.get('rollout/reward', float('nan')):.3f}, "
+              f"weight sync {sync:.2f} s, step {time.perf_counter() - t:.1f} s wall{memory}")
+    return detail, rows
 
 
 def _memory_plan(config_and_overrides: list[str]):
@@ -529,6 +567,7 @@ CHECKS = {
     "rl_step_tensor": (lambda a: check_rl_step(a, "tensor"), 300),
     "rl_step_disk": (lambda a: check_rl_step(a, "disk"), 300),
     "memory_plan": (check_memory_plan, 300),
+    "rl_step_stress": (check_rl_step_stress, 300),
 }
 
 
