@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -192,9 +193,23 @@ def _stage_layers(cfg: TrainConfig, c: Any) -> int:
     return max(cfg.parallelism.stage_layers(int(c.num_hidden_layers)))
 
 
+def megatron_adam_is_fused() -> bool:
+    """Whether megatron-core's optimizer is TransformerEngine's or apex's FusedAdam (it binds the
+    first that imports, else torch's AdamW, whose multi-tensor step allocates one fp32 tensor the
+    size of the parameters it updates: measured on an H100, docs/gpu.md)."""
+    try:
+        with warnings.catch_warnings():  # its "falling back to torch optimizers" is what this asks
+            warnings.simplefilter("ignore")
+            from megatron.core import optimizer
+    except Exception:  # no megatron here (--print-memory on a bare machine): assume torch's
+        return False
+    return not optimizer.Adam.__module__.startswith("torch.")
+
+
 def _states(cfg: TrainConfig, c: Any, who: str, dp: tuple[int, int], bf16: bool, trainable: bool,
-            value_head: bool = False) -> list[MemoryItem]:
-    """Weights (and for a trainable model gradients and Adam state) per GPU."""
+            value_head: bool = False, torch_adam: bool = False) -> list[MemoryItem]:
+    """Weights (and for a trainable model gradients and Adam state) per GPU; with ``torch_adam``
+    also the step's temporaries (before netting out the freed activations: see plan_memory)."""
     p = cfg.parallelism
     n = count_params(c, value_head)
     layers = int(c.num_hidden_layers)
@@ -216,7 +231,21 @@ def _states(cfg: TrainConfig, c: Any, who: str, dp: tuple[int, int], bf16: bool,
     else:
         state, note = params * per, f"Adam {'fp32 main + ' if bf16 else ''}2 moments (not distributed)"
     items.append(MemoryItem(f"{who} optimizer", state / GIB, note))
+    if torch_adam:  # torch's multi-tensor AdamW: sqrt(exp_avg_sq) as a new fp32 tensor per parameter
+        items.append(MemoryItem(f"{who} optimizer step", state / per * 4 / GIB, "torch's AdamW step (no fused Adam)"))
     return items
+
+
+def _net_of_freed(items: list[MemoryItem], freed: float) -> list[MemoryItem]:
+    """The optimizer step runs after the pass's activations and logits (``freed`` GiB) are released:
+    its temporaries count only by what exceeds them."""
+    out = []
+    for i in items:
+        if i.name.endswith("optimizer step"):
+            i = MemoryItem(i.name, max(0.0, i.gib - freed), f"{i.note}: {i.gib:.2f} GiB, less the {freed:.2f} GiB the "
+                           "pass frees before it")
+        out.append(i)
+    return out
 
 
 def _bf16(cfg: TrainConfig, on_gpu: bool) -> bool:
@@ -238,9 +267,11 @@ def plan_memory(cfg: TrainConfig, c: Any, critic_config: Any = None, world_size:
     reserve = [MemoryItem("runtime reserve", RUNTIME_RESERVE_GIB if on_gpu else 0.0,
                           "CUDA context, NCCL, allocator fragmentation")]
 
-    actor = _states(cfg, c, "actor", dp, bf16, trainable=True)
+    torch_adam = on_gpu and not megatron_adam_is_fused()
+    actor = _states(cfg, c, "actor", dp, bf16, trainable=True, torch_adam=torch_adam)
     ref = _states(cfg, c, "reference", dp, bf16, trainable=False) if has_ref else []
-    critic = _states(cfg, critic_c, "critic", dp, bf16, trainable=True, value_head=True) if has_critic else []
+    critic = (_states(cfg, critic_c, "critic", dp, bf16, trainable=True, value_head=True, torch_adam=torch_adam)
+              if has_critic else [])
     vocab_shard = int(c.vocab_size) / p.tp
     logit_elems = tokens * vocab_shard
     temp_copy = 4 if cfg.rollout.temperature != 1.0 else 0
@@ -263,8 +294,13 @@ def plan_memory(cfg: TrainConfig, c: Any, critic_config: Any = None, world_size:
             return items
         return [MemoryItem(i.name, 0.0, "on the CPU while idle (model.offload_idle)") for i in items]
 
-    actor_phase = actor + parked(ref) + parked(critic) + logits + [actor_act] + reserve
-    critic_phase = actor + parked(ref) + critic + [critic_act] + reserve if has_critic else []
+    def idle(items: list[MemoryItem]) -> list[MemoryItem]:  # a model that takes no optimizer step in this phase
+        return [i for i in items if not i.name.endswith("optimizer step")]
+
+    actor_phase = (_net_of_freed(actor, sum(i.gib for i in logits) + actor_act.gib) + parked(ref)
+                   + idle(parked(critic)) + logits + [actor_act] + reserve)
+    critic_phase = (idle(actor) + parked(ref) + _net_of_freed(critic, critic_act.gib) + [critic_act] + reserve
+                    if has_critic else [])
     total = (sum(i.gib for i in actor_phase), sum(i.gib for i in critic_phase))
     world = world_size or p.planned_world_size
     layout = (f"{world} GPUs: " if world else "") + f"{p.describe()}, DP {dp[0]}" + (
@@ -281,6 +317,8 @@ _HINTS = {
     "weights": "parallelism.tp / pp (/ ep for experts)",
     "gradients": "parallelism.tp / pp (/ ep for experts)",
     "optimizer": "optimizer.use_distributed_optimizer=true, more data-parallel ranks",
+    "step": "optimizer.use_distributed_optimizer=true, more data-parallel ranks; TransformerEngine or apex "
+            "(megatron then uses their fused Adam)",
     "logits": "schedule.max_tokens_per_micro_batch, parallelism.tp",
     "copy": "schedule.max_tokens_per_micro_batch, parallelism.tp",
     "temporaries": "schedule.max_tokens_per_micro_batch, parallelism.tp",
