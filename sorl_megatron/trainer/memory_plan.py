@@ -207,9 +207,8 @@ def megatron_adam_is_fused() -> bool:
 
 
 def _states(cfg: TrainConfig, c: Any, who: str, dp: tuple[int, int], bf16: bool, trainable: bool,
-            value_head: bool = False, torch_adam: bool = False) -> list[MemoryItem]:
-    """Weights (and for a trainable model gradients and Adam state) per GPU; with ``torch_adam``
-    also the step's temporaries (before netting out the freed activations: see plan_memory)."""
+            value_head: bool = False) -> list[MemoryItem]:
+    """Weights (and for a trainable model gradients and Adam state) per GPU."""
     p = cfg.parallelism
     n = count_params(c, value_head)
     layers = int(c.num_hidden_layers)
@@ -231,21 +230,19 @@ def _states(cfg: TrainConfig, c: Any, who: str, dp: tuple[int, int], bf16: bool,
     else:
         state, note = params * per, f"Adam {'fp32 main + ' if bf16 else ''}2 moments (not distributed)"
     items.append(MemoryItem(f"{who} optimizer", state / GIB, note))
-    if torch_adam:  # torch's multi-tensor AdamW: sqrt(exp_avg_sq) as a new fp32 tensor per parameter
-        items.append(MemoryItem(f"{who} optimizer step", state / per * 4 / GIB, "torch's AdamW step (no fused Adam)"))
     return items
 
 
-def _net_of_freed(items: list[MemoryItem], freed: float) -> list[MemoryItem]:
-    """The optimizer step runs after the pass's activations and logits (``freed`` GiB) are released:
-    its temporaries count only by what exceeds them."""
-    out = []
-    for i in items:
-        if i.name.endswith("optimizer step"):
-            i = MemoryItem(i.name, max(0.0, i.gib - freed), f"{i.note}: {i.gib:.2f} GiB, less the {freed:.2f} GiB the "
-                           "pass frees before it")
-        out.append(i)
-    return out
+def _optimizer_step(states: list[MemoryItem], bf16: bool, freed: float) -> list[MemoryItem]:
+    """torch's multi-tensor AdamW allocates sqrt(exp_avg_sq) as a new fp32 tensor per parameter it
+    updates (the optimizer item's parameters: 12 bytes each with a bf16 model, 8 with fp32). The
+    step runs after the pass's activations and logits (``freed`` GiB) are released, so only the
+    excess counts."""
+    opt = states[-1]  # _states' last item of a trainable model
+    step = opt.gib / (12 if bf16 else 8) * 4
+    return [MemoryItem(opt.name + " step", max(0.0, step - freed),
+                       f"torch's AdamW step (no fused Adam): {step:.2f} GiB, less the {freed:.2f} GiB the pass "
+                       "frees before it")]
 
 
 def _bf16(cfg: TrainConfig, on_gpu: bool) -> bool:
@@ -268,10 +265,9 @@ def plan_memory(cfg: TrainConfig, c: Any, critic_config: Any = None, world_size:
                           "CUDA context, NCCL, allocator fragmentation")]
 
     torch_adam = on_gpu and not megatron_adam_is_fused()
-    actor = _states(cfg, c, "actor", dp, bf16, trainable=True, torch_adam=torch_adam)
+    actor = _states(cfg, c, "actor", dp, bf16, trainable=True)
     ref = _states(cfg, c, "reference", dp, bf16, trainable=False) if has_ref else []
-    critic = (_states(cfg, critic_c, "critic", dp, bf16, trainable=True, value_head=True, torch_adam=torch_adam)
-              if has_critic else [])
+    critic = _states(cfg, critic_c, "critic", dp, bf16, trainable=True, value_head=True) if has_critic else []
     vocab_shard = int(c.vocab_size) / p.tp
     logit_elems = tokens * vocab_shard
     temp_copy = 4 if cfg.rollout.temperature != 1.0 else 0
@@ -294,12 +290,12 @@ def plan_memory(cfg: TrainConfig, c: Any, critic_config: Any = None, world_size:
             return items
         return [MemoryItem(i.name, 0.0, "on the CPU while idle (model.offload_idle)") for i in items]
 
-    def idle(items: list[MemoryItem]) -> list[MemoryItem]:  # a model that takes no optimizer step in this phase
-        return [i for i in items if not i.name.endswith("optimizer step")]
+    def step(states: list[MemoryItem], freed: float) -> list[MemoryItem]:
+        return _optimizer_step(states, bf16, freed) if torch_adam else []
 
-    actor_phase = (_net_of_freed(actor, sum(i.gib for i in logits) + actor_act.gib) + parked(ref)
-                   + idle(parked(critic)) + logits + [actor_act] + reserve)
-    critic_phase = (idle(actor) + parked(ref) + _net_of_freed(critic, critic_act.gib) + [critic_act] + reserve
+    actor_phase = (actor + step(actor, sum(i.gib for i in logits) + actor_act.gib) + parked(ref) + parked(critic)
+                   + logits + [actor_act] + reserve)
+    critic_phase = (actor + parked(ref) + critic + step(critic, critic_act.gib) + [critic_act] + reserve
                     if has_critic else [])
     total = (sum(i.gib for i in actor_phase), sum(i.gib for i in critic_phase))
     world = world_size or p.planned_world_size
