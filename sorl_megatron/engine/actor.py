@@ -42,7 +42,7 @@ from ..common import comm
 from .base import EngineBase, accumulate_metrics, device, factor_scales, reduce_metrics
 from .config import BatchingConfig, OptimConfig
 from .offload import resident
-from .rl_batch import RLBatch, validate_batch
+from .rl_batch import BatchError, RLBatch, validate_batch
 from .vocab_parallel import next_token_targets, vocab_parallel_logprobs_entropy
 
 RoutingReplayMode = Literal["off", "r2", "r3"]
@@ -112,6 +112,14 @@ class PolicyEngine(EngineBase):
         # distributions of the last update, for TensorBoard histograms (every rank holds the same)
         self.histograms: dict[str, Histogram] = {}
         self._abs_log_ratio: Optional[Histogram] = None  # merged over the update's forwards
+        # during an update with old_from_forward: its flags, padded by a False for the plans' dummy
+        # row id (the batch size); the rows' forward log-probs (the first mini-batch's loss pass)
+        # before that mini-batch's optimizer step, and their gathered values after it
+        self._old_rows: Optional[torch.Tensor] = None
+        self._old_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._old_values: Optional[torch.Tensor] = None
+        # the old log-probs the last update took from its own forward ([B, S], 0 on other rows)
+        self.forward_old_logprobs: Optional[torch.Tensor] = None
 
     def extra_state(self) -> dict[str, Any]:
         return {"clip_bias_running": self.clip_bias_running}
@@ -159,9 +167,11 @@ class PolicyEngine(EngineBase):
     @resident
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: RLBatch, *, entropy: bool = False, record_routing: bool = False, replay: Optional[bool] = None
+        self, batch: RLBatch, *, entropy: bool = False, record_routing: bool = False, replay: Optional[bool] = None,
+        rows: Optional[torch.Tensor] = None,
     ) -> LogprobOutput:
-        """Log-probs of ``batch.input_ids`` under the current weights (the old / ref pass).
+        """Log-probs of ``batch.input_ids`` under the current weights (the old / ref pass); with
+        ``rows`` (global ids) of those rows only, the others' outputs 0.
 
         ``replay``: replay ``batch.routed_experts`` (None = by config: only under ``r3``).
         ``record_routing`` (MoE) returns the routing every router used as ``routed_experts``:
@@ -169,7 +179,7 @@ class PolicyEngine(EngineBase):
         """
         batch = self._validate(batch, ("routed_experts",) if replay else ())
         b0, s0 = batch.batch_size, batch.seq_len
-        batch, micro = self._forward_micro_batches(batch)
+        batch, micro = self._forward_micro_batches(batch, rows)
         mode = self._replay_mode(batch, training=False) if replay is None else ("replay" if replay else None)
         record = None
         if record_routing:
@@ -241,8 +251,16 @@ class PolicyEngine(EngineBase):
         )
 
     @resident
-    def update(self, batch: RLBatch) -> dict[str, float]:
+    def update(self, batch: RLBatch, old_from_forward: Optional[torch.Tensor] = None) -> dict[str, float]:
         """One RL update on `batch`: ``epochs`` x mini-batches (one optimizer step each).
+
+        ``old_from_forward`` ([B] bool): rows whose old log-probs are their own forward in this
+        update, detached (``batch.old_logprobs`` is not read there), for rows of the first
+        mini-batch only (:meth:`first_mini_batch_split`). That mini-batch trains on the weights
+        a separate old pass would read, so its forward *is* that pass (the ratio is exactly 1),
+        and the pass is saved; bit for bit the same where both passes cut the rows alike
+        (fixed-size micro-batches: tests/engine). ``self.forward_old_logprobs`` then holds
+        them ([B, S], 0 on the other rows).
 
         Returns metrics averaged over the optimizer steps (token-weighted over micro-batches
         and DP ranks within a step), plus ``steps`` and the last step's ``lr``; and of the whole
@@ -254,13 +272,59 @@ class PolicyEngine(EngineBase):
         if not self.trainable:
             raise RuntimeError("this PolicyEngine was built with trainable=False")
         batch = self._validate(batch, self._need())
+        seq_len = batch.seq_len
         self._abs_log_ratio = Histogram.empty(ABS_LOG_RATIO_EDGES)
-        out = self._optimize(batch, self._train_mini_batch)
+        self._begin_old_from_forward(batch, old_from_forward)
+        try:
+            out = self._optimize(batch, self._train_mini_batch)
+        finally:
+            self._old_rows, self._old_parts, self._old_values = None, [], None
+        if self.forward_old_logprobs is not None:  # without the sequence padding of the passes
+            self.forward_old_logprobs = self.forward_old_logprobs[:, :seq_len]
         out.update(advantage_stats(batch.advantages, batch.loss_mask))
         out.update(turn_advantage_sign_mixing(batch.advantages, batch.loss_mask, batch.turn_ids))
         out.update(self._abs_log_ratio.metrics("abs_log_ratio"))
         self.histograms = {"abs_log_ratio": self._abs_log_ratio}
         return out
+
+    def _begin_old_from_forward(self, batch: RLBatch, old_from_forward: Optional[torch.Tensor]) -> None:
+        self._old_rows, self._old_parts, self._old_values, self.forward_old_logprobs = None, [], None, None
+        if old_from_forward is None:
+            return
+        n = batch.batch_size
+        flags = torch.as_tensor(old_from_forward).cpu()
+        if flags.dtype != torch.bool or tuple(flags.shape) != (n,):
+            raise BatchError(f"old_from_forward must be a bool tensor of shape ({n},), got {flags.dtype} "
+                             f"{tuple(flags.shape)}")
+        first, _ = self.first_mini_batch_split(n)
+        outside = flags.clone()
+        outside[first] = False
+        if outside.any():
+            raise BatchError(f"old_from_forward: rows {outside.nonzero().flatten()[:8].tolist()} are not in the "
+                             "update's first mini-batch (first_mini_batch_split): later mini-batches train on "
+                             "weights the old log-probs must not see")
+        self._old_rows = torch.cat([flags, torch.zeros(1, dtype=torch.bool)])
+
+    def _old_logprobs(self, mb: dict, lp: torch.Tensor) -> torch.Tensor:
+        """pi_old of a micro-batch: its ``old_logprobs``, but on the rows the update takes them
+        from its own forward (``old_from_forward``) this forward's ``lp``, detached, in the first
+        mini-batch (kept for :meth:`_keep_forward_old`), and what that forward gave afterwards."""
+        if self._old_rows is None:
+            return mb["old_logprobs"]
+        own = self._old_rows[mb["rows"]]
+        if not own.any():
+            return mb["old_logprobs"]
+        mine = lp.detach() if self._old_values is None else self._old_values[mb["rows"]].to(lp.device)
+        return torch.where(own.to(lp.device)[:, None], mine, mb["old_logprobs"])
+
+    def _keep_forward_old(self, shape: tuple[int, int]) -> None:
+        """After the first mini-batch's passes, before its optimizer step: its rows' forward
+        log-probs on every rank, read by later epochs and left in ``forward_old_logprobs``."""
+        if self._old_rows is None or self._old_values is not None:
+            return
+        parts, self._old_parts = self._old_parts, []
+        self._old_values = self._gather_rows(parts, (shape[0] + 1, shape[1]), torch.float32)  # + the dummy row
+        self.forward_old_logprobs = self._old_values[: shape[0]]
 
     @resident
     def sft_update(self, batch: RLBatch) -> dict[str, float]:
@@ -298,7 +362,7 @@ class PolicyEngine(EngineBase):
 
         def surrogate_fn(mb, logits):
             lp, ent = self._token_outputs(mb, logits, need_entropy)
-            s = clip_bias_surrogate(lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg,
+            s = clip_bias_surrogate(lp, self._old_logprobs(mb, lp), mb["advantages"], mb["loss_mask"], loss_cfg,
                                     **self._loss_kwargs(mb, denominator, ent))
             return s * scale, {"clip_bias/surrogate": s.detach()}
 
@@ -335,14 +399,17 @@ class PolicyEngine(EngineBase):
 
         def loss_fn(mb, logits):
             lp, ent = self._token_outputs(mb, logits, True)  # entropy comes with the log-probs: always logged
+            old = self._old_logprobs(mb, lp)
+            if old is not mb["old_logprobs"] and self._old_values is None:
+                self._old_parts.append((mb["rows"], old))
             loss, metrics = compute_policy_loss(
-                lp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], loss_cfg, normalize=False,
+                lp, old, mb["advantages"], mb["loss_mask"], loss_cfg, normalize=False,
                 **self._loss_kwargs(mb, denominator, ent),
             )
             if measure_c:  # sum_t c_t^2 = 0 exactly when dS/dlog pi = 0, i.e. C = 0 on this micro-batch
                 clipping[len(log_ratios)] = float(metrics["clip_bias/sq_sum"] > 0)
             accumulate_metrics(acc, metrics, weight=float(metrics["policy_tokens"]))
-            log_ratios.append(abs_log_ratio_histogram(lp, mb["old_logprobs"], mb["loss_mask"]))
+            log_ratios.append(abs_log_ratio_histogram(lp, old, mb["loss_mask"]))
             return loss * scale, {}
 
         self._run(micro, loss_fn, forward_only=False, replay_mode=replay_mode)
@@ -368,6 +435,7 @@ class PolicyEngine(EngineBase):
                 step_metrics["clip_bias/running_norm"] = norm.running
         step_metrics["clip_bias/factor"] = factor
         step_metrics.update(self._replay_metrics())
+        self._keep_forward_old((batch.batch_size, batch.seq_len))
         apply_to = loss_cfg.clip_bias.apply_to
         step_metrics.update(self._optimizer_step(factor, apply_to))
         step_metrics.update(factor_scales(factor, apply_to, step_metrics["grad_norm"], self.optim.clip_grad))

@@ -521,34 +521,56 @@ class EngineBase(Offloadable):
             "update_ok": float(ok),
         }
 
-    def _forward_batch(self, batch: RLBatch) -> tuple[RLBatch, int]:
-        """``batch`` padded for a forward-only pass (sequence multiple; for fixed-size
-        micro-batches rows to a multiple of DP x micro-batch, else a dummy row where the plan
-        needs one) and the pass's micro-batch size."""
+    def _forward_batch(self, batch: RLBatch, rows: Optional[torch.Tensor] = None) -> tuple[RLBatch, torch.Tensor, int]:
+        """``batch`` padded for a forward-only pass over ``rows`` (global ids, None = every row),
+        the rows the pass plans over, and its micro-batch size. Padding: the sequence multiple;
+        over every row with fixed-size micro-batches, rows to a multiple of DP x micro-batch;
+        else (packing, a token budget, or some rows) a dummy row where the plan needs one."""
         mbs = self.batching.forward_micro_batch_size or self.batching.micro_batch_size
         batch = batch.padded_seq(self._seq_multiple())
+        if rows is not None:
+            return batch, rows, mbs
         if not (self.batching.pack_sequences or self.batching.max_tokens_per_micro_batch):
             batch, _ = batch.padded_rows(self.ranks["dp"] * mbs)
-        return batch, mbs
+        return batch, torch.arange(batch.batch_size), mbs
 
-    def _forward_micro_batches(self, batch: RLBatch) -> tuple[RLBatch, list[dict]]:
-        """The padded batch of a forward-only pass (:meth:`_forward_batch`) and this rank's
-        micro-batches of it."""
+    def _forward_micro_batches(self, batch: RLBatch, rows: Optional[torch.Tensor] = None) -> tuple[RLBatch, list[dict]]:
+        """The padded batch of a forward-only pass over ``rows`` (:meth:`_forward_batch`) and this
+        rank's micro-batches of it."""
         self._begin_pass_stats()
-        batch, mbs = self._forward_batch(batch)
-        return self._micro_batches(batch, torch.arange(batch.batch_size), mbs, "batching.forward_micro_batch_size")
+        batch, rows, mbs = self._forward_batch(batch, rows)
+        return self._micro_batches(batch, rows, mbs, "batching.forward_micro_batch_size")
 
-    def dp_rows(self, batch: RLBatch, *, forward: bool = True, update: bool = True) -> list[torch.Tensor]:
+    @property
+    def update_forward_is_forward_pass(self) -> bool:
+        """Whether an update's forward computes what a forward-only pass at the same weights
+        would: not where forward-only passes run under FP8 and the update does not."""
+        fp8 = self.model.options.fp8
+        return not (fp8 is not None and fp8.enabled and fp8.forward_only)
+
+    def first_mini_batch_split(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows (sorted global ids, of ``n``) of the first mini-batch of an update started at
+        this optimizer step, and the others. The first mini-batch trains on the weights a forward
+        pass would read now: its update forward is that pass (``PolicyEngine.update``'s
+        ``old_from_forward``)."""
+        first = torch.zeros(n, dtype=torch.bool)
+        first[self._update_rows(n)[0]] = True
+        return first.nonzero().flatten(), (~first).nonzero().flatten()
+
+    def dp_rows(self, batch: RLBatch, *, forward: bool = True, update: bool = True,
+                forward_skips_first: bool = False) -> list[torch.Tensor]:
         """Sorted global ids of the rows each data-parallel rank's micro-batches read in a
-        forward-only pass (``forward``) and then an update (``update``) of ``batch``, at this
-        engine's optimizer step: the plans those passes make, from the rows' lengths alone (every
-        rank computes the same). What the batch transfer sends each rank (``batch_transfer.py``)."""
+        forward-only pass (``forward``; over the rows outside the update's first mini-batch with
+        ``forward_skips_first``) and then an update (``update``) of ``batch``, at this engine's
+        optimizer step: the plans those passes make, from the rows' lengths alone (every rank
+        computes the same). What the batch transfer sends each rank (``batch_transfer.py``)."""
         batch = batch.filled()
         b0 = batch.batch_size
         plans = []
         if forward:
-            fb, mbs = self._forward_batch(batch)
-            plans.append(self._plan(fb, torch.arange(fb.batch_size), mbs, "batching.forward_micro_batch_size"))
+            skip = self.first_mini_batch_split(b0)[1] if forward_skips_first else None
+            fb, rows, mbs = self._forward_batch(batch, skip)
+            plans.append(self._plan(fb, rows, mbs, "batching.forward_micro_batch_size"))
         if update:
             ub = batch.padded_seq(self._seq_multiple())
             mbs = self.batching.micro_batch_size

@@ -281,7 +281,27 @@ class RLTrainer:
     def _share_batch(self, batch: Optional[RLBatch]) -> RLBatch:
         """Rank 0's step batch on every rank as tensors, the R3 routes only for the rows each
         data-parallel rank's actor passes read (``engine/batch_transfer.py``)."""
-        return share_batch(batch, self.actor.dp_rows, self.actor.ranks["dp_rank"])
+        skips = self._old_from_update()
+
+        def dp_rows(b: RLBatch) -> list[torch.Tensor]:
+            return self.actor.dp_rows(b, forward_skips_first=skips)
+
+        return share_batch(batch, dp_rows, self.actor.ranks["dp_rank"])
+
+    def _old_from_update(self) -> bool:
+        """Whether the update's first mini-batch takes its old log-probs from its own forward
+        (``schedule.old_logprobs_from_update``): not where the old pass must see every row's
+        routes (R2 records them; the route-flip indicator counts them when the rollout returns
+        routes, R3 included)."""
+        cfg = self.cfg
+        return (cfg.schedule.old_logprobs_from_update and not self._records_routes() and not cfg.rollout_routes
+                and self.actor.update_forward_is_forward_pass)
+
+    def _records_routes(self) -> bool:
+        """Whether the old pass records the routes (R2 replays them; without replay, recorded
+        routes meet the rollout's: the route-flip rate)."""
+        replay = self.cfg.algorithm.routing_replay
+        return replay == "r2" or (replay == "off" and self.cfg.rollout_routes)
 
     def advantages(self, batch: RLBatch, rewards: torch.Tensor, values: Optional[torch.Tensor]):
         """The recipe's estimator (``algorithms.advantages`` registry) on this batch."""
@@ -310,20 +330,30 @@ class RLTrainer:
             batch = self._share_batch(held.get("batch"))
         metrics.update(rollout_metrics_)
         metrics["rollout/injected_ground_truth"] = float(injected.sum())
+        # rows whose old log-probs the update's first mini-batch takes from its own forward: until the
+        # update, batch.old_logprobs is 0 there (nothing before it reads them: advantages, ref, values)
+        from_update = None
         with timer("old_logprobs"):
-            # R2 records its routes; without replay, recorded routes meet the rollout's (route flip rate)
-            replay = cfg.algorithm.routing_replay
-            record = replay == "r2" or (replay == "off" and cfg.rollout_routes)
-            out = self.actor.compute_logprobs(batch, record_routing=record)
-            old = torch.where(injected[:, None], batch.rollout_logprobs, out.logprobs)  # PVPO eq. 6 for GT rows
+            record = self._records_routes()
+            rows = None
+            if self._old_from_update():
+                first, rows = self.actor.first_mini_batch_split(batch.batch_size)
+                from_update = torch.zeros(batch.batch_size, dtype=torch.bool)
+                from_update[first] = True
+                from_update &= ~injected  # PVPO's GT rows keep their behaviour log-probs
+            out = None  # no old pass at all when the first mini-batch is the whole batch
+            if rows is None or len(rows):
+                out = self.actor.compute_logprobs(batch, record_routing=record, rows=rows)
+            lp = out.logprobs if out is not None else torch.zeros_like(batch.rollout_logprobs)
+            old = torch.where(injected[:, None], batch.rollout_logprobs, lp)  # PVPO eq. 6 for GT rows
             batch = batch.replace(old_logprobs=old)
             if cfg.algorithm.routing_replay == "r2":
                 batch = batch.replace(routed_experts=out.routed_experts)
             # R3: how often the trainer's own router disagrees with the rollout engine's routes
             # (the update's actor/routing/* say the same of the replayed routes after each step)
-            metrics.update({f"old/{k}": v for k, v in out.metrics.items()})
-        metrics.update(mismatch_metrics(old, batch.rollout_logprobs, batch.loss_mask, injected))
-        metrics.update(route_flip_metrics(held.get("rollout_routes"), out.routed_experts, injected, out.metrics))
+            metrics.update({f"old/{k}": v for k, v in (out.metrics if out is not None else {}).items()})
+        if out is not None:
+            metrics.update(route_flip_metrics(held.get("rollout_routes"), out.routed_experts, injected, out.metrics))
         if self.ref is not None:
             with timer("ref_logprobs"):
                 # the reference never replays routes (and holds none of the actor's update rows)
@@ -336,7 +366,10 @@ class RLTrainer:
         adv, returns = self.advantages(batch, rewards, values)
         batch = batch.replace(advantages=adv)
         with timer("actor_update"):
-            metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch).items()})
+            metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch, from_update).items()})
+        if from_update is not None:
+            old = torch.where(from_update[:, None], self.actor.forward_old_logprobs, old)
+        metrics.update(mismatch_metrics(old, batch.rollout_logprobs, batch.loss_mask, injected))
         if self.critic is not None:
             with timer("critic_update"):
                 metrics.update(

@@ -102,6 +102,23 @@ def test_clip_bias_diagnostics_measure_param_norm_for_any_loss_and_leave_the_upd
     assert r["on_policy_passes"] == 1
 
 
+@pytest.mark.parametrize("tag", ["old_from_forward_ws1", "old_from_forward_r3_ws1", "old_from_forward_dp2",
+                                 "old_from_forward_pp2", "old_from_forward_r3_ep2"])
+def test_the_first_mini_batch_takes_its_old_logprobs_from_its_forward_bit_for_bit(ws1, ws2, tag):
+    r = _ok(ws1 if tag.endswith("ws1") else ws2, tag)
+    # two epochs of two shuffled mini-batches: the first one's rows are not the batch's first rows
+    assert r["steps"] == 4 and r["first"] != [0, 1, 2, 3] and sorted(r["first"] + r["rest"]) == list(range(8))
+    assert r["factor"] != 1.0  # SO-GRPO's factor engaged: its second backward read pi_old as well
+    # the same update as after a full old pass, bit for bit, and the same old log-probs
+    assert r["param_diff"] == 0.0 and r["differing_metrics"] == []
+    assert r["kept_diff"] == 0.0 and r["rest_diff"] == 0.0
+    assert r["kept_elsewhere"] == 0.0 and r["skipped_rows"] == 0.0  # the old pass forwarded only the rest
+    e = r["errors"]
+    assert "[3, 4, 6, 7] are not in the update's first mini-batch" in e["outside"]  # the split at step 4
+    assert "shape (8,)" in e["shape"] and "(7,)" in e["shape"] and "torch.float32" in e["dtype"]
+    assert e["outside_param_diff"] == e["shape_param_diff"] == e["dtype_param_diff"] == 0.0  # refused before a step
+
+
 def test_every_loss_runs_and_matches_across_layouts(ws1, ws2, engine_work):
     from sorl_megatron.algorithms import POLICY_LOSSES
 

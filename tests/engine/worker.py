@@ -946,6 +946,58 @@ def _max_param_diff(a, b) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def op_old_from_forward(case: dict, models: str, work: str) -> dict:
+    """An update whose first mini-batch takes its old log-probs from its own forward
+    (``old_from_forward``, after an old pass over the other rows only) against the plain update
+    after a full old pass: SO-GRPO with ||C|| in parameter space (its second backward reads pi_old
+    too), 2 epochs of 2 shuffled mini-batches (the second epoch reads the kept values), optionally
+    replaying R3 routes; then flags the update must refuse."""
+    layout = ParallelLayout.from_string(case["layout"])
+    replay = case.get("replay", "off")
+
+    def engine(replay: str) -> PolicyEngine:
+        cfg = actor_config(name="so_grpo", mode="param_grad", replay=replay)
+        cfg.batching = BatchingConfig(micro_batch_size=2, mini_batch_size=4, epochs=2, shuffle=True, seed=3)
+        return PolicyEngine(os.path.join(models, case["model"]), layout, cfg)
+
+    batch = make_batch(rows=8, seq=12, seed=7)
+    if replay == "r3":  # the "rollout's" routes: another engine's live ones
+        batch = batch.replace(routed_experts=engine("off").compute_logprobs(batch, record_routing=True).routed_experts)
+    plain, reusing = engine(replay), engine(replay)
+    full = plain.compute_logprobs(batch).logprobs
+    m_plain = plain.update(batch.replace(old_logprobs=full))
+    first, rest = reusing.first_mini_batch_split(batch.batch_size)
+    part = reusing.compute_logprobs(batch, rows=rest).logprobs
+    flags = torch.zeros(batch.batch_size, dtype=torch.bool)
+    flags[first] = True
+    m_reusing = reusing.update(batch.replace(old_logprobs=part), old_from_forward=flags)
+    kept = reusing.forward_old_logprobs
+    res = {
+        "first": first.tolist(), "rest": rest.tolist(), "steps": m_plain["steps"],
+        "param_diff": _max_param_diff(params_of(plain), params_of(reusing)),
+        "differing_metrics": sorted(k for k in m_plain if m_plain[k] != m_reusing.get(k)),
+        "factor": m_plain["clip_bias/factor"], "param_norm": m_plain["clip_bias/norm"],
+        "kept_diff": float((kept[first] - full[first]).abs().max()),
+        "kept_elsewhere": float(kept[rest].abs().max()),
+        "rest_diff": float((part[rest] - full[rest]).abs().max()),
+        "skipped_rows": float(part[first].abs().max()),
+    }
+    errors = {}
+    first, rest = reusing.first_mini_batch_split(batch.batch_size)  # at the optimizer step it now is
+    for name, bad in {"outside": torch.ones(batch.batch_size, dtype=torch.bool),
+                      "shape": torch.zeros(batch.batch_size - 1, dtype=torch.bool),
+                      "dtype": torch.zeros(batch.batch_size)}.items():
+        before = params_of(reusing)
+        try:
+            reusing.update(batch.replace(old_logprobs=full), old_from_forward=bad)
+            errors[name] = "accepted"
+        except BatchError as e:
+            errors[name] = str(e)
+        errors[name + "_param_diff"] = _max_param_diff(before, params_of(reusing))
+    res["errors"] = errors
+    return res
+
+
 OPS = {
     "placement": op_placement,
     "sft": op_sft,
@@ -962,6 +1014,7 @@ OPS = {
     "ckpt_safety": op_ckpt_safety,
     "bad_input": op_bad_input,
     "diagnostics": op_diagnostics,
+    "old_from_forward": op_old_from_forward,
     "packing": op_packing,
     "wsync": op_wsync,
     "transfer": lambda case, models, work: op_transfer(case, models, work, packing_batch()),

@@ -179,6 +179,28 @@ def test_every_loss_trains(tiny_data, shared_servers, length_reward, tmp_path):
     assert not failures, "\n".join(failures)
 
 
+def test_old_logprobs_from_the_update_leave_every_number(tiny_data, shared_servers, length_reward, tmp_path):
+    """``schedule.old_logprobs_from_update`` (the default): the old pass skips the update's first
+    mini-batch, whose forward gives those rows' old log-probs; on PPO with a critic every logged
+    number is the same as with the full old pass, but the old pass's token count (and what the
+    shared server's log-probs move run to run). PVPO's test checks its ground-truth rows."""
+    for loss, estimator, extra in LOSS_RUNS[:1]:
+        rows = {}
+        for flag in ("true", "false"):
+            name = f"{loss}_{estimator}_{flag}"
+            _trainer(run_overrides(tiny_data, tmp_path, name, f"algorithm.loss.name={loss}",
+                                   f"algorithm.advantage.estimator={estimator}", "schedule.total_steps=2",
+                                   f"schedule.old_logprobs_from_update={flag}", *shared_servers, *extra)).run()
+            rows[flag] = read_metrics(tmp_path / name)
+        for step in (1, 2):
+            on, off = comparable(rows["true"][step]), comparable(rows["false"][step])
+            assert on["old/batching/tokens"] < off["old/batching/tokens"], (loss, step)
+            # and the train/inference mismatch: the shared server (not in deterministic mode) gives the
+            # same tokens in every run, their log-probs to the last bits only in the batch they meet
+            skip = {k for k in off if k.startswith(("old/batching/", "mismatch/", "actor/is/mismatch_"))}
+            assert {k: v for k, v in on.items() if k not in skip} == {k: v for k, v in off.items() if k not in skip}
+
+
 # ---------------------------------------------------------- 2. layouts equal world size 1
 
 LAYOUT_KEYS = ["rollout/reward", "rollout/policy_tokens", "actor/loss", "actor/pg_loss", "actor/clip_frac",
@@ -530,6 +552,15 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
         seen.setdefault("versions", []).append({v for g in groups for t in g.trajectories for v in t.weight_versions})
         return groups
 
+    from sorl_megatron.engine.actor import PolicyEngine
+
+    update = PolicyEngine.update
+
+    def spy_update(self, batch, old_from_forward=None):  # the rows whose old log-probs the update takes
+        seen.setdefault("from_forward", []).append(old_from_forward)
+        return update(self, batch, old_from_forward)
+
+    monkeypatch.setattr(PolicyEngine, "update", spy_update)
     monkeypatch.setattr(PVPOStage, "reference_pass", spy_reference_pass)
     monkeypatch.setattr(Connections, "rollouts", spy_rollouts)
     monkeypatch.setattr(RolloutSource, "draw_groups", spy_draw_groups)
@@ -572,6 +603,8 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
         assert sorted(rewards[[i for i, g in enumerate(groups) if g == 2]].tolist()) == [0.0, 1.0]
         # PVPO eq. 6: the GT row's old log-probs are its generating policy's, not the current policy's
         assert torch.equal(batch.old_logprobs[gt], batch.rollout_logprobs[gt])
+        flags = seen["from_forward"][k]  # nor does the update's first mini-batch take them from its forward
+        assert flags is not None and not flags[gt] and 1 <= int(flags.sum()) <= 2
         other = next(i for i, g in enumerate(groups) if g == 1 and i != gt)
         assert not torch.equal(batch.old_logprobs[other], batch.rollout_logprobs[other])
         # PVPO advantages r - V_static, broadcast over policy tokens (no whitening)
