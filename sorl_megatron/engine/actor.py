@@ -306,9 +306,9 @@ class PolicyEngine(EngineBase):
         self._old_rows = torch.cat([flags, torch.zeros(1, dtype=torch.bool)])
 
     def _old_logprobs(self, mb: dict, lp: torch.Tensor) -> torch.Tensor:
-        """pi_old of a micro-batch: its ``old_logprobs``, but on the rows the update takes them
-        from its own forward (``old_from_forward``) this forward's ``lp``, detached, in the first
-        mini-batch (kept for :meth:`_keep_forward_old`), and what that forward gave afterwards."""
+        """pi_old of a micro-batch: ``old_logprobs``, except on the rows of ``old_from_forward``:
+        there, in the first mini-batch's passes, this forward's ``lp`` (detached), and in later
+        epochs the values that forward gave (:meth:`_keep_forward_old`)."""
         if self._old_rows is None:
             return mb["old_logprobs"]
         own = self._old_rows[mb["rows"]]

@@ -557,19 +557,17 @@ class EngineBase(Offloadable):
         first[self._update_rows(n)[0]] = True
         return first.nonzero().flatten(), (~first).nonzero().flatten()
 
-    def dp_rows(self, batch: RLBatch, *, forward: bool = True, update: bool = True,
-                forward_skips_first: bool = False) -> list[torch.Tensor]:
+    def dp_rows(self, batch: RLBatch, *, forward: bool = True, update: bool = True) -> list[torch.Tensor]:
         """Sorted global ids of the rows each data-parallel rank's micro-batches read in a
-        forward-only pass (``forward``; over the rows outside the update's first mini-batch with
-        ``forward_skips_first``) and then an update (``update``) of ``batch``, at this engine's
-        optimizer step: the plans those passes make, from the rows' lengths alone (every rank
-        computes the same). What the batch transfer sends each rank (``batch_transfer.py``)."""
+        forward-only pass over every row (``forward``) and then an update (``update``) of
+        ``batch``, at this engine's optimizer step: the plans those passes make, from the rows'
+        lengths alone (every rank computes the same). What the batch transfer sends each rank
+        (``batch_transfer.py``)."""
         batch = batch.filled()
         b0 = batch.batch_size
         plans = []
         if forward:
-            skip = self.first_mini_batch_split(b0)[1] if forward_skips_first else None
-            fb, rows, mbs = self._forward_batch(batch, skip)
+            fb, rows, mbs = self._forward_batch(batch)
             plans.append(self._plan(fb, rows, mbs, "batching.forward_micro_batch_size"))
         if update:
             ub = batch.padded_seq(self._seq_multiple())

@@ -281,21 +281,16 @@ class RLTrainer:
     def _share_batch(self, batch: Optional[RLBatch]) -> RLBatch:
         """Rank 0's step batch on every rank as tensors, the R3 routes only for the rows each
         data-parallel rank's actor passes read (``engine/batch_transfer.py``)."""
-        skips = self._old_from_update()
-
-        def dp_rows(b: RLBatch) -> list[torch.Tensor]:
-            return self.actor.dp_rows(b, forward_skips_first=skips)
-
-        return share_batch(batch, dp_rows, self.actor.ranks["dp_rank"])
+        return share_batch(batch, self.actor.dp_rows, self.actor.ranks["dp_rank"])
 
     def _old_from_update(self) -> bool:
         """Whether the update's first mini-batch takes its old log-probs from its own forward
         (``schedule.old_logprobs_from_update``): not where the old pass must see every row's
         routes (R2 records them; the route-flip indicator counts them when the rollout returns
-        routes, R3 included)."""
+        routes, R3 included: so no routes travel by rows, ``_share_batch``, while it is on)."""
         cfg = self.cfg
-        return (cfg.schedule.old_logprobs_from_update and not self._records_routes() and not cfg.rollout_routes
-                and self.actor.update_forward_is_forward_pass)
+        return (cfg.schedule.old_logprobs_from_update and cfg.algorithm.routing_replay != "r2"
+                and not cfg.rollout_routes and self.actor.update_forward_is_forward_pass)
 
     def _records_routes(self) -> bool:
         """Whether the old pass records the routes (R2 replays them; without replay, recorded
