@@ -287,6 +287,21 @@ class PolicyEngine(EngineBase):
         self.histograms = {"abs_log_ratio": self._abs_log_ratio}
         return out
 
+    @property
+    def update_forward_is_forward_pass(self) -> bool:
+        """Whether an update's forward computes what a forward-only pass at the same weights
+        would: not where forward-only passes run under FP8 and the update does not."""
+        fp8 = self.model.options.fp8
+        return not (fp8 is not None and fp8.enabled and fp8.forward_only)
+
+    def first_mini_batch_split(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows (sorted global ids, of ``n``) of the first mini-batch of an update started at
+        this optimizer step, and the others. That mini-batch trains on the weights a forward pass
+        would read now: its update forward is that pass (:meth:`update`'s ``old_from_forward``)."""
+        first = torch.zeros(n, dtype=torch.bool)
+        first[self._update_rows(n)[0]] = True
+        return first.nonzero().flatten(), (~first).nonzero().flatten()
+
     def _begin_old_from_forward(self, batch: RLBatch, old_from_forward: Optional[torch.Tensor]) -> None:
         self._old_rows, self._old_parts, self._old_values, self.forward_old_logprobs = None, [], None, None
         if old_from_forward is None:

@@ -541,22 +541,6 @@ class EngineBase(Offloadable):
         batch, rows, mbs = self._forward_batch(batch, rows)
         return self._micro_batches(batch, rows, mbs, "batching.forward_micro_batch_size")
 
-    @property
-    def update_forward_is_forward_pass(self) -> bool:
-        """Whether an update's forward computes what a forward-only pass at the same weights
-        would: not where forward-only passes run under FP8 and the update does not."""
-        fp8 = self.model.options.fp8
-        return not (fp8 is not None and fp8.enabled and fp8.forward_only)
-
-    def first_mini_batch_split(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows (sorted global ids, of ``n``) of the first mini-batch of an update started at
-        this optimizer step, and the others. The first mini-batch trains on the weights a forward
-        pass would read now: its update forward is that pass (``PolicyEngine.update``'s
-        ``old_from_forward``)."""
-        first = torch.zeros(n, dtype=torch.bool)
-        first[self._update_rows(n)[0]] = True
-        return first.nonzero().flatten(), (~first).nonzero().flatten()
-
     def dp_rows(self, batch: RLBatch, *, forward: bool = True, update: bool = True) -> list[torch.Tensor]:
         """Sorted global ids of the rows each data-parallel rank's micro-batches read in a
         forward-only pass over every row (``forward``) and then an update (``update``) of

@@ -430,12 +430,9 @@ class ScheduleConfig:
     micro-batch size in padded rows from the batch's length. Either way the work of a
     mini-batch is balanced over the DP ranks and its gradient is unchanged (docs/engine.md).
 
-    ``old_logprobs_from_update``: the first mini-batch of an update trains on the weights the
-    old log-prob pass reads, so its own forward gives its rows' old log-probs (detached) and the
-    old pass forwards only the other rows: one forward of ``mini_batch_size`` rows less per step,
-    the same numbers where both passes cut rows alike (docs/engine.md). Not used where the old
-    pass must see every row's routes: R2, and a rollout that returns routes (R3, the route-flip
-    injector), whose route-flip indicator counts every row."""
+    ``old_logprobs_from_update``: the first mini-batch's own update forward gives its rows' old
+    log-probs and the old pass forwards only the others (docs/engine.md; ``RLTrainer`` says
+    where it does not apply)."""
 
     total_steps: int = 10
     batch_size: int = 8
@@ -458,9 +455,6 @@ class ScheduleConfig:
         for key in ("total_steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "critic_epochs"):
             _positive_int(f"{prefix}.{key}", getattr(self, key))
         _positive_int(f"{prefix}.val_every", self.val_every, minimum=0)
-        if not isinstance(self.old_logprobs_from_update, bool):
-            raise RecipeError(f"{prefix}.old_logprobs_from_update must be true or false, got "
-                              f"{self.old_logprobs_from_update!r}")
         # every RNG the run seeds (torch, numpy, the servers' per-request sampling_seed, derived
         # per group and step) takes a 32-bit seed; a larger one crashed the embedded server
         if not 0 <= self.seed <= MAX_SEED:

@@ -287,7 +287,8 @@ class RLTrainer:
         """Whether the update's first mini-batch takes its old log-probs from its own forward
         (``schedule.old_logprobs_from_update``): not where the old pass must see every row's
         routes (R2 records them; the route-flip indicator counts them when the rollout returns
-        routes, R3 included: so no routes travel by rows, ``_share_batch``, while it is on)."""
+        routes, R3 included: so no routes travel by rows, ``_share_batch``, while it is on), nor
+        where forward-only passes run under FP8 and the update does not."""
         cfg = self.cfg
         return (cfg.schedule.old_logprobs_from_update and cfg.algorithm.routing_replay != "r2"
                 and not cfg.rollout_routes and self.actor.update_forward_is_forward_pass)
