@@ -256,7 +256,7 @@ class PolicyEngine(EngineBase):
 
         ``old_from_forward`` ([B] bool): rows whose old log-probs are their own forward in this
         update, detached (``batch.old_logprobs`` is not read there), for rows of the first
-        mini-batch only (:meth:`first_mini_batch_split`). That mini-batch trains on the weights
+        mini-batch only (:meth:`first_mini_batch_rows`). That mini-batch trains on the weights
         a separate old pass would read, so its forward *is* that pass (the ratio is exactly 1),
         and the pass is saved; bit for bit the same where both passes cut the rows alike
         (fixed-size micro-batches: tests/engine). ``self.forward_old_logprobs`` then holds
@@ -294,13 +294,13 @@ class PolicyEngine(EngineBase):
         fp8 = self.model.options.fp8
         return not (fp8 is not None and fp8.enabled and fp8.forward_only)
 
-    def first_mini_batch_split(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows (sorted global ids, of ``n``) of the first mini-batch of an update started at
-        this optimizer step, and the others. That mini-batch trains on the weights a forward pass
-        would read now: its update forward is that pass (:meth:`update`'s ``old_from_forward``)."""
+    def first_mini_batch_rows(self, n: int) -> torch.Tensor:
+        """Which of ``n`` rows (``[n]`` bool) the first mini-batch of an update started at this
+        optimizer step trains on: the weights a forward pass would read now, so its update
+        forward is that pass (:meth:`update`'s ``old_from_forward``)."""
         first = torch.zeros(n, dtype=torch.bool)
         first[self._update_rows(n)[0]] = True
-        return first.nonzero().flatten(), (~first).nonzero().flatten()
+        return first
 
     def _begin_old_from_forward(self, batch: RLBatch, old_from_forward: Optional[torch.Tensor]) -> None:
         self._old_rows, self._old_parts, self._old_values, self.forward_old_logprobs = None, [], None, None
@@ -311,12 +311,10 @@ class PolicyEngine(EngineBase):
         if flags.dtype != torch.bool or tuple(flags.shape) != (n,):
             raise BatchError(f"old_from_forward must be a bool tensor of shape ({n},), got {flags.dtype} "
                              f"{tuple(flags.shape)}")
-        first, _ = self.first_mini_batch_split(n)
-        outside = flags.clone()
-        outside[first] = False
+        outside = flags & ~self.first_mini_batch_rows(n)
         if outside.any():
             raise BatchError(f"old_from_forward: rows {outside.nonzero().flatten()[:8].tolist()} are not in the "
-                             "update's first mini-batch (first_mini_batch_split): later mini-batches train on "
+                             "update's first mini-batch (first_mini_batch_rows): later mini-batches train on "
                              "weights the old log-probs must not see")
         self._old_rows = torch.cat([flags, torch.zeros(1, dtype=torch.bool)])
 

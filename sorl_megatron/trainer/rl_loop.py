@@ -333,10 +333,9 @@ class RLTrainer:
             record = self._records_routes()
             rows = None
             if self._old_from_update():
-                first, rows = self.actor.first_mini_batch_split(batch.batch_size)
-                from_update = torch.zeros(batch.batch_size, dtype=torch.bool)
-                from_update[first] = True
-                from_update &= ~injected  # PVPO's GT rows keep their behaviour log-probs
+                first = self.actor.first_mini_batch_rows(batch.batch_size)
+                rows = (~first).nonzero().flatten()
+                from_update = first & ~injected  # PVPO's GT rows keep their behaviour log-probs
             out = None  # no old pass at all when the first mini-batch is the whole batch
             if rows is None or len(rows):
                 out = self.actor.compute_logprobs(batch, record_routing=record, rows=rows)

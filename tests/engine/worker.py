@@ -966,10 +966,9 @@ def op_old_from_forward(case: dict, models: str, work: str) -> dict:
     plain, reusing = engine(replay), engine(replay)
     full = plain.compute_logprobs(batch).logprobs
     m_plain = plain.update(batch.replace(old_logprobs=full))
-    first, rest = reusing.first_mini_batch_split(batch.batch_size)
+    flags = reusing.first_mini_batch_rows(batch.batch_size)
+    first, rest = flags.nonzero().flatten(), (~flags).nonzero().flatten()
     part = reusing.compute_logprobs(batch, rows=rest).logprobs
-    flags = torch.zeros(batch.batch_size, dtype=torch.bool)
-    flags[first] = True
     m_reusing = reusing.update(batch.replace(old_logprobs=part), old_from_forward=flags)
     kept = reusing.forward_old_logprobs
     res = {
@@ -983,7 +982,6 @@ def op_old_from_forward(case: dict, models: str, work: str) -> dict:
         "skipped_rows": float(part[first].abs().max()),
     }
     errors = {}
-    first, rest = reusing.first_mini_batch_split(batch.batch_size)  # at the optimizer step it now is
     for name, bad in {"outside": torch.ones(batch.batch_size, dtype=torch.bool),
                       "shape": torch.zeros(batch.batch_size - 1, dtype=torch.bool),
                       "dtype": torch.zeros(batch.batch_size)}.items():
