@@ -9,7 +9,9 @@ A study recipe (YAML) names the training recipe every cell starts from, the star
 A cell whose metrics reach ``schedule.total_steps`` is done and skipped; an interrupted one
 resumes from its last checkpoint (``checkpoint.resume=auto``), so re-running the command
 continues the study. ``<out>/summary.md`` and ``<out>/figures/*.png`` (the recipe's ``summary``
-and ``figures``) are rewritten at the end (``--summarize`` does only that).
+and ``figures``) are rewritten at the end (``--summarize`` does only that). ``--export DIR``
+writes the grid's record (each run's metrics cut to what the summary reads) under ``DIR/runs``,
+small enough to commit; ``--summarize out=DIR`` summarizes from it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import contextlib
+import json
+import math
 import os
 import signal
 import subprocess
@@ -49,6 +53,16 @@ FIGURE_METRICS: dict[str, str] = {
     "actor/clip_bias/logprob_norm": "clip-bias norm ||C|| (log-prob space)",
     "actor/clip_bias/factor": "clip-bias normalization factor",
 }
+
+# What a study's record keeps of each run besides FIGURE_METRICS and the indicators' metrics:
+# what docs/study.md's tables read (validation, train/inference mismatch, staleness, the clip
+# fraction by unit, the advantage's sign mixing). Timings, batching and histograms stay in the run.
+RECORD_KEYS = ("val/em", "val/reward", "rollout/response_length", "rollout/version_lag_max", "mismatch/kl_k3",
+               "mismatch/ess_frac", "mismatch/ess_frac_seq", "mismatch/route_flip_rate", "actor/clip_frac/token",
+               "actor/clip_frac/turn", "actor/clip_bias/norm", "actor/entropy/mean", "advantage/mean",
+               "advantage/var", "advantage/turn_sign_mixed_frac")
+RECORD_DIGITS = 6  # significant digits a record keeps: EM (k / questions) and the tables' 2-3 stay exact
+
 
 @dataclass
 class StudyConfig:
@@ -331,22 +345,56 @@ def summarize(cfg: StudyConfig) -> Path:
 
 
 def run_table(runs: dict[Cell, list[dict[str, Any]]]) -> list[str]:
-    """Every run seed by seed: its validation EM curve, KL and clip-ratio peaks, and the range of
+    """Every run seed by seed: its validation EM curve, the train/inference KL (median and max over
+    its steps), the peaks of KL(old || new), the clip ratio and the gradient norm, and the range of
     the clip-bias factor (each RL step's mean over its optimizer steps) over the run."""
     lines = ["## Every run", "",
-             "| run | validation EM | max KL (k3) | max clip ratio | mean factor per RL step (min-max) |",
-             "|---|---|---|---|---|"]
+             "| run | validation EM | train/inference KL, median (max) | max KL (k3) | max clip ratio | max grad norm "
+             "| mean factor per RL step (min-max) |",
+             "|---|---|---|---|---|---|---|"]
     for cell, rows in runs.items():
         em = sorted(metric_series(rows, "val/em").items())
         curve = " / ".join(f"{v:.3f}" for _, v in em) + (f" (steps {', '.join(str(t) for t, _ in em)})" if em else "-")
-        peaks = []
-        for key in ("actor/approx_kl_k3", "actor/clip_frac"):
+        mismatch = sorted(metric_series(rows, "mismatch/kl_k3").values())
+        columns = [f"{mismatch[(len(mismatch) - 1) // 2]:.2g} ({mismatch[-1]:.2g})" if mismatch else "-"]
+        for key in ("actor/approx_kl_k3", "actor/clip_frac", "actor/grad_norm"):
             series = metric_series(rows, key)
-            peaks.append(f"{max(series.values()):.3g}" if series else "-")
+            columns.append(f"{max(series.values()):.3g}" if series else "-")
         factor = metric_series(rows, "actor/clip_bias/factor")
-        span = f"{min(factor.values()):.2f}-{max(factor.values()):.2f}" if factor else "-"
-        lines.append(f"| {cell.loss}, {cell.stress}, {cell.seed} | {curve} | " + " | ".join(peaks) + f" | {span} |")
+        columns.append(f"{min(factor.values()):.2f}-{max(factor.values()):.2f}" if factor else "-")
+        lines.append(f"| {cell.loss}, {cell.stress}, {cell.seed} | {curve} | " + " | ".join(columns) + " |")
     return lines
+
+
+def export_record(cfg: StudyConfig, dest: str | Path) -> list[Path]:
+    """The grid's record: each of its runs found under ``<out>/runs``, every row cut to ``step``,
+    :data:`RECORD_KEYS`, the figures' and the indicators' metrics (numbers rounded to
+    :data:`RECORD_DIGITS` significant digits), written to ``<dest>/runs/<cell>/metrics.jsonl``.
+    ``summarize`` reads it as it reads the runs (``out=<dest>``), so a study's tables and figures
+    can be committed with the numbers they come from. Returns the files written."""
+    out, dest = Path(cfg.out), Path(dest)
+    if dest.resolve() == out.resolve():  # the cut record would replace the runs' full metrics
+        raise ConfigError(f"--export {dest} is the study's out: export to another directory")
+    keep = {"step", *RECORD_KEYS, *FIGURE_METRICS, *(ind.metric for ind in cfg.indicators.values())}
+    written = []
+    for cell in cells(cfg):
+        try:
+            rows = read_metrics(out / "runs" / cell.name)
+        except FileNotFoundError:
+            continue
+        cut = [{k: _rounded(v) for k, v in row.items() if k in keep} for row in rows]
+        path = dest / "runs" / cell.name / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in cut if len(row) > 1))
+        tmp.replace(path)
+        written.append(path)
+    return written
+
+
+def _rounded(value: Any) -> Any:
+    """A float to the record's digits (a NaN or inf stays as the run logged it)."""
+    return float(f"{value:.{RECORD_DIGITS}g}") if isinstance(value, float) and math.isfinite(value) else value
 
 
 def _mean_std(values: list[float]) -> str:
@@ -437,10 +485,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="study recipe (YAML)")
     parser.add_argument("--parallel", type=int, default=None, help="cells at once (default: the recipe's)")
     parser.add_argument("--summarize", action="store_true", help="only rewrite the summary and the figures")
+    parser.add_argument("--export", metavar="DIR", default=None,
+                        help="only write the grid's record (its runs' metrics cut to what the summary reads) to "
+                             "DIR/runs; summarize it with --summarize out=DIR")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the study recipe, e.g. seeds=[1]")
     args = parser.parse_args(argv)
     try:
         cfg = load_study(args.config, args.overrides)
+        if args.export is not None:
+            written = export_record(cfg, args.export)
+            where = Path(args.export) / "runs"
+            print(f"[study] record: {len(written)} of {len(cells(cfg))} runs written under {where}")
+            return 0
         with sigterm_as_interrupt():
             results = [] if args.summarize else run_study(cfg, args.parallel)
     except ConfigError as err:

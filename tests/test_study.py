@@ -33,9 +33,12 @@ def test_the_run_table_lists_every_run_seed_by_seed():
     rows = [{"step": 0, "val/em": 0.4375}, {"step": 1, "actor/approx_kl_k3": 0.02, "actor/clip_frac": 0.1,
              "actor/clip_bias/factor": 0.8}, {"step": 2, "actor/approx_kl_k3": 1.5, "actor/clip_frac": 0.3,
              "actor/clip_bias/factor": 1.0, "val/em": 0.1}]
+    rows[1].update({"mismatch/kl_k3": 0.5, "actor/grad_norm": 2.0})
+    rows[2].update({"mismatch/kl_k3": 0.02, "actor/grad_norm": 594.4})
+    rows[0]["mismatch/kl_k3"] = 0.01
     lines = run_table({Cell("so_grpo", "high", 2): rows, Cell("grpo", "low", 1): [{"step": 0}]})
-    assert lines[-2] == "| so_grpo, high, 2 | 0.438 / 0.100 (steps 0, 2) | 1.5 | 0.3 | 0.80-1.00 |"
-    assert lines[-1] == "| grpo, low, 1 | - | - | - | - |"
+    assert lines[-2] == "| so_grpo, high, 2 | 0.438 / 0.100 (steps 0, 2) | 0.02 (0.5) | 1.5 | 0.3 | 594 | 0.80-1.00 |"
+    assert lines[-1] == "| grpo, low, 1 | - | - | - | - | - | - |"
 
 
 def test_bad_study_recipes_name_the_key(tmp_path):
@@ -201,3 +204,43 @@ def test_figures_mark_identical_losses_and_draw_no_band_for_one_seed(tmp_path, m
     assert fig.legends and low.get_legend() is None
     notes = " ".join(t.get_text() for t in figures["actor_clip_bias_logprob_norm.png"].texts)
     assert "||C||: norm of the clipping bias C" in notes
+
+
+def test_the_record_keeps_what_the_summary_reads(tmp_path, capsys):
+    """``--export`` cuts each run to the keys the summary, the figures and docs/study.md's tables
+    read; summarizing the record gives the runs' summary, line for line; it never overwrites ``out``."""
+    import json
+
+    from sorl_megatron.common.typed_config import ConfigError
+    from sorl_megatron.study import StudyConfig, export_record, summarize
+
+    out, dest = tmp_path / "out", tmp_path / "record"
+    for name, fall in (("grpo__control__s1", 1.0), ("grpo__control__s2", 0.1), ("ppo__control__s1", 1.0)):
+        rows = [{"step": s, "val/em": 0.5375 if s == 0 else min(0.8125, 0.5375 + 0.0125 * s) * (fall if s == 4 else 1),
+                 "actor/grad_norm": 1.0 + s / 3, "mismatch/kl_k3": 2.7123456789e-13 * (1 + s),
+                 "actor/approx_kl_k3": 0.0312345678 * s, "timing/step_s": 7.25, "actor/batching/tokens": 4096,
+                 "actor/entropy/mean": float("nan") if s == 2 else 1.5 - s / 10}
+                for s in range(0, 9, 2)] + [{"step": 9, "timing/save_s": 1.0}]
+        (out / "runs" / name).mkdir(parents=True)
+        (out / "runs" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = StudyConfig(recipe="r.yaml", start_policy="p", out=str(out), losses={"grpo": [], "gspo": []},
+                      stress={"control": []}, seeds=[1, 2, 3])
+    written = export_record(cfg, dest)
+    assert written == [dest / "runs" / f"grpo__control__s{s}" / "metrics.jsonl" for s in (1, 2)]  # ppo: not this grid
+    record = [json.loads(line) for line in written[0].read_text().splitlines()]
+    assert [r["step"] for r in record] == [0, 2, 4, 6, 8]  # a row with nothing kept is left out
+    assert set(record[1]) == {"step", "val/em", "actor/grad_norm", "mismatch/kl_k3", "actor/approx_kl_k3",
+                              "actor/entropy/mean"}
+    assert record[1]["mismatch/kl_k3"] == 8.13704e-13 and record[1]["val/em"] == 0.5625
+    assert record[1]["actor/entropy/mean"] != record[1]["actor/entropy/mean"]  # NaN kept as logged
+    made = summarize(cfg).read_text()
+    cfg.out = str(dest)
+    assert summarize(cfg).read_text() == made and "| grpo | 2 |" in made and "| 1/2 |" in made
+    assert (dest / "figures" / "val_em.png").is_file()
+    with pytest.raises(ConfigError, match="is the study's out"):
+        export_record(cfg, dest)
+    recipe = tmp_path / "study.yaml"
+    recipe.write_text(f"recipe: r.yaml\nstart_policy: p\nout: {out}\nlosses: {{grpo: []}}\nstress: {{control: []}}\n"
+                      "seeds: [1, 2, 3]\n")
+    assert main(["--config", str(recipe), "--export", str(tmp_path / "again")]) == 0
+    assert "[study] record: 2 of 3 runs written under" in capsys.readouterr().out
