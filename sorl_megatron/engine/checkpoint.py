@@ -184,12 +184,15 @@ def _load_engine_state(engine: EngineBase, path: str) -> None:
 
 
 def save_engine_checkpoint(
-    ckpt_dir: str, actor: EngineBase, critic: Optional[EngineBase] = None, extra: Optional[dict] = None
+    ckpt_dir: str, actor: EngineBase, critic: Optional[EngineBase] = None, extra: Optional[dict] = None,
+    files: Optional[dict[str, bytes]] = None,
 ) -> None:
     """Save actor (+ critic) weights, optimizer states, LR schedules, step counters and RNG.
 
-    All ranks call it. ``extra`` must be JSON-serializable. Written to ``ckpt_dir + '.tmp'``,
-    manifest last, then renamed (atomic on one file system).
+    All ranks call it. ``extra`` must be JSON-serializable; ``files`` (rank 0's: path relative to
+    the checkpoint -> bytes, e.g. the trainer's pending rollout batches) are written beside it and
+    covered by the manifest. Written to ``ckpt_dir + '.tmp'``, manifest last, then renamed (atomic
+    on one file system).
     """
     ckpt_dir = os.path.abspath(ckpt_dir)
     tmp = ckpt_dir + ".tmp"
@@ -206,6 +209,13 @@ def save_engine_checkpoint(
         _save_engine(critic, os.path.join(tmp, "critic"))
     _save_rng(os.path.join(tmp, "rng"))
     if comm.rank() == 0:
+        for rel, data in (files or {}).items():
+            path = os.path.join(tmp, rel)
+            if os.path.commonpath([tmp, os.path.abspath(path)]) != tmp:
+                raise ValueError(f"checkpoint file {rel!r} is outside the checkpoint")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
             f.write(body)
     comm.barrier()

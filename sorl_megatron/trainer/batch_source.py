@@ -9,7 +9,8 @@ A new mode is one new subclass here and one entry in ``SOURCES``.
 - ``one_step_off``: step ``k + 1``'s batch is generated on a thread while step ``k`` trains;
   the weight sync after step ``k`` waits for it (one version behind, exactly reproducible).
 - ``lagged`` (a study axis): the same, ``rollout.lag`` versions deep: step ``k`` trains on the
-  batch generated on weights ``k - lag``, whatever the timing.
+  batch generated on weights ``k - lag``, whatever the timing; a checkpoint holds the batches
+  generated ahead (``pending_batches.py``), so both resume exactly.
 - ``async``: a producer thread keeps the servers generating across weight updates, up to
   ``(rollout.max_staleness + 1) x batch`` groups ahead (``producer.AsyncProducer``).
 
@@ -36,6 +37,7 @@ from ..common.clock import ActiveClock
 from ..data.qa import QARow, encode_prompt
 from ..rewards.registry import RewardRegistry
 from ..rollout.trajectory import Trajectory
+from . import pending_batches
 from .config import RolloutConfig, TrainConfig
 from .connections import Connections
 from .producer import AsyncProducer, Group, SettledGroups, apply_overlong, equal_rewards, version_lag_metrics
@@ -114,6 +116,13 @@ class RolloutSource:
     def load_json(self, data: dict) -> None:
         self.settled = SettledGroups.from_json(data)
         self.next_gid = self.settled.frontier
+
+    def checkpoint_files(self) -> dict[str, bytes]:
+        """Rank 0, at a checkpoint: files it holds besides ``state_json`` (path -> bytes)."""
+        return {}
+
+    def restore_files(self, ckpt_dir: Path) -> None:
+        """Rank 0, on resume, after ``load_json``: what ``checkpoint_files`` saved."""
 
     def _groups(self, step: int) -> tuple[list[Group], list[tuple[Group, str]], dict[str, float]]:
         raise NotImplementedError
@@ -277,10 +286,10 @@ class SyncSource(RolloutSource):
 class LaggedSource(SyncSource):
     """Step ``k``'s batch is generated on the weights of version ``k - lag`` (``rollout.lag``):
     while step ``k`` trains, a thread generates step ``k + lag``'s batch on step ``k``'s weights,
-    and the weight sync after step ``k`` waits for it. The pipeline fills at the start of a run
-    (and of a resume, which regenerates the batches that were waiting): the first step
-    generates its own batch and the next ``lag`` ones on the same weights, so step ``k`` then
-    lags ``min(k, lag)`` versions (``k`` counted from the start or the resume)."""
+    and the weight sync after step ``k`` waits for it. The pipeline fills at the start of a run:
+    the first step generates its own batch and the next ``lag`` ones on the same
+    weights, so step ``k`` lags ``min(k, lag)`` versions. A checkpoint saves the batches waiting
+    (``pending_batches``), so a resumed run goes on as the uninterrupted one."""
 
     name, lagged = "lagged", True
 
@@ -315,6 +324,27 @@ class LaggedSource(SyncSource):
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
             self._pending.clear()
+
+    def checkpoint_files(self) -> dict[str, bytes]:
+        """The batches generated ahead (all finished: ``before_sync`` waited for them before the
+        checkpoint), so that a resumed run trains on them as the uninterrupted one would."""
+        if not self._pending:
+            return {}
+        failed = [f.exception() for f in self._pending if f.exception() is not None]
+        if failed:  # the next step raises it; this checkpoint resumes by regenerating them
+            log.warning("the checkpoint leaves out the batches generated ahead (one failed: %s); a resume "
+                        "regenerates them on its own weights", failed[0])
+            return {}
+        return pending_batches.encode([f.result() for f in self._pending], self.next_gid)
+
+    def restore_files(self, ckpt_dir: Path) -> None:
+        batches, next_gid = pending_batches.decode(ckpt_dir)
+        for batch in batches:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(batch)
+            self._pending.append(done)
+        if batches:
+            self.next_gid = next_gid
 
 
 class OneStepOffSource(LaggedSource):

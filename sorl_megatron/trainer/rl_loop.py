@@ -218,7 +218,8 @@ class RLTrainer:
         extra = {"step": step, "producer": self.source.state_json()}
         if self.pvpo is not None and self.pvpo.state is not None:
             extra["pvpo"] = self.pvpo.to_json()
-        save_engine_checkpoint(str(self.ckpt_root / f"step_{step}"), self.actor, self.critic, extra=extra)
+        files = self.source.checkpoint_files() if comm.rank() == 0 else {}
+        save_engine_checkpoint(str(self.ckpt_root / f"step_{step}"), self.actor, self.critic, extra=extra, files=files)
         prune_checkpoints(self.ckpt_root, self.cfg.checkpoint.keep_last)
 
     def restore(self, path: Path) -> int:
@@ -228,6 +229,8 @@ class RLTrainer:
         step = int(extra["step"])
         # older checkpoints: each step trained on batch_size groups, in order
         self.source.load_json(extra.get("producer") or {"frontier": step * self.cfg.schedule.batch_size})
+        if comm.rank() == 0:
+            self.source.restore_files(path)
         return step
 
     # -- servers -----------------------------------------------------------------------

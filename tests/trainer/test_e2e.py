@@ -37,6 +37,7 @@ from .e2e_helpers import (
     BASE_RECIPE,
     ROOT,
     VENV_BIN,
+    abs_tol,
     assert_finite,
     children,
     comparable,
@@ -376,7 +377,7 @@ def test_resume_after_kill_equals_uninterrupted(tiny_data, shared_servers, serve
     for step in (1, 2, 3):
         a, b = comparable(full[step]), comparable(resumed[step])
         assert a.keys() == b.keys(), (step, a.keys() ^ b.keys())
-        diff = {k: (a[k], b[k]) for k in a if not math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=_abs_tol(k))}
+        diff = {k: (a[k], b[k]) for k in a if not math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=abs_tol(k))}
         assert not diff, f"step {step} differs from the uninterrupted run: {diff}"
     assert full[3]["actor/grad_norm"] > 0 and full[3]["critic/grad_norm"] > 0
     assert full[3]["actor/pg_loss"] != full[2]["actor/pg_loss"]  # the steps are not all the same
@@ -406,17 +407,6 @@ def test_ctrl_c_stops_the_run_and_its_servers_with_one_line(tiny_data, tmp_path)
                    and (p / "MANIFEST.json").is_file())
     assert (int(match.group(3)) if match.group(3) else None) == (saved[-1] if saved else None), (line, saved)
     assert stderr.count("interrupted (") == 1
-
-
-def _abs_tol(key: str) -> float:
-    # The train/inference mismatch statistics are float noise (|log pi - log mu| ~ 1e-7): the
-    # server's batched forward depends on which requests share a batch (timing), so they only
-    # agree to ~1e-6 between runs; the sampled tokens, and everything trained on them, are equal.
-    # approx_kl is a mean of log-ratio differences ~1e-2 whose last bits depend on the thread
-    # count of the process's reductions (in-process pytest vs the CLI subprocess): ~2e-8 apart.
-    if key.startswith("actor/is/mismatch"):
-        return 5e-6
-    return 1e-7 if key.startswith("actor/approx_kl") else 1e-9
 
 
 # ----------------------------------------------------------------- 4. config errors (CLI)

@@ -28,7 +28,9 @@ from sorl_megatron.rewards.registry import RewardRegistry
 from .e2e_helpers import (
     BASE_RECIPE,
     ROOT,
+    abs_tol,
     assert_finite,
+    comparable,
     make_tiny_data,
     read_metrics,
     run_overrides,
@@ -213,7 +215,103 @@ def test_one_step_off_lags_one_version_with_dynamic_sampling(tiny_data, servers,
     assert sorted(groups) == list(range(len(groups)))  # nor any skipped
 
 
+def test_a_lagged_run_resumes_as_the_uninterrupted_one(tiny_data, servers, tmp_path):
+    """lag 2, 4 steps, R3. Run A uninterrupted; run B stopped after its step-2 checkpoint (the
+    batches of steps 3 and 4, generated on the weights of steps 1 and 2, wait in its pipeline) and
+    resumed: steps 3-4 train on A's groups with A's tokens, versions (lag 2, not the 0 and 1 of a
+    refilled pipeline), rewards and every logged number; nothing pickled is in the checkpoint."""
+    from sorl_megatron.trainer.pending_batches import ARRAYS_FILE, JSON_FILE
+    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.rl_loop import RLTrainer
+
+    def trainer(name):
+        return RLTrainer(load_recipe(BASE_RECIPE, run_overrides(
+            tiny_data, tmp_path, name, "schedule.total_steps=4", "rollout.mode=lagged", "rollout.lag=2",
+            "rollout.max_staleness=2", "algorithm.routing_replay=r3", "checkpoint.save_every=1",
+            "checkpoint.keep_last=4", "algorithm.loss.name=grpo", "algorithm.advantage.estimator=grpo",
+            *servers["overrides"])))
+
+    trainer("full").run()
+    stopped = trainer("resumed")
+    original = stopped.step
+
+    def stop_at_step_3(step):
+        if step == 2:
+            raise KeyboardInterrupt  # after step 2's checkpoint, before step 3 takes its batch
+        return original(step)
+
+    stopped.step = stop_at_step_3
+    with pytest.raises(KeyboardInterrupt):
+        stopped.run()
+    ckpt = tmp_path / "resumed" / "ckpt" / "step_2"
+    assert (ckpt / JSON_FILE).is_file() and (ckpt / ARRAYS_FILE).is_file()
+    assert not list(ckpt.rglob("*.pkl")) and not list((ckpt / "rollout").glob("*.pt"))
+    pending = json.loads((ckpt / JSON_FILE).read_text())
+    assert len(pending["batches"]) == 2  # steps 3 and 4
+    trainer("resumed").run()
+
+    full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "resumed")
+    assert sorted(full) == sorted(resumed) == [0, 1, 2, 3, 4]
+    a_rows, b_rows = _episodes(tmp_path / "full"), _episodes(tmp_path / "resumed")
+    assert [r for r in a_rows if r["step"] >= 3] == [r for r in b_rows if r["step"] >= 3]
+    for step in (1, 2, 3, 4):
+        assert full[step]["rollout/version_lag_max"] == resumed[step]["rollout/version_lag_max"] == min(step - 1, 2)
+        a, b = comparable(full[step]), comparable(resumed[step])
+        assert a.keys() == b.keys(), (step, a.keys() ^ b.keys())
+        diff = {k: (a[k], b[k]) for k in a if not np.isclose(a[k], b[k], rtol=1e-6, atol=abs_tol(k))}
+        assert not diff, f"step {step} differs from the uninterrupted run: {diff}"
+
+
 # --------------------------------------------- 3. async: staleness, R3, kill -9 and resume
+
+
+def test_pending_batches_round_trip_without_pickle(tmp_path):
+    """What a lagged run's checkpoint keeps of the batches generated ahead comes back equal:
+    arrays (routes included), absent arrays, texts, meta, rewards, PVPO marks, dropped groups
+    with why, counts and the next group id; another format is refused naming the file."""
+    from sorl_megatron.rollout.trajectory import Trajectory
+    from sorl_megatron.trainer.pending_batches import ARRAYS_FILE, JSON_FILE, decode, encode
+    from sorl_megatron.trainer.producer import Group
+
+    def traj(n, routes):
+        return Trajectory(token_ids=np.arange(n, dtype=np.int64),
+                          loss_mask=np.r_[np.zeros(2), np.ones(n - 2)].astype(np.int8),
+                          turn_ids=np.zeros(n, dtype=np.int32),
+                          rollout_logprobs=np.linspace(-3, -0.1, n).astype(np.float32),
+                          prompt_len=2, finish_reason="answer", num_turns=1, num_searches=0, answer="Ada",
+                          routed_experts=np.arange(n * 4, dtype=np.int32).reshape(n, 2, 2) if routes else None,
+                          turn_texts=["<answer>Ada</answer>"], weight_versions=["step_3", None],
+                          token_versions=np.full(n, 3, dtype=np.int64), meta={"group": 7, "ground_truth": False})
+
+    kept = Group(7, 11, [traj(5, True), traj(6, False)], rewards=torch.tensor([1.0, 0.25]),
+                 injected=torch.tensor([False, True]), finished_at=12.5)
+    stale = Group(8, 12, [traj(4, False)])
+    batches = [([kept], [(stale, "stale")], {"rollout/groups_drawn": 2.0}), ([], [], {})]
+    for rel, data in encode(batches, next_gid=9).items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    (back, next_gid) = decode(tmp_path)
+    assert next_gid == 9 and len(back) == 2 and back[1] == ([], [], {})
+    (accepted, dropped, counts), _ = back
+    assert counts == {"rollout/groups_drawn": 2.0} and [(g.gid, why) for g, why in dropped] == [(8, "stale")]
+    assert dropped[0][0].rewards is None and dropped[0][0].injected is None
+    [group] = accepted
+    assert (group.gid, group.prompt, group.finished_at) == (7, 11, 12.5)
+    assert torch.equal(group.rewards, kept.rewards) and torch.equal(group.injected, kept.injected)
+    for a, b in zip(kept.trajectories, group.trajectories):
+        for name in ("token_ids", "loss_mask", "turn_ids", "rollout_logprobs", "token_versions"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert np.array_equal(x, y) and x.dtype == y.dtype
+        assert (b.routed_experts is None) == (a.routed_experts is None) and b.routing_versions is None
+        for name in ("answer", "turn_texts", "weight_versions", "meta"):
+            assert getattr(b, name) == getattr(a, name), name
+    assert np.array_equal(group.trajectories[0].routed_experts, kept.trajectories[0].routed_experts)
+    assert decode(tmp_path / "none") == ([], 0)  # a checkpoint without pending batches
+    assert (tmp_path / ARRAYS_FILE).read_bytes()[:8] != b"\x80\x04\x95"  # not a pickle
+    body = json.loads((tmp_path / JSON_FILE).read_text())
+    (tmp_path / JSON_FILE).write_text(json.dumps({**body, "format": 99}))
+    with pytest.raises(ValueError, match=r"pending.json: pending batches of format 99"):
+        decode(tmp_path)
 
 
 def test_async_staleness_and_resume_after_kill(tiny_data, tmp_path):
