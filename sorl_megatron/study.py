@@ -406,7 +406,7 @@ def _mean_std(values: list[float]) -> str:
 
 
 def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: Path) -> list[Path]:
-    """Per metric: one panel per stress level, one curve per loss (the mean over its seeds, a
+    """Per metric: one panel per stress level that has runs, one curve per loss (the mean over its seeds, a
     min-max band where it has more than one), each loss with its own colour, line style and
     marker in every panel; curves identical to another loss's are named in the panel's title,
     the legend sits beside the panels and the symbols are explained under them."""
@@ -419,11 +419,14 @@ def _figures(cfg: StudyConfig, runs: dict[Cell, list[dict[str, Any]]], fig_dir: 
     written = []
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     looks = {loss: {"color": palette[i % len(palette)], **line_style(i)} for i, loss in enumerate(cfg.losses)}
+    stresses = [s for s in cfg.stress if any(c.stress == s for c in runs)]  # a level no run reached has no panel
     for key, title in FIGURE_METRICS.items():
-        fig, axes = plt.subplots(1, len(cfg.stress), figsize=(5 * len(cfg.stress), 3.6), squeeze=False)
+        if not stresses:
+            break
+        fig, axes = plt.subplots(1, len(stresses), figsize=(5 * len(stresses), 3.6), squeeze=False)
         legend: dict[str, Any] = {}
         seeds: set[int] = set()
-        for ax, stress in zip(axes[0], cfg.stress):
+        for ax, stress in zip(axes[0], stresses):
             drawn: list[float] = []
             curves = []
             for loss in cfg.losses:

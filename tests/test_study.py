@@ -149,7 +149,8 @@ def test_studies_sharing_an_out_keep_their_own_summaries(tmp_path):
 
 
 def test_figures_draw_seed_bands_on_labelled_axes(tmp_path, monkeypatch):
-    """Mean over seeds with a min-max band, EM on [0, 1] with its unit, whole-step ticks."""
+    """Mean over seeds with a min-max band, EM on [0, 1] with its unit, whole-step ticks; no
+    empty panels."""
     from matplotlib.figure import Figure
 
     from sorl_megatron.study import StudyConfig, _figures
@@ -157,14 +158,14 @@ def test_figures_draw_seed_bands_on_labelled_axes(tmp_path, monkeypatch):
     figures, save = {}, Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda fig, path, *a, **k: figures.update({Path(path).name: fig})
                         or save(fig, path, *a, **k))
-    cfg = StudyConfig(recipe="r.yaml", start_policy="p", losses={"grpo": [], "so_grpo": []}, stress={"high": []},
-                      seeds=[1, 2])
+    cfg = StudyConfig(recipe="r.yaml", start_policy="p", losses={"grpo": [], "so_grpo": []},
+                      stress={"not_run": [], "high": []}, seeds=[1, 2])
     runs = {Cell(loss, "high", seed): [{"step": s, "val/em": 0.4 + 0.01 * s + 0.02 * seed + (loss == "grpo") * 0.1}
                                        for s in range(0, 13, 4)]
             for loss in cfg.losses for seed in cfg.seeds}
     written = _figures(cfg, runs, tmp_path)
     assert [p.name for p in written] == ["val_em.png"]
-    [ax] = figures["val_em.png"].axes
+    [ax] = figures["val_em.png"].axes  # a stress level no run reached gets no panel
     assert ax.get_ylabel() == "exact match (fraction of questions)" and ax.get_xlabel() == "RL step"
     low, high = ax.get_ylim()
     assert low <= 0 and 1 <= high < 1.1 and all(float(t).is_integer() for t in ax.get_xticks())
