@@ -20,7 +20,6 @@ import argparse
 import concurrent.futures as cf
 import contextlib
 import json
-import math
 import os
 import signal
 import subprocess
@@ -61,7 +60,6 @@ RECORD_KEYS = ("val/em", "val/reward", "rollout/response_length", "rollout/versi
                "mismatch/ess_frac", "mismatch/ess_frac_seq", "mismatch/route_flip_rate", "actor/clip_frac/token",
                "actor/clip_frac/turn", "actor/clip_bias/norm", "actor/entropy/mean", "advantage/mean",
                "advantage/var", "advantage/turn_sign_mixed_frac")
-RECORD_DIGITS = 6  # significant digits a record keeps: EM (k / questions) and the tables' 2-3 stay exact
 
 
 @dataclass
@@ -368,8 +366,9 @@ def run_table(runs: dict[Cell, list[dict[str, Any]]]) -> list[str]:
 
 def export_record(cfg: StudyConfig, dest: str | Path) -> list[Path]:
     """The grid's record: each of its runs found under ``<out>/runs``, every row cut to ``step``,
-    :data:`RECORD_KEYS`, the figures' and the indicators' metrics (numbers rounded to
-    :data:`RECORD_DIGITS` significant digits), written to ``<dest>/runs/<cell>/metrics.jsonl``.
+    :data:`RECORD_KEYS`, the figures' and the indicators' metrics (numbers as logged: a summary
+    rounds a float32 EM such as 0.83749998 as the run's would), written to
+    ``<dest>/runs/<cell>/metrics.jsonl``.
     ``summarize`` reads it as it reads the runs (``out=<dest>``), so a study's tables and figures
     can be committed with the numbers they come from. Returns the files written."""
     out, dest = Path(cfg.out), Path(dest)
@@ -382,7 +381,7 @@ def export_record(cfg: StudyConfig, dest: str | Path) -> list[Path]:
             rows = read_metrics(out / "runs" / cell.name)
         except FileNotFoundError:
             continue
-        cut = [{k: _rounded(v) for k, v in row.items() if k in keep} for row in rows]
+        cut = [{k: v for k, v in row.items() if k in keep} for row in rows]
         path = dest / "runs" / cell.name / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -390,11 +389,6 @@ def export_record(cfg: StudyConfig, dest: str | Path) -> list[Path]:
         tmp.replace(path)
         written.append(path)
     return written
-
-
-def _rounded(value: Any) -> Any:
-    """A float to the record's digits (a NaN or inf stays as the run logged it)."""
-    return float(f"{value:.{RECORD_DIGITS}g}") if isinstance(value, float) and math.isfinite(value) else value
 
 
 def _mean_std(values: list[float]) -> str:

@@ -217,7 +217,8 @@ def test_the_record_keeps_what_the_summary_reads(tmp_path, capsys):
 
     out, dest = tmp_path / "out", tmp_path / "record"
     for name, fall in (("grpo__control__s1", 1.0), ("grpo__control__s2", 0.1), ("ppo__control__s1", 1.0)):
-        rows = [{"step": s, "val/em": 0.5375 if s == 0 else min(0.8125, 0.5375 + 0.0125 * s) * (fall if s == 4 else 1),
+        em = [0.8374999761581421] + [min(0.8125, 0.5375 + 0.0125 * s) * (fall if s == 4 else 1) for s in range(2, 9, 2)]
+        rows = [{"step": s, "val/em": em[s // 2],
                  "actor/grad_norm": 1.0 + s / 3, "mismatch/kl_k3": 2.7123456789e-13 * (1 + s),
                  "actor/approx_kl_k3": 0.0312345678 * s, "timing/step_s": 7.25, "actor/batching/tokens": 4096,
                  "actor/entropy/mean": float("nan") if s == 2 else 1.5 - s / 10}
@@ -232,9 +233,10 @@ def test_the_record_keeps_what_the_summary_reads(tmp_path, capsys):
     assert [r["step"] for r in record] == [0, 2, 4, 6, 8]  # a row with nothing kept is left out
     assert set(record[1]) == {"step", "val/em", "actor/grad_norm", "mismatch/kl_k3", "actor/approx_kl_k3",
                               "actor/entropy/mean"}
-    assert record[1]["mismatch/kl_k3"] == 8.13704e-13 and record[1]["val/em"] == 0.5625
+    assert record[1]["mismatch/kl_k3"] == 2.7123456789e-13 * 3 and record[1]["val/em"] == 0.5625  # as logged
     assert record[1]["actor/entropy/mean"] != record[1]["actor/entropy/mean"]  # NaN kept as logged
     made = summarize(cfg).read_text()
+    assert "0.837 / 0.562" in made  # a float32 EM as the run logged it (0.8375 would print 0.838)
     cfg.out = str(dest)
     assert summarize(cfg).read_text() == made and "| grpo | 2 |" in made and "| 1/2 |" in made
     assert (dest / "figures" / "val_em.png").is_file()
