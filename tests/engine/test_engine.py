@@ -104,14 +104,21 @@ def test_clip_bias_diagnostics_measure_param_norm_for_any_loss_and_leave_the_upd
 
 @pytest.mark.parametrize("tag", ["old_from_forward_ws1", "old_from_forward_r3_ws1", "old_from_forward_dp2",
                                  "old_from_forward_pp2", "old_from_forward_r3_ep2"])
-def test_the_first_mini_batch_takes_its_old_logprobs_from_its_forward_bit_for_bit(ws1, ws2, tag):
+def test_the_first_mini_batch_takes_its_old_logprobs_from_its_forward(ws1, ws2, tag):
     r = _ok(ws1 if tag.endswith("ws1") else ws2, tag)
     # two epochs of two shuffled mini-batches: the first one's rows are not the batch's first rows
     assert r["steps"] == 4 and r["first"] != [0, 1, 2, 3] and sorted(r["first"] + r["rest"]) == list(range(8))
     assert r["factor"] != 1.0  # SO-GRPO's factor engaged: its second backward read pi_old as well
-    # the same update as after a full old pass, bit for bit, and the same old log-probs
-    assert r["param_diff"] == 0.0 and r["differing_metrics"] == []
-    assert r["kept_diff"] == 0.0 and r["rest_diff"] == 0.0
+    # The same old log-probs and update as after a full old pass, to float32 rounding. Bit for bit
+    # on some CPUs, not on others: a row's result can depend on which rows share its micro-batch
+    # (an expert's GEMM has as many rows as tokens routed to it), and the update's shuffled
+    # micro-batches are not the old pass's (docs/engine.md). 1e-2 of the update's own size is far
+    # below what a wrong substitution moves (every ratio of the first mini-batch off 1).
+    assert r["kept_diff"] <= 1e-5 and r["rest_diff"] <= 1e-5
+    assert r["param_step"] > 1e-4 and r["param_diff"] <= 1e-2 * r["param_step"], (r["param_diff"], r["param_step"])
+    assert r["m_plain"].keys() == r["m_reusing"].keys()
+    for key, value in r["m_plain"].items():
+        assert r["m_reusing"][key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
     assert r["kept_elsewhere"] == 0.0 and r["skipped_rows"] == 0.0  # the old pass forwarded only the rest
     e = r["errors"]
     assert "[3, 4, 6, 7] are not in the update's first mini-batch" in e["outside"]  # the split at step 4

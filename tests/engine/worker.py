@@ -964,6 +964,7 @@ def op_old_from_forward(case: dict, models: str, work: str) -> dict:
     if replay == "r3":  # the "rollout's" routes: another engine's live ones
         batch = batch.replace(routed_experts=engine("off").compute_logprobs(batch, record_routing=True).routed_experts)
     plain, reusing = engine(replay), engine(replay)
+    start = params_of(plain)
     full = plain.compute_logprobs(batch).logprobs
     m_plain = plain.update(batch.replace(old_logprobs=full))
     flags = reusing.first_mini_batch_rows(batch.batch_size)
@@ -974,7 +975,8 @@ def op_old_from_forward(case: dict, models: str, work: str) -> dict:
     res = {
         "first": first.tolist(), "rest": rest.tolist(), "steps": m_plain["steps"],
         "param_diff": _max_param_diff(params_of(plain), params_of(reusing)),
-        "differing_metrics": sorted(k for k in m_plain if m_plain[k] != m_reusing.get(k)),
+        "param_step": _max_param_diff(start, params_of(plain)),
+        "m_plain": m_plain, "m_reusing": m_reusing,
         "factor": m_plain["clip_bias/factor"], "param_norm": m_plain["clip_bias/norm"],
         "kept_diff": float((kept[first] - full[first]).abs().max()),
         "kept_elsewhere": float(kept[rest].abs().max()),
