@@ -335,7 +335,12 @@ class LaggedSource(SyncSource):
             log.warning("the checkpoint leaves out the batches generated ahead (one failed: %s); a resume "
                         "regenerates them on its own weights", failed[0])
             return {}
-        return pending_batches.encode([f.result() for f in self._pending], self.next_gid)
+        try:
+            return pending_batches.encode([f.result() for f in self._pending], self.next_gid)
+        except TypeError as err:  # a trajectory field JSON cannot hold: the run goes on, a resume refills
+            log.warning("the checkpoint leaves out the batches generated ahead (%s); a resume regenerates them "
+                        "on its own weights", err)
+            return {}
 
     def restore_files(self, ckpt_dir: Path) -> None:
         batches, next_gid = pending_batches.decode(ckpt_dir)

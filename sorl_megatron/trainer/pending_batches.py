@@ -63,8 +63,15 @@ def encode(batches: list[Collected], next_gid: int) -> dict[str, bytes]:
                             "finished_at": group.finished_at, "trajectories": trajectories})
         described.append({"groups": entries, "counts": counts})
     body = {"format": FORMAT, "next_gid": next_gid, "batches": described}
-    # fails here, before the checkpoint is written, if a trajectory carries something JSON cannot hold
-    return {JSON_FILE: json.dumps(body).encode(), ARRAYS_FILE: save(arrays)}
+    # a TypeError here, before the checkpoint is written, if a trajectory carries what JSON cannot hold
+    return {JSON_FILE: json.dumps(body, default=_plain).encode(), ARRAYS_FILE: save(arrays)}
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar (a dataset index, say) as the Python number it holds."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON: cannot save it with the pending batches")
 
 
 def decode(ckpt_dir: str | Path) -> tuple[list[Collected], int]:

@@ -281,7 +281,8 @@ def test_pending_batches_round_trip_without_pickle(tmp_path):
                           prompt_len=2, finish_reason="answer", num_turns=1, num_searches=0, answer="Ada",
                           routed_experts=np.arange(n * 4, dtype=np.int32).reshape(n, 2, 2) if routes else None,
                           turn_texts=["<answer>Ada</answer>"], weight_versions=["step_3", None],
-                          token_versions=np.full(n, 3, dtype=np.int64), meta={"group": 7, "ground_truth": False})
+                          token_versions=np.full(n, 3, dtype=np.int64),
+                          meta={"group": 7, "prompt": np.int64(11), "ground_truth": False})
 
     kept = Group(7, 11, [traj(5, True), traj(6, False)], rewards=torch.tensor([1.0, 0.25]),
                  injected=torch.tensor([False, True]), finished_at=12.5)
@@ -306,7 +307,11 @@ def test_pending_batches_round_trip_without_pickle(tmp_path):
         for name in ("answer", "turn_texts", "weight_versions", "meta"):
             assert getattr(b, name) == getattr(a, name), name
     assert np.array_equal(group.trajectories[0].routed_experts, kept.trajectories[0].routed_experts)
+    assert group.trajectories[0].meta["prompt"] == 11  # a numpy index saved as the number
     assert decode(tmp_path / "none") == ([], 0)  # a checkpoint without pending batches
+    kept.trajectories[0].meta["handle"] = object()
+    with pytest.raises(TypeError, match="object is not JSON"):
+        encode(batches, next_gid=9)
     assert (tmp_path / ARRAYS_FILE).read_bytes()[:8] != b"\x80\x04\x95"  # not a pickle
     body = json.loads((tmp_path / JSON_FILE).read_text())
     (tmp_path / JSON_FILE).write_text(json.dumps({**body, "format": 99}))
