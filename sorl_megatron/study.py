@@ -56,10 +56,11 @@ FIGURE_METRICS: dict[str, str] = {
 # What a study's record keeps of each run besides FIGURE_METRICS and the indicators' metrics:
 # what docs/study.md's tables read (validation, train/inference mismatch, staleness, the clip
 # fraction by unit, the advantage's sign mixing). Timings, batching and histograms stay in the run.
-RECORD_KEYS = ("val/em", "val/reward", "rollout/response_length", "rollout/version_lag_max", "mismatch/kl_k3",
-               "mismatch/ess_frac", "mismatch/ess_frac_seq", "mismatch/route_flip_rate", "actor/clip_frac/token",
-               "actor/clip_frac/turn", "actor/clip_bias/norm", "actor/entropy/mean", "advantage/mean",
-               "advantage/var", "advantage/turn_sign_mixed_frac")
+RECORD_KEYS = ("val/em", "val/reward", "rollout/response_length", "rollout/valid_action_turn_frac",
+               "rollout/version_lag_max", "mismatch/kl_k3", "mismatch/ess_frac", "mismatch/ess_frac_seq",
+               "mismatch/route_flip_rate", "actor/clip_frac/token", "actor/clip_frac/turn", "actor/clip_bias/norm",
+               "actor/entropy/mean", "actor/turn_ratio/spread", "actor/advantage/mean", "actor/advantage/var",
+               "actor/advantage/turn_sign_mixed_frac")
 
 
 @dataclass
