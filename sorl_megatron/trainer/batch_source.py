@@ -330,17 +330,17 @@ class LaggedSource(SyncSource):
         checkpoint), so that a resumed run trains on them as the uninterrupted one would."""
         if not self._pending:
             return {}
-        failed = [f.exception() for f in self._pending if f.exception() is not None]
-        if failed:  # the next step raises it; this checkpoint resumes by regenerating them
-            log.warning("the checkpoint leaves out the batches generated ahead (one failed: %s); a resume "
-                        "regenerates them on its own weights", failed[0])
-            return {}
-        try:
-            return pending_batches.encode([f.result() for f in self._pending], self.next_gid)
-        except TypeError as err:  # a trajectory field JSON cannot hold: the run goes on, a resume refills
-            log.warning("the checkpoint leaves out the batches generated ahead (%s); a resume regenerates them "
-                        "on its own weights", err)
-            return {}
+        # a failed batch (the next step raises it) or a field JSON cannot hold: this checkpoint goes
+        # without them and a resume regenerates them on its own weights
+        why = next((f"one failed: {f.exception()}" for f in self._pending if f.exception() is not None), None)
+        if why is None:
+            try:
+                return pending_batches.encode([f.result() for f in self._pending], self.next_gid)
+            except TypeError as err:
+                why = str(err)
+        log.warning("the checkpoint leaves out the batches generated ahead (%s); a resume regenerates them "
+                    "on its own weights", why)
+        return {}
 
     def restore_files(self, ckpt_dir: Path) -> None:
         batches, next_gid = pending_batches.decode(ckpt_dir)
