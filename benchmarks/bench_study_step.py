@@ -18,8 +18,10 @@ phases, of the process's wall time per step (with start-up, validations and chec
 of its CPU time per step (the trainer's and its servers' user + system seconds: on a loaded
 machine less noisy than wall time), the per-round ratios old / new, the load average, and
 whether every non-timing metric (rewards, lengths, losses, validation EM) of each step is the
-same in both trees, i.e. whether the change left the run's numbers alone (metrics only one tree
-writes, e.g. an indicator added since the old commit, are named and not compared).
+same in both trees, i.e. whether the change left the run's numbers alone, and if not, how far apart
+and from which step (metrics only one tree writes, e.g. an indicator added since the old commit,
+are named and not compared); each tree's rounds are also compared with each other, which must be
+exact (the run is deterministic).
 """
 
 from __future__ import annotations
@@ -131,18 +133,46 @@ def main() -> None:
         print(f"old / new {key:10s}: median {statistics.median(ratios):.2f}x  per round "
               + " ".join(f"{x:.2f}x" for x in ratios))
     # metrics one tree writes and the other does not (an indicator added since) are named, not compared
-    ref = results["old"][0]["numbers"]
-    runs = [x["numbers"] for rs in results.values() for x in rs]
-    only = sorted({k for run in runs for a, b in zip(ref, run) for k in set(a) ^ set(b)})
-    diffs = sorted({f"step {a.get('step')}: {k}" for run in runs for a, b in zip(ref, run)
-                    for k in set(a) & set(b) if a[k] != b[k]})
-    same = not diffs and all(len(run) == len(ref) for run in runs)
-    print(f"every non-timing metric of every step identical in all runs (old and new): {same}")
-    if diffs:
-        print("differing: " + "; ".join(diffs[:20]))
+    runs = {name: [x["numbers"] for x in rs] for name, rs in results.items()}
+    ref = runs["old"][0]
+    only = sorted({k for rs in runs.values() for run in rs for a, b in zip(ref, run) for k in set(a) ^ set(b)})
+    for name, rs in runs.items():  # a tree against itself: the run is deterministic, so this must be exact
+        print(f"{name} against itself, every round: {describe(compare(rs[0], rs[1:]))}")
+    print(f"old against new: {describe(compare(ref, runs['new']))}")
     if only:
         print("written by one tree only (not compared): " + ", ".join(only))
 
+
+def compare(ref: list[dict], others: list[list[dict]]) -> dict[str, tuple[float, int]] | None:
+    """Per metric both runs write that differs somewhere: (largest relative difference, first step it
+    differs at); None when a run has another number of rows."""
+    if any(len(run) != len(ref) for run in others):
+        return None
+    worst: dict[str, tuple[float, int]] = {}
+    for run in others:
+        for a, b in zip(ref, run):
+            for k in (set(a) & set(b)) - {"step"}:
+                if a[k] == b[k]:
+                    continue
+                numeric = all(isinstance(v, (int, float)) for v in (a[k], b[k]))
+                rel = abs(a[k] - b[k]) / max(abs(a[k]), abs(b[k]), 1e-30) if numeric else float("inf")
+                largest, first = worst.get(k, (0.0, a.get("step", 0)))
+                worst[k] = (max(largest, rel), min(first, a.get("step", 0)))
+    return worst
+
+
+def describe(worst: dict[str, tuple[float, int]] | None) -> str:
+    """One line: identical, or how far apart and from where (a changed float sum, e.g. the first
+    mini-batch's old log-probs from its own forward on a machine whose results depend on the batch,
+    differs in the last bits first and then grows over the steps)."""
+    if worst is None:
+        return "DIFFERENT number of rows"
+    if not worst:
+        return "every non-timing metric of every step identical"
+    top = sorted(worst.items(), key=lambda kv: -kv[1][0])
+    first = min(step for _, step in worst.values())
+    return (f"{len(worst)} metrics differ, first at step {first}, largest relative difference {top[0][1][0]:.2g}: "
+            + "; ".join(f"{k} {rel:.2g} (from step {step})" for k, (rel, step) in top[:8]))
 
 if __name__ == "__main__":
     main()
