@@ -174,5 +174,6 @@ def describe(worst: dict[str, tuple[float, int]] | None) -> str:
     return (f"{len(worst)} metrics differ, first at step {first}, largest relative difference {top[0][1][0]:.2g}: "
             + "; ".join(f"{k} {rel:.2g} (from step {step})" for k, (rel, step) in top[:8]))
 
+
 if __name__ == "__main__":
     main()
