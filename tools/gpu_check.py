@@ -383,7 +383,15 @@ def check_engine(args) -> str:
     batch = batch.replace(old_logprobs=old * batch.loss_mask, rollout_logprobs=old * batch.loss_mask,
                           ref_logprobs=plain.logprobs)
     before = {k: v.detach().float().clone() for k, v in actor.model.chunks[0].named_parameters()}
-    padded = actor.update(batch)
+    first = actor.first_mini_batch_rows(batch.batch_size)  # old log-probs from the update's own forward
+    padded = actor.update(batch, old_from_forward=first)
+    from_update = actor.forward_old_logprobs
+    own = att & first.unsqueeze(1)
+    if from_update is None or not torch.isfinite(from_update[own]).all():
+        raise AssertionError("update: no finite old log-probs from its first mini-batch's forward")
+    d_old = _max_diff(from_update[own].to(plain.logprobs.device), plain.logprobs[own])
+    if d_old > 0.05:  # the weights compute_logprobs read: bf16 noise only
+        raise AssertionError(f"old log-probs from the update's forward differ from the pass's by {d_old:.3g} (bf16)")
     actor.batching.pack_sequences = True
     packed = actor.update(batch)
     after = dict(actor.model.chunks[0].named_parameters())
@@ -395,7 +403,8 @@ def check_engine(args) -> str:
         raise AssertionError("two updates left every parameter unchanged")
     loss_key = next((k for k in ("actor/pg_loss", "actor/loss", "loss") if k in packed), None)
     return (f"bf16 tiny MoE on {backend}: compute_logprobs plain/R2-record/R3-replay (max |diff| r2 {d_r2:.1e}, "
-            f"r3 {d_r3:.1e}), update padded + packed ({loss_key}={packed.get(loss_key, float('nan')):.4g}), "
+            f"r3 {d_r3:.1e}), old log-probs from the update's forward {d_old:.1e}, "
+            f"update padded + packed ({loss_key}={packed.get(loss_key, float('nan')):.4g}), "
             f"{time.perf_counter() - t:.1f} s")
 
 
