@@ -66,9 +66,19 @@ def _acc_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 def _chunk(logits: torch.Tensor, start: int, chunk_size: int, temperature: float) -> torch.Tensor:
-    """``z`` of one chunk as a fresh accumulator-dtype tensor (safe to modify in place)."""
-    z = logits[:, start : start + chunk_size].to(_acc_dtype(logits), copy=True)
+    """``z`` of one chunk in the accumulator dtype: a view of the logits where they are already in
+    it and there is no temperature (read only: no copy of the chunk), else a fresh tensor."""
+    z = logits[:, start : start + chunk_size]
+    if z.dtype == _acc_dtype(logits) and temperature == 1.0:
+        return z
+    z = z.to(_acc_dtype(logits), copy=True)
     return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _finite_floor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with -inf raised to the dtype's lowest finite value, in place: a term ``x * e`` with
+    ``e = exp(x) = 0`` is then 0 instead of ``-inf * 0 = NaN`` (every finite value unchanged)."""
+    return t.clamp_(min=torch.finfo(t.dtype).min)
 
 
 def _pick(z: torch.Tensor, local_target: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +99,7 @@ def vocab_partials_torch(
 
     Online update when the running max moves from ``m`` to ``m'`` (scale ``a = exp(m - m')``):
     ``s' = a s + sum exp(z - m')`` and ``u' = a (u + (m - m') s) + sum exp(z - m') (z - m')``.
-    In-place ops keep the live temporaries to two float chunks and one bool chunk.
+    In-place ops keep the live temporaries to two float chunks.
     """
     n, width = logits.shape
     m = torch.full((n,), float("-inf"), dtype=_acc_dtype(logits), device=logits.device)
@@ -100,10 +110,9 @@ def vocab_partials_torch(
         rows, cols = _pick(z, local_target, start)
         target[rows] += z[rows, cols]
         m_new = torch.maximum(m, z.amax(dim=1))
-        shift = z.sub_(m_new[:, None])
+        shift = torch.sub(z, m_new[:, None])
         e = torch.exp(shift)
-        # e * shift -> 0 where e == 0 (a -inf logit would give 0 * -inf = NaN).
-        chunk_s, chunk_u = e.sum(dim=1), shift.masked_fill_(e == 0, 0.0).mul_(e).sum(dim=1)
+        chunk_s, chunk_u = e.sum(dim=1), _finite_floor(shift).mul_(e).sum(dim=1)
         scale = torch.exp(m - m_new)
         # (m - m') s is 0 before the first chunk (s = 0, m = -inf would give NaN).
         moved = torch.where(s > 0, m - m_new, torch.zeros_like(s)) * s
@@ -143,23 +152,26 @@ def logprob_entropy_grad_torch(
     chunk_size: int = DEFAULT_CHUNK,
 ) -> torch.Tensor:
     """``dL/dlogits`` of a shard from eq. 3-4, recomputing ``p`` chunk by chunk. The output
-    (logits dtype) is the only full-vocab tensor; temporaries are two float chunks and a bool one."""
-    grad = torch.empty_like(logits)
+    (logits dtype) is the only full-vocab tensor; temporaries are two float chunks (one chunk
+    covering the whole shard in the logits' dtype is itself the output)."""
     acc = _acc_dtype(logits)
+    whole = 0 < logits.shape[1] <= chunk_size and logits.dtype == acc
+    grad = None if whole else torch.empty_like(logits)
     local_target = targets.long() - vocab_start
     g_lp, g_h = grad_logprobs.to(acc), grad_entropy.to(acc)[:, None]
     lse, entropy = lse.to(acc)[:, None], entropy.to(acc)[:, None]
     for start in range(0, logits.shape[1], chunk_size):
-        z = _chunk(logits, start, chunk_size, temperature)
-        logp = z.sub_(lse)
+        logp = torch.sub(_chunk(logits, start, chunk_size, temperature), lse)
         p = torch.exp(logp)
         # p (log p + H), with p log p -> 0 where p == 0.
-        ent_term = logp.add_(entropy).masked_fill_(p == 0, 0.0).mul_(p)
+        ent_term = _finite_floor(logp.add_(entropy)).mul_(p)
         g = p.mul_(-g_lp[:, None]).addcmul_(ent_term, g_h, value=-1.0)  # -g_lp p - g_H p (log p + H)
         rows, cols = _pick(g, local_target, start)
         g[rows, cols] += g_lp[rows]  # the one-hot of eq. 3
         if temperature != 1.0:
             g.div_(temperature)
+        if whole:
+            return g
         grad[:, start : start + g.shape[1]] = g
     return grad
 
