@@ -58,12 +58,13 @@ class Sampler:
 
     @staticmethod
     def _truncate(scaled: torch.Tensor, seqs: list[Seq]) -> torch.Tensor:
-        top_k = torch.tensor([s.req.params.top_k for s in seqs])
-        top_p = torch.tensor([s.req.params.top_p for s in seqs])
-        min_p = torch.tensor([s.req.params.min_p for s in seqs])
         vocab = scaled.shape[-1]
-        if bool((top_k >= vocab).all() and (top_p >= 1).all() and (min_p <= 0).all()):
+        params = [s.req.params for s in seqs]
+        if all(p.top_k >= vocab and p.top_p >= 1 and p.min_p <= 0 for p in params):  # nothing to cut (every step)
             return scaled
+        top_k = torch.tensor([p.top_k for p in params])
+        top_p = torch.tensor([p.top_p for p in params])
+        min_p = torch.tensor([p.min_p for p in params])
         values, order = scaled.sort(dim=-1, descending=True)
         probs = torch.softmax(values, dim=-1)
         before = probs.cumsum(-1) - probs  # mass strictly above each rank
