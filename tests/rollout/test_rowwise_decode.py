@@ -155,3 +155,32 @@ def test_seeded_requests_are_bit_identical_alone_and_in_any_batch(moe_dir):
         assert info["hits"] >= 3 and info["hit_tokens"] >= 3 * 32  # and from the prefix cache
     finally:
         srv.stop()
+
+
+def test_the_mode_intercepts_only_its_own_thread_and_leaves_torch_as_it_was():
+    """The mode swaps F.linear / SDPA / grouped_mm for wrappers while it is active: its own
+    thread's calls run row by row, another thread's run as they are, and once the last mode has
+    exited the attributes are torch's own again."""
+    originals = (F.linear, F.scaled_dot_product_attention)
+    w, x = torch.randn(8, 5), torch.randn(3, 1, 5)
+    seen_elsewhere = []
+    with RowwiseMode([4, 6, 9]) as mode:
+        assert F.linear is not originals[0]
+        out = F.linear(x, w)  # three one-row linears
+        with ThreadPoolExecutor(1) as pool:
+            seen_elsewhere.append(pool.submit(lambda: (F.linear(x, w), mode._linears)).result())
+    assert mode._linears == 1 and seen_elsewhere[0][1] == 1  # the other thread's call was not the mode's
+    assert torch.equal(out, torch.cat([torch._C._nn.linear(x[r : r + 1], w) for r in range(3)]))
+    assert (F.linear, F.scaled_dot_product_attention) == originals
+
+
+def test_a_forward_without_a_linear_the_mode_saw_is_an_error():
+    """A model that calls its linears by another name would run batched, silently not
+    batch-invariant: the mode refuses the forward instead."""
+    with pytest.raises(RuntimeError, match="saw no F.linear"):
+        with RowwiseMode([4, 6]):
+            torch._C._nn.linear(torch.randn(2, 1, 5), torch.randn(8, 5))  # not through F.linear
+    assert F.linear is torch._C._nn.linear
+    with pytest.raises(RuntimeError, match="already active"), RowwiseMode([3]), RowwiseMode([3]):
+        pass
+    assert F.linear is torch._C._nn.linear
