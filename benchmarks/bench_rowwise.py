@@ -33,6 +33,8 @@ sys.path.insert(0, str(ROOT))
 def old_rowwise(src: Path):
     """The other checkout's ``rowwise`` module, loaded under its own name beside this tree's."""
     path = src / "sorl_megatron" / "sglang_cpu" / "rowwise.py"
+    if not path.is_file():
+        raise SystemExit(f"--old-src {src}: no {path.relative_to(src)} there (RowwiseMode exists from 2026-11-26 on)")
     spec = importlib.util.spec_from_file_location("old_rowwise", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
