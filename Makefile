@@ -54,7 +54,7 @@ demo: setup
 
 # The algorithm core alone on a toy task (every loss, ~1 minute).
 toy-demo: setup
-	$(PY) -m sorl_megatron.demo
+	$(PY) -m sorl_megatron.toy_demo
 
 test: dev-setup
 	$(VENV)/bin/ruff check .

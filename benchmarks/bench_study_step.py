@@ -5,7 +5,7 @@ commit), run in alternation; and whether the two produced the same run.
         [--policy runs/tiny_search/so_grpo/sft_model] [--study recipes/study/tiny_stability.yaml]
         [--loss so_grpo] [--stress low] [--seed 1] [--steps 4] [--rounds 3] [key=value ...]
 
-Each run is the study's own command for the cell (``sorl_megatron.study.cell_overrides`` on
+Each run is the study's own command for the cell (``sorl_megatron.study.runner.cell_overrides`` on
 ``--study``, by default ``recipes/study/tiny_stability.yaml``; round two's grids, e.g.
 ``recipes/study/round2_replay.yaml`` with ``--loss grpo --stress control``, work the same way:
 the demo's recipe from ``--policy`` with the loss's, the stress level's and the study's
@@ -49,7 +49,7 @@ def cell_command(src: Path, data: Path, policy: Path, out: Path, args: argparse.
                  without: tuple[str, ...] = ()) -> tuple[list[str], Path]:
     """The study's command line for the cell (run from ``src``) and its run directory; overrides of the
     keys in ``without`` are left out (keys a tree older than them does not know)."""
-    from sorl_megatron.study import Cell, cell_overrides, load_study
+    from sorl_megatron.study.runner import Cell, cell_overrides, load_study
 
     study = load_study(Path(args.study), [f"data={data}", f"start_policy={policy}"])
     cell = Cell(args.loss, args.stress, args.seed)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .common.typed_config import ConfigError
-from .trainer.recipe import load_recipe
+from .trainer.recipe.loader import load_recipe
 
 _HET = re.compile(r"\{het:(\d+)\}")
 RETRIEVAL_PORT, SGLANG_PORT, ROUTER_PORT, RDZV_PORT = 8000, 30000, 30100, 29500

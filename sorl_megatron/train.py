@@ -18,11 +18,11 @@ from pathlib import Path
 
 from .common.run_lock import RunLockedError, acquire_run_lock
 from .common.typed_config import ConfigError
-from .trainer.config import CONFIG_GROUPS
-from .trainer.inputs import InputError
-from .trainer.launch_checks import validate_layout_for_launch
-from .trainer.memory_plan import check_memory_for_launch, model_config_for, plan_memory
-from .trainer.recipe import dump_config, load_recipe
+from .trainer.recipe.config import CONFIG_GROUPS
+from .trainer.recipe.inputs import InputError
+from .trainer.recipe.launch_checks import validate_layout_for_launch
+from .trainer.recipe.loader import dump_config, load_recipe
+from .trainer.recipe.memory_plan import check_memory_for_launch, model_config_for, plan_memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the trainer's exit stack stopped the servers
-        from .trainer.servers import report_interrupt
+        from .trainer.serving.servers import report_interrupt
 
         return report_interrupt(err)
 
@@ -88,7 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     # the engines, transformers and the clients load only once the recipe is known to be good
-    from .trainer.metrics_log import show_trainer_log
+    from .trainer.metrics.logger import show_trainer_log
     from .trainer.rl_loop import RLTrainer
 
     show_trainer_log()

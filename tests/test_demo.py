@@ -1,6 +1,6 @@
 import pytest
 
-from sorl_megatron import demo
+from sorl_megatron import toy_demo as demo
 
 
 def test_demo_training_improves_reward_with_stabilized_losses():

@@ -210,7 +210,7 @@ def test_training_commands_pass_the_schema_and_keep_out_of_the_demo_run(cmd, cap
     directory (it would resume, or share, the demo's checkpoints); an example starting from
     the demo's SFT policy does not run SFT again."""
     from sorl_megatron.train import main
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.recipe.loader import load_recipe
 
     assert main(["--config", str(ROOT / cmd.config), "--print-config", *cmd.overrides]) == 0, capsys.readouterr()
     cfg = load_recipe(ROOT / cmd.config, cmd.overrides)
@@ -221,7 +221,7 @@ def test_training_commands_pass_the_schema_and_keep_out_of_the_demo_run(cmd, cap
 
 @pytest.mark.parametrize("cmd", STUDY, ids=lambda c: f"{c.doc}:{' '.join(c.overrides) or '-'}")
 def test_study_commands_pass_the_schema(cmd):
-    from sorl_megatron.study import load_study
+    from sorl_megatron.study.runner import load_study
 
     load_study(ROOT / cmd.config, cmd.overrides)
 
@@ -268,17 +268,18 @@ def _script_main(path: str):
 
 
 def _cli_entry_points():
-    from sorl_megatron import cluster, demo, study, train
+    from sorl_megatron import cluster, toy_demo, train
     from sorl_megatron.bridge import convert_cli
     from sorl_megatron.data import synthetic
     from sorl_megatron.retrieval import server as retrieval_server
     from sorl_megatron.sglang_cpu import server as sglang_cpu_server
+    from sorl_megatron.study import runner as study
 
     return {
         "sorl_megatron.train": lambda: train.main([]),
         "sorl_megatron.study": lambda: study.main([]),
         "sorl_megatron.cluster": lambda: cluster.main([]),
-        "sorl_megatron.demo": lambda: demo.main([]),
+        "sorl_megatron.toy_demo": lambda: toy_demo.main([]),
         "sorl_megatron.sglang_cpu.server": lambda: sglang_cpu_server.parse_args([]),
         "sorl_megatron.retrieval.server": lambda: retrieval_server.parse_args([]),
         "sorl_megatron.data.synthetic": lambda: synthetic.main([]),

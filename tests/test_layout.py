@@ -27,11 +27,10 @@ LAYERS = {
     "weight_sync": 5,  # trainer -> server weight sync; the server side uses its group and wire
     "sglang_cpu": 5,  # the CPU SGLang-compatible server: the trainer starts it by module name, never imports it
     "trainer": 6,
-    "demo": 6,  # the toy demo: the algorithm core alone
+    "toy_demo": 6,  # the toy demo: the algorithm core alone
     "train": 7,
     "cluster": 7,  # the Slurm launcher (TorchX)
-    "study": 7,
-    "study_indicators": 7,
+    "study": 7,  # the stability study: grid runner and indicator analysis
     "": 7,  # sorl_megatron/__init__.py
 }
 
@@ -129,9 +128,56 @@ def test_every_import_points_down_the_layers():
     assert upward == []
 
 
+# The trainer's rooms, lower floors first: a module may import its own room or a lower floor.
+# ``rerun`` (where a rerun picks up; the run directory's markers) and ``rl_loop`` (the loop) are
+# single modules at the trainer's top level.
+TRAINER_FLOORS = {
+    "recipe": 0,  # schema, loader, checks, memory plan
+    "metrics": 0,  # metrics log, plots, indicators, timers
+    "groups": 0,  # prompt stream, group bookkeeping, the rollout phase and its scores
+    "rerun": 1,
+    "serving": 1,  # rank 0's connections, the fleet, the embedded servers
+    "stages": 2,  # SFT, PVPO's reference pass
+    "sources": 3,  # one rollout source per mode
+    "rl_loop": 4,
+    "": 4,  # trainer/__init__.py
+}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "trainer" else ""
+
+
+def test_the_trainer_is_in_rooms_and_every_import_points_down_its_floors():
+    graph = import_graph()
+    trainer = {m: {t for t in targets if _top(t) == "trainer"} for m, targets in graph.items() if _top(m) == "trainer"}
+    flat = sorted(m for m in trainer if m.count(".") == 2 and _room(m) not in TRAINER_FLOORS)
+    assert flat == [], f"trainer modules outside a room (add a room or a floor in tests/test_layout.py): {flat}"
+    unknown = sorted({_room(m) for m in trainer} - set(TRAINER_FLOORS))
+    assert unknown == [], f"trainer rooms without a floor in tests/test_layout.py: {unknown}"
+    upward = sorted(f"{m} -> {t}" for m, targets in trainer.items() for t in targets
+                    if TRAINER_FLOORS[_room(t)] > TRAINER_FLOORS[_room(m)])
+    assert upward == []
+    rooms: dict[str, set[str]] = {}
+    for m, targets in trainer.items():
+        rooms.setdefault(_room(m), set()).update(_room(t) for t in targets if _room(t) != _room(m))
+    assert _strongly_connected(rooms) == []
+
+
+def test_the_room_checker_sees_an_arrow_up(monkeypatch):
+    """The floors are not vacuous: a recipe module importing the rollout sources is found."""
+    graph = import_graph()
+    graph["sorl_megatron.trainer.recipe.config"] = graph["sorl_megatron.trainer.recipe.config"] | {
+        "sorl_megatron.trainer.sources.modes"}
+    monkeypatch.setattr(__import__(__name__, fromlist=["_"]), "import_graph", lambda: graph)
+    with pytest.raises(AssertionError, match="recipe.config -> sorl_megatron.trainer.sources.modes"):
+        test_the_trainer_is_in_rooms_and_every_import_points_down_its_floors()
+
+
 def test_the_trainer_never_imports_the_cpu_server():
     """The trainer talks to rollout servers over HTTP only, SGLang's or the CPU one, which it starts
-    as a subprocess by module name (trainer/servers.py): it must not import it."""
+    as a subprocess by module name (trainer/serving/servers.py): it must not import it."""
     graph = import_graph()
     assert any(m.startswith("sorl_megatron.sglang_cpu.") for m in graph)  # the checker sees the package
     trainer = {m: targets for m, targets in graph.items() if _top(m) == "trainer"}
@@ -192,8 +238,8 @@ def _attribute_reads(path: pathlib.Path, names: set[str]) -> list[int]:
 def test_the_trainer_never_branches_on_the_rollout_mode_or_the_sync_transport():
     """``rollout.mode`` is read by the one function that picks the rollout source and
     ``rollout.weight_sync`` by the one that picks the transport; nothing else in the trainer."""
-    pickers = {"batch_source.py": "source_class", "weight_sync.py": None}
-    for path in sorted((PACKAGE / "trainer").glob("*.py")):
+    pickers = {"modes.py": "source_class"}
+    for path in sorted((PACKAGE / "trainer").rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         allowed: set[int] = set()
         picker = pickers.get(path.name)

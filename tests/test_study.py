@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sorl_megatron.study import Cell, cell_statistics, load_study, main, run_table
+from sorl_megatron.study.runner import Cell, cell_statistics, load_study, main, run_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,8 +56,8 @@ def test_bad_study_recipes_name_the_key(tmp_path):
 def test_a_typo_in_the_last_cell_fails_before_the_first_trains(tmp_path, monkeypatch):
     """The whole grid is loaded before any cell starts: a bad override in the second stress
     level used to train the first cell fully before the error."""
-    import sorl_megatron.study as study_mod
-    from sorl_megatron.trainer.config import RecipeError
+    import sorl_megatron.study.runner as study_mod
+    from sorl_megatron.trainer.recipe.config import RecipeError
 
     (tmp_path / "policy").mkdir()
     (tmp_path / "policy" / "config.json").write_text("{}")
@@ -111,8 +111,8 @@ def test_the_shipped_study_recipes_load():
         cfg = load_study(path)
         assert Path(cfg.recipe).is_file() and len(cfg.seeds) >= 3, path
         for cell in [Cell(loss, stress, cfg.seeds[0]) for loss in cfg.losses for stress in cfg.stress]:
-            from sorl_megatron.study import cell_overrides
-            from sorl_megatron.trainer.recipe import load_recipe
+            from sorl_megatron.study.runner import cell_overrides
+            from sorl_megatron.trainer.recipe.loader import load_recipe
 
             load_recipe(cfg.recipe, cell_overrides(cfg, cell, Path(cfg.out)))  # every cell validates
 
@@ -122,7 +122,7 @@ def test_studies_sharing_an_out_keep_their_own_summaries(tmp_path):
     summary and figures, listing only its own cells."""
     import json
 
-    from sorl_megatron.study import StudyConfig, summarize
+    from sorl_megatron.study.runner import StudyConfig, summarize
 
     out = tmp_path / "out"
     for name in ("grpo__control__s1", "ppo__control__s1"):
@@ -153,7 +153,7 @@ def test_figures_draw_seed_bands_on_labelled_axes(tmp_path, monkeypatch):
     empty panels."""
     from matplotlib.figure import Figure
 
-    from sorl_megatron.study import StudyConfig, _figures
+    from sorl_megatron.study.runner import StudyConfig, _figures
 
     figures, save = {}, Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda fig, path, *a, **k: figures.update({Path(path).name: fig})
@@ -180,7 +180,7 @@ def test_figures_mark_identical_losses_and_draw_no_band_for_one_seed(tmp_path, m
     legend is beside the panels and ||C|| is explained under the figure."""
     from matplotlib.figure import Figure
 
-    from sorl_megatron.study import StudyConfig, _figures
+    from sorl_megatron.study.runner import StudyConfig, _figures
 
     figures, save = {}, Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda fig, path, *a, **k: figures.update({Path(path).name: fig})
@@ -213,7 +213,7 @@ def test_the_record_keeps_what_the_summary_reads(tmp_path, capsys):
     import json
 
     from sorl_megatron.common.typed_config import ConfigError
-    from sorl_megatron.study import StudyConfig, export_record, summarize
+    from sorl_megatron.study.runner import StudyConfig, export_record, summarize
 
     out, dest = tmp_path / "out", tmp_path / "record"
     for name, fall in (("grpo__control__s1", 1.0), ("grpo__control__s2", 0.1), ("ppo__control__s1", 1.0)):

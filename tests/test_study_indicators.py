@@ -1,17 +1,17 @@
-"""The study's leading-indicator analysis (sorl_megatron/study_indicators.py) on hand-made runs."""
+"""The study's leading-indicator analysis (sorl_megatron/study/indicators.py) on hand-made runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from sorl_megatron.study import load_study
-from sorl_megatron.study_indicators import (
+from sorl_megatron.study.indicators import (
     Indicator,
     collapse_step,
     indicator_report,
     run_warnings,
     separating,
 )
+from sorl_megatron.study.runner import load_study
 
 
 def _run(em: dict[int, float], **metrics: dict[int, float]) -> list[dict]:

@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from sorl_megatron.common.run_lock import RunLockedError, acquire_run_lock
     from sorl_megatron.data.synthetic import main as make_data
-    from sorl_megatron.trainer.config import RecipeError
-    from sorl_megatron.trainer.inputs import InputError
-    from sorl_megatron.trainer.metrics_log import read_metrics, show_trainer_log
-    from sorl_megatron.trainer.plots import plot_runs
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.metrics.logger import read_metrics, show_trainer_log
+    from sorl_megatron.trainer.metrics.plots import plot_runs
+    from sorl_megatron.trainer.recipe.config import RecipeError
+    from sorl_megatron.trainer.recipe.inputs import InputError
+    from sorl_megatron.trainer.recipe.loader import load_recipe
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
     data = Path(args.data)
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"input error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # Ctrl-C: the trainer stopped its servers; one line, no traceback
-        from sorl_megatron.trainer.servers import report_interrupt
+        from sorl_megatron.trainer.serving.servers import report_interrupt
 
         return report_interrupt(err)
     rows = [r for r in read_metrics(run_dir) if r.get("val/em") is not None]
@@ -92,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_name(cfg, default, overrides: list[str]) -> str:
     """The demo's run name for ``cfg``: the recipe's, with the defining settings (see
-    trainer/run_settings.py) that the command-line overrides change from the demo's ``default``
+    trainer/recipe/run_settings.py) that the command-line overrides change from the demo's ``default``
     appended (``so_grpo_so_ppo_seed2``), so that a variant never resumes the demo's own run;
     an explicit ``logging.run_name=`` is kept as given."""
-    from sorl_megatron.trainer.run_settings import defining_settings, settings_suffix
+    from sorl_megatron.trainer.recipe.run_settings import defining_settings, settings_suffix
 
     if any(o.split("=", 1)[0].lstrip("+") == "logging.run_name" for o in overrides):
         return cfg.logging.run_name

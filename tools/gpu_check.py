@@ -559,8 +559,8 @@ def run_rl_steps(args, transport: str, hidden_size: int | None = None, extra: tu
 
 def _memory_plan(config_and_overrides: list[str]):
     """The plan the trainer's own launch check made for the same run (world of one)."""
-    from sorl_megatron.trainer.memory_plan import check_memory_for_launch
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.recipe.loader import load_recipe
+    from sorl_megatron.trainer.recipe.memory_plan import check_memory_for_launch
 
     return check_memory_for_launch(load_recipe(config_and_overrides[0], config_and_overrides[1:]), 1, on_gpu=True)
 

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
               "virtual environment; run: source .venv/bin/activate (or make setup)", file=sys.stderr)
         return 2
     require_environment("tools/plot.py")  # before the heavy imports
-    from sorl_megatron.trainer.plots import plot_runs
+    from sorl_megatron.trainer.metrics.plots import plot_runs
 
     try:
         paths = plot_runs(args.runs, args.out, labels=args.labels.split(",") if args.labels else None,

@@ -50,7 +50,7 @@ def is_correction_weights(
         count = mask.sum(dtype=torch.float64).clamp(min=1)
         flat = log_gap.reshape(-1)
         # whole-tensor reductions: every entry off the mask is exactly 0 and adds nothing. The
-        # k3 KL(mu || pi_old) is the trainer's mismatch/kl_k3 (trainer/indicators.py), once a step
+        # k3 KL(mu || pi_old) is the trainer's mismatch/kl_k3 (trainer/metrics/indicators.py), once a step
         metrics = {
             "is/mismatch_abs_mean": (torch.linalg.vector_norm(flat, 1, dtype=torch.float64) / count).float(),
             "is/mismatch_abs_max": torch.linalg.vector_norm(flat, float("inf")),

@@ -51,7 +51,7 @@ class ParallelLayout:
     rank0_phase_timeout_s: how long the other ranks wait for a phase only rank 0 runs (rollouts,
     validation, PVPO's reference pass, SFT's demonstrations) before they stop naming it.
     Nor do the memory keys: gpu_memory_gib, the per-GPU budget a GPU run's memory estimate must fit
-    (trainer/memory_plan.py); recompute, activation recomputation (megatron's recompute_granularity:
+    (trainer/recipe/memory_plan.py); recompute, activation recomputation (megatron's recompute_granularity:
     none, selective = its default core-attention modules, full = every layer, uniform);
     planned_world_size, the GPUs the recipe is laid out for (the plan's DP size without WORLD_SIZE).
     """

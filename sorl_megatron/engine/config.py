@@ -1,7 +1,7 @@
 """The engines' typed configs: the optimizer and how a batch is cut.
 
 Plain dataclasses with no torch or megatron import, so the recipe schema
-(``trainer/config.py``) builds on them without loading the engines.
+(``trainer/recipe/config.py``) builds on them without loading the engines.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Optional
 
 from ..engine.checkpoint import complete_checkpoints
-from .config import TrainConfig
-from .sft import SFT_DONE
+from .recipe.config import TrainConfig
+
+SFT_DONE = "SFT_DONE"  # in the HF directory SFT writes, last: the stage finished
 
 
 def sft_model_dir(cfg: TrainConfig) -> Path:

@@ -50,18 +50,20 @@ from ..rewards.registry import RewardRegistry
 from ..rollout.trajectory import collate
 from ..weight_sync.base import SyncTargets
 from ..weight_sync.factory import make_weight_sync
-from .batch_source import RolloutSource, make_rollout_source, source_class
-from .config import TrainConfig
-from .connections import Connections
-from .indicators import mismatch_metrics, route_flip_metrics
-from .inputs import check_resume_dir, load_tokenizer, validate_inputs
-from .metrics_log import MetricsLogger, open_wandb
-from .recipe import dump_config
+from .groups.prompts import DataStream
+from .groups.rollouts import RolloutResult, rollout_metrics
+from .metrics.indicators import mismatch_metrics, route_flip_metrics
+from .metrics.logger import MetricsLogger, open_wandb
+from .metrics.timing import StepTimer, tokens_per_second, truncate_jsonl
+from .recipe.config import TrainConfig
+from .recipe.inputs import check_resume_dir, load_tokenizer, validate_inputs
+from .recipe.loader import dump_config
+from .recipe.model_options import model_options
 from .rerun import interrupted
-from .rollout_phase import RolloutResult, rollout_metrics
-from .runtime import DataStream, StepTimer, model_options, tokens_per_second, truncate_jsonl
-from .servers import EmbeddedServers
-from .stages import PVPOStage, sft_resume_point, sft_stage
+from .serving.connections import Connections
+from .serving.servers import EmbeddedServers
+from .sources.modes import RolloutSource, make_rollout_source, source_class
+from .stages.drivers import PVPOStage, sft_resume_point, sft_stage
 
 log = logging.getLogger("sorl_megatron.trainer")
 
@@ -76,7 +78,7 @@ def start_message(cfg: TrainConfig, resume: Optional[Path], step: int) -> tuple[
         return True, f"starting run {name}: {total} RL steps, logs and checkpoints in {run_dir}"
     if step < total:
         return True, f"resuming run {name} from step {step} of {total} ({resume})"
-    from .run_settings import rerun_command  # imported here: edits of this module stay in this function
+    from .recipe.run_settings import rerun_command  # imported here: edits of this module stay in this function
 
     def command(override: str) -> str:  # the command as it was typed (make demo ARGS=..., python -m ...)
         typed = rerun_command(override)

@@ -38,7 +38,7 @@ def test_the_recipe_the_options_the_cli_and_the_spec_name_the_same_attentions(si
 
     from sorl_megatron.bridge.convert_cli import build_parser
     from sorl_megatron.bridge.model import LOCAL_ATTENTIONS, ModelOptions
-    from sorl_megatron.trainer.config import ModelConfig
+    from sorl_megatron.trainer.recipe.config import ModelConfig
 
     recipe = get_args(get_type_hints(ModelConfig)["local_attention"])
     assert sorted(recipe) == sorted(LOCAL_ATTENTIONS) == result(single_results, "local_attention")["kinds"]

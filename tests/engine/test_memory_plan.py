@@ -1,4 +1,4 @@
-"""The memory plan (trainer/memory_plan.py, ``train --print-memory``), parallelism.recompute and
+"""The memory plan (trainer/recipe/memory_plan.py, ``train --print-memory``), parallelism.recompute and
 model.offload_idle: arithmetic on the GPU recipes, and on CPU a built engine (memory_worker.py)."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from sorl_megatron.trainer.config import RecipeError
-from sorl_megatron.trainer.memory_plan import (
+from sorl_megatron.trainer.recipe.config import RecipeError
+from sorl_megatron.trainer.recipe.loader import load_recipe
+from sorl_megatron.trainer.recipe.memory_plan import (
     check_memory_for_launch,
     count_params,
     model_config_for,
     plan_memory,
     read_model_config,
 )
-from sorl_megatron.trainer.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_RECIPES = sorted((ROOT / "recipes" / "gpu").glob("*.yaml"))
@@ -68,7 +68,7 @@ def test_the_old_7b_ppo_settings_are_refused_on_gpu_only():
 
 
 def test_an_sft_micro_batch_larger_than_rls_is_what_the_plan_sizes():
-    from sorl_megatron.trainer.memory_plan import micro_batch_tokens
+    from sorl_megatron.trainer.recipe.memory_plan import micro_batch_tokens
 
     base = ROOT / "recipes" / "tiny_search_base.yaml"
     rl = micro_batch_tokens(load_recipe(base, ["sft.micro_batch_size=null"]))
@@ -151,7 +151,7 @@ def test_torch_adams_step_temporaries_are_planned_net_of_the_freed_activations(m
     """Without a fused Adam (no TransformerEngine or apex: megatron uses torch's AdamW) the step
     allocates 4 bytes per parameter it updates (measured on an H100 at three model sizes,
     docs/gpu.md); activations and logits are freed by then, so only the excess is added."""
-    from sorl_megatron.trainer import memory_plan
+    from sorl_megatron.trainer.recipe import memory_plan
 
     cfg = load_recipe(GPU_RECIPES[0])
     c, critic, _ = model_config_for(cfg)

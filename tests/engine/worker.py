@@ -880,7 +880,7 @@ def op_wsync(case: dict, models: str, work: str) -> dict:
     from sorl_megatron.rollout.client import RolloutClient
     from sorl_megatron.sglang_cpu.options import EngineConfig, ServerOptions
     from sorl_megatron.sglang_cpu.server import start_rollout_server
-    from sorl_megatron.trainer.config import RolloutConfig
+    from sorl_megatron.trainer.recipe.config import RolloutConfig
     from sorl_megatron.weight_sync.base import SyncTargets
     from sorl_megatron.weight_sync.distributed import DistributedWeightSync
     from sorl_megatron.weight_sync.export import weight_sync_roles

@@ -24,7 +24,7 @@ from sorl_megatron.rollout.agent import (
     AgentConfig,
     SearchAgent,
 )
-from sorl_megatron.trainer.rollout_phase import collect_rollouts
+from sorl_megatron.trainer.groups.rollouts import collect_rollouts
 
 
 @pytest.fixture(scope="module")

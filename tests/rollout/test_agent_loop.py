@@ -369,7 +369,7 @@ def test_retrieval_server_errors_after_retries_are_counted_in_rollout_metrics(to
     from sorl_megatron.common.background import BackgroundServer
     from sorl_megatron.data.qa import QARow
     from sorl_megatron.rewards import RewardRegistry
-    from sorl_megatron.trainer.rollout_phase import collect_rollouts
+    from sorl_megatron.trainer.groups.rollouts import collect_rollouts
 
     calls = []
 

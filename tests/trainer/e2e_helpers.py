@@ -56,7 +56,7 @@ def shared_embedded_servers(data: Path, workdir: Path) -> Iterator[dict]:
     """One rollout server (routed experts on, for R3) and one retrieval server that the trainer
     did not start: their API keys reach it as a user's would, by environment variable.
     Yields ``rollout`` / ``retrieval`` URLs, ``keys`` and the ``overrides`` pointing a run at them."""
-    from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
+    from sorl_megatron.trainer.serving.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
 
     servers = EmbeddedServers(workdir)
     with pytest.MonkeyPatch.context() as env:

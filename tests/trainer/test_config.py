@@ -5,9 +5,9 @@ import pytest
 
 from sorl_megatron.algorithms import POLICY_LOSSES
 from sorl_megatron.common.typed_config import build_dataclass
-from sorl_megatron.trainer.config import RecipeError, TrainConfig
-from sorl_megatron.trainer.launch_checks import validate_layout_for_launch
-from sorl_megatron.trainer.recipe import dump_config, load_recipe
+from sorl_megatron.trainer.recipe.config import RecipeError, TrainConfig
+from sorl_megatron.trainer.recipe.launch_checks import validate_layout_for_launch
+from sorl_megatron.trainer.recipe.loader import dump_config, load_recipe
 
 RECIPES = sorted(p for p in Path(__file__).resolve().parents[2].joinpath("recipes").rglob("*.yaml")
                  if p.parent.name != "study")  # study recipes: tests/test_study.py
@@ -343,7 +343,7 @@ def test_reward_group():
     assert cfg.reward.metric == "f1" and cfg.reward.format_weight == 0.1
     assert load_recipe(GPU / "sapo_qwen2.5_3b.yaml").reward.metric == "f1"  # SAPO trains on F1
     from sorl_megatron.rewards.registry import RewardRegistry
-    from sorl_megatron.trainer.config import RewardConfig
+    from sorl_megatron.trainer.recipe.config import RewardConfig
 
     # every schema value is one the registry takes
     for metric in (None, "em", "f1"):
@@ -694,7 +694,7 @@ def test_sorl_study_recipes_differ_from_their_base_only_by_the_loss(loss):
 
 
 def test_pvpo_static_v_refresh_schedule():
-    from sorl_megatron.trainer.config import PVPOConfig
+    from sorl_megatron.trainer.recipe.config import PVPOConfig
 
     due = lambda cfg: [k for k in range(1, 12) if cfg.refresh_due(k)]  # noqa: E731
     assert due(PVPOConfig()) == [] and not PVPOConfig(refresh_every=1).refresh_due(0)

@@ -82,7 +82,7 @@ def length_reward(monkeypatch):
 
 
 def _trainer(overrides, cls=None):
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.recipe.loader import load_recipe
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
     return (cls or RLTrainer)(load_recipe(BASE_RECIPE, overrides))
@@ -91,7 +91,7 @@ def _trainer(overrides, cls=None):
 @pytest.fixture
 def server_spy(monkeypatch):
     """Records every embedded server process the trainer starts."""
-    from sorl_megatron.trainer.servers import EmbeddedServers
+    from sorl_megatron.trainer.serving.servers import EmbeddedServers
 
     started: list[subprocess.Popen] = []
     original = EmbeddedServers.launch  # every start (and restart) launches
@@ -515,9 +515,9 @@ def test_pvpo_filtering_and_ground_truth_injection(tiny_data, shared_servers, mo
 
     seen = {"passes": [], "steps": []}
 
-    from sorl_megatron.trainer.batch_source import RolloutSource
-    from sorl_megatron.trainer.connections import Connections
-    from sorl_megatron.trainer.stages import PVPOStage
+    from sorl_megatron.trainer.serving.connections import Connections
+    from sorl_megatron.trainer.sources.modes import RolloutSource
+    from sorl_megatron.trainer.stages.drivers import PVPOStage
 
     class Spy(RLTrainer):
         def advantages(self, batch, rewards, values):
@@ -622,8 +622,8 @@ def test_sft_cold_start_writes_the_policy_rl_starts_from(tiny_data, shared_serve
 
     from sorl_megatron.data.gold import cold_start_plans
     from sorl_megatron.data.qa import read_parquet
-    from sorl_megatron.trainer.connections import Connections
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.recipe.loader import load_recipe
+    from sorl_megatron.trainer.serving.connections import Connections
 
     calls = []
     gold_trajectories = Connections.gold_trajectories
@@ -671,7 +671,7 @@ def test_bf16_training_with_fp8_rollouts_recipe_trains(tiny_data, shared_servers
     """recipes/tiny_search_bf16_fp8.yaml: the actor trains in megatron's BF16 mixed precision
     while its own embedded server generates with FP8 weights (R3 routes, token-level TIS).
     The crafted length reward gives the GRPO groups a signal (a random model answers nothing)."""
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.recipe.loader import load_recipe
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
     recipe = ROOT / "recipes" / "tiny_search_bf16_fp8.yaml"

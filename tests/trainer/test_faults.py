@@ -28,11 +28,11 @@ from sorl_megatron.common.http import ServerError, ServerTimeoutError, ServerUna
 from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.data.tiny_model import TinyModelConfig, save_tiny_model
 from sorl_megatron.data.tokenizer import train_tokenizer
-from sorl_megatron.trainer.config import RecipeError
-from sorl_megatron.trainer.recipe import load_recipe
+from sorl_megatron.trainer.recipe.config import RecipeError
+from sorl_megatron.trainer.recipe.loader import load_recipe
 from sorl_megatron.trainer.rl_loop import RLTrainer
-from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
-from sorl_megatron.trainer.stages import PVPOStage
+from sorl_megatron.trainer.serving.servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
+from sorl_megatron.trainer.stages.drivers import PVPOStage
 from sorl_megatron.weight_sync.tensor import send_tensors
 
 from .e2e_helpers import BASE_RECIPE

@@ -26,8 +26,8 @@ import pytest
 from sorl_megatron.common.http import RetryPolicy, request
 from sorl_megatron.common.protocol import bearer_headers
 from sorl_megatron.rollout.router import RouterAdmin
-from sorl_megatron.trainer.config import RecipeError
-from sorl_megatron.trainer.recipe import load_recipe
+from sorl_megatron.trainer.recipe.config import RecipeError
+from sorl_megatron.trainer.recipe.loader import load_recipe
 from sorl_megatron.trainer.rl_loop import RLTrainer
 
 from .e2e_helpers import BASE_RECIPE, ROOT, read_metrics, run_overrides, subprocess_env
@@ -78,8 +78,8 @@ def test_router_keeps_an_episode_on_the_server_that_holds_its_prefix(tiny_data, 
     """cache_aware through the real router: each server is told apart by its weight version;
     new prompts spread over both, and every later turn of an episode (its prompt plus what
     came since) goes where the first went."""
-    from sorl_megatron.trainer.fleet import start_fleet
-    from sorl_megatron.trainer.servers import EmbeddedServers, rollout_server_spec
+    from sorl_megatron.trainer.serving.fleet import start_fleet
+    from sorl_megatron.trainer.serving.servers import EmbeddedServers, rollout_server_spec
 
     cfg = load_recipe(BASE_RECIPE, [*run_overrides(tiny_data, tmp_path, "router"), *FLEET])
     with EmbeddedServers(tmp_path) as servers:
@@ -268,7 +268,7 @@ def test_external_server_failure_runs_the_operators_hook(tmp_path):
 
     from sorl_megatron.common.background import BackgroundServer, free_port
     from sorl_megatron.common.http import ServerUnavailableError
-    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+    from sorl_megatron.trainer.serving.fleet import RolloutFleet, Worker
 
     async def health(request):
         return web.Response(text="ok")
@@ -324,8 +324,8 @@ def test_two_threads_reporting_one_dead_server_restart_it_once(tmp_path):
 
     from sorl_megatron.common.background import BackgroundServer
     from sorl_megatron.common.http import ServerTimeoutError
-    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
-    from sorl_megatron.trainer.servers import EmbeddedServers, ServerSpec
+    from sorl_megatron.trainer.serving.fleet import RolloutFleet, Worker
+    from sorl_megatron.trainer.serving.servers import EmbeddedServers, ServerSpec
 
     async def hang(request):
         await asyncio.sleep(3600)
@@ -436,7 +436,7 @@ def test_a_server_failing_while_it_is_registered_is_taken_back_out_of_the_router
     wait for the router to call it healthy. The failure is the fleet's own ``on_failure``, from
     another thread, while the router is being asked to add the server."""
     from sorl_megatron.common.http import ServerTimeoutError
-    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+    from sorl_megatron.trainer.serving.fleet import RolloutFleet, Worker
 
     def dies_and_is_reported(url):
         stub.alive = False
@@ -460,7 +460,7 @@ def test_a_server_that_failed_and_came_back_during_its_registration_waits_for_th
     that it missed this sync. It must not serve now: it stays joining (the next sync brings it
     back) and out of the router."""
     from sorl_megatron.common.http import ServerTimeoutError
-    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+    from sorl_megatron.trainer.serving.fleet import RolloutFleet, Worker
 
     def fails_and_comes_back(url):
         stub.alive = False
@@ -495,7 +495,7 @@ def test_a_joining_server_the_router_never_calls_healthy_fails_instead_of_the_sy
     """A joining server that dies after the sync, with nobody's call to report it: the router
     never lists it healthy. Past ``rollout.start_timeout_s`` the fleet takes it out as failed
     (the run goes on; it was a ServerError that ended the weight sync)."""
-    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+    from sorl_megatron.trainer.serving.fleet import RolloutFleet, Worker
 
     stub = StubRouter()
     stub.alive = False
@@ -515,8 +515,8 @@ def test_a_long_lived_client_follows_a_restart_to_its_new_port(tmp_path):
     same client's calls reach the new port (with its start-up URLs it never did)."""
     from sorl_megatron.common.protocol import SamplingParams
     from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
-    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
-    from sorl_megatron.trainer.servers import EmbeddedServers, ServerSpec
+    from sorl_megatron.trainer.serving.fleet import RolloutFleet, Worker
+    from sorl_megatron.trainer.serving.servers import EmbeddedServers, ServerSpec
 
     with EmbeddedServers(tmp_path) as servers:
         workers = [Worker(servers.launch(ServerSpec(name=f"rollout-{i}", module="tests.trainer.stub_rollout_server",
@@ -564,7 +564,7 @@ def test_client_moves_a_call_off_a_hung_server_without_a_router(tmp_path):
     from sorl_megatron.common.background import BackgroundServer
     from sorl_megatron.common.protocol import SamplingParams
     from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
-    from sorl_megatron.trainer.fleet import RolloutFleet, Worker
+    from sorl_megatron.trainer.serving.fleet import RolloutFleet, Worker
 
     async def hang(request):
         await asyncio.sleep(3600)
@@ -613,8 +613,8 @@ def test_server_killed_during_a_weight_sync(tiny_data, tmp_path):
     from safetensors.torch import load_file
 
     from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
-    from sorl_megatron.trainer.fleet import start_fleet
-    from sorl_megatron.trainer.servers import EmbeddedServers, rollout_server_spec
+    from sorl_megatron.trainer.serving.fleet import start_fleet
+    from sorl_megatron.trainer.serving.servers import EmbeddedServers, rollout_server_spec
     from sorl_megatron.weight_sync.tensor import send_tensors
 
     cfg = load_recipe(BASE_RECIPE, [*run_overrides(tiny_data, tmp_path, "sync"), "rollout.num_servers=2",
@@ -665,7 +665,7 @@ def test_external_router_takes_generation_and_the_workers_take_the_sync(tiny_dat
     workers, rollout.router_url the router in front of them. Every /generate of the run comes
     through the router (no User-Agent: the router's, not the trainer's aiohttp client), every
     weight update goes straight to each worker, and both serve the step's weights after it."""
-    from sorl_megatron.trainer.servers import EmbeddedServers, rollout_server_spec, router_spec
+    from sorl_megatron.trainer.serving.servers import EmbeddedServers, rollout_server_spec, router_spec
 
     with EmbeddedServers(tmp_path / "cluster") as servers:
         workers = [servers.start(rollout_server_spec(str(tiny_data / "model"), "fp32", False, 1, name=f"w{i}",

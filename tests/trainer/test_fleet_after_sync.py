@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from sorl_megatron.trainer.recipe import load_recipe
+from sorl_megatron.trainer.recipe.loader import load_recipe
 from sorl_megatron.trainer.rl_loop import RLTrainer
 
 from .e2e_helpers import BASE_RECIPE, read_metrics, run_overrides

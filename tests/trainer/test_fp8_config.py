@@ -7,10 +7,10 @@ import pytest
 from sorl_megatron.bridge import te_fp8
 from sorl_megatron.bridge.model import ModelOptions
 from sorl_megatron.bridge.te_fp8 import Fp8Options, forward_only_fp8
-from sorl_megatron.trainer.config import RecipeError
-from sorl_megatron.trainer.launch_checks import validate_layout_for_launch
-from sorl_megatron.trainer.recipe import load_recipe
-from sorl_megatron.trainer.runtime import model_options
+from sorl_megatron.trainer.recipe.config import RecipeError
+from sorl_megatron.trainer.recipe.launch_checks import validate_layout_for_launch
+from sorl_megatron.trainer.recipe.loader import load_recipe
+from sorl_megatron.trainer.recipe.model_options import model_options
 
 BASE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_search_base.yaml"
 FP8_ON = ["model.fp8.enabled=true", "model.fp8.format=hybrid", "model.fp8.recipe=blockwise"]

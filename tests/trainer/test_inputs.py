@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from sorl_megatron.data.qa import make_row, write_parquet
-from sorl_megatron.trainer.inputs import InputError, validate_inputs
-from sorl_megatron.trainer.recipe import load_recipe
+from sorl_megatron.trainer.recipe.inputs import InputError, validate_inputs
+from sorl_megatron.trainer.recipe.loader import load_recipe
 
 from .test_config import BASE, TINY_MOE, _hf_config
 
@@ -139,7 +139,7 @@ def test_resume_directory_must_exist(inputs, monkeypatch, capsys):
 def test_a_tokenizer_that_needs_the_models_own_code_is_refused_naming_model_path(tmp_path):
     """Moonlight-style: the tokenizer is custom code (auto_map); transformers would need
     trust_remote_code, which this package never sets: one clear error naming model.path."""
-    from sorl_megatron.trainer.inputs import load_tokenizer
+    from sorl_megatron.trainer.recipe.inputs import load_tokenizer
 
     model = tmp_path / "custom_tok"
     model.mkdir()

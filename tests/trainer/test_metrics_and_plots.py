@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sorl_megatron.trainer.metrics_log import MetricsLogger, read_metrics
-from sorl_megatron.trainer.plots import plot_runs
+from sorl_megatron.trainer.metrics.logger import MetricsLogger, read_metrics
+from sorl_megatron.trainer.metrics.plots import plot_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,7 +98,7 @@ def test_plot_cli_errors_clearly(tmp_path):
 
 def test_entry_points_show_the_trainer_log_once(tmp_path):
     # a fresh interpreter: the handler is process-global
-    code = ("import logging\nfrom sorl_megatron.trainer.metrics_log import show_trainer_log\n"
+    code = ("import logging\nfrom sorl_megatron.trainer.metrics.logger import show_trainer_log\n"
             "logging.getLogger('sorl_megatron.trainer').info('hidden')\n"
             "show_trainer_log(); show_trainer_log()\n"
             "logging.getLogger('sorl_megatron.trainer').info('PVPO: 3 prompts kept')\n")
@@ -132,7 +132,7 @@ def _captured_figures(monkeypatch) -> dict:
 
 def _demo_like_run(path, em=(0.40, 0.42, 0.45), mismatch=1e-7):
     """A run directory as the trainer leaves it: config.yaml, RL metrics, the SFT stage's."""
-    from sorl_megatron.trainer.recipe import dump_config, load_recipe
+    from sorl_megatron.trainer.recipe.loader import dump_config, load_recipe
 
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(dump_config(load_recipe(ROOT / "recipes" / "tiny_search_so_grpo.yaml")))
@@ -173,7 +173,7 @@ def test_an_all_zero_non_negative_metric_sits_at_the_bottom():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from sorl_megatron.trainer.plots import style_axis
+    from sorl_megatron.trainer.metrics.plots import style_axis
 
     fig, ax = plt.subplots()
     ax.plot([1, 2], [0.0, 0.0])
@@ -204,7 +204,7 @@ def test_plot_smoothing_and_overlays(tmp_path, monkeypatch):
 
 
 def test_smooth_ema():
-    from sorl_megatron.trainer.plots import smooth_ema
+    from sorl_megatron.trainer.metrics.plots import smooth_ema
 
     assert smooth_ema([1.0, 2.0, 3.0], 0.0) == [1.0, 2.0, 3.0]
     assert smooth_ema([5.0, 5.0, 5.0], 0.9) == pytest.approx([5.0, 5.0, 5.0])  # debiased: no pull to 0
@@ -229,7 +229,7 @@ def test_axes_tick_the_validation_steps_and_scale_to_small_and_spread_values():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from sorl_megatron.trainer.plots import style_axis
+    from sorl_megatron.trainer.metrics.plots import style_axis
 
     fig, (em, clip, kl) = plt.subplots(1, 3)
     style_axis(em, "val/em", [0.4, 0.5], steps=[0, 4, 8, 12])

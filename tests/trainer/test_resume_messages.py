@@ -8,7 +8,7 @@ import pytest
 
 from sorl_megatron.bridge.manifest import write_manifest
 from sorl_megatron.engine.checkpoint import FORMAT_VERSION
-from sorl_megatron.trainer.recipe import load_recipe
+from sorl_megatron.trainer.recipe.loader import load_recipe
 from sorl_megatron.trainer.rl_loop import RLTrainer, start_message
 
 BASE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_search_base.yaml"
@@ -76,7 +76,7 @@ def test_a_finished_run_says_so_and_reads_nothing_else(tmp_path, caplog):
 def test_a_run_with_steps_left_checks_its_inputs_before_it_announces_itself(tmp_path, caplog):
     """A bad input is the first and only line (the resume line follows good inputs: the
     e2e resume test sees it)."""
-    from sorl_megatron.trainer.inputs import InputError
+    from sorl_megatron.trainer.recipe.inputs import InputError
 
     cfg = _cfg(tmp_path, "data.train=nowhere/train.parquet")
     _fake_checkpoint(Path(cfg.checkpoint.dir), 2)
@@ -122,7 +122,7 @@ def test_ctrl_c_in_the_set_up_says_what_a_rerun_does(tmp_path, monkeypatch, caps
 
     import sorl_megatron.trainer.rl_loop as rl_loop
     from sorl_megatron.trainer.rerun import RunInterrupted, sft_checkpoint_root
-    from sorl_megatron.trainer.servers import SignalInterrupt, report_interrupt
+    from sorl_megatron.trainer.serving.servers import SignalInterrupt, report_interrupt
 
     cfg = _sft_cfg(tmp_path)
     _fake_checkpoint(sft_checkpoint_root(cfg), 8)

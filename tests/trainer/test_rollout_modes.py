@@ -180,7 +180,7 @@ def test_one_step_off_lags_one_version_with_dynamic_sampling(tiny_data, servers,
     sampling drops the groups whose rewards are all equal and refills the batch; its counts agree
     with the logged groups; overlong episodes are penalized."""
     monkeypatch.setattr("sorl_megatron.trainer.rl_loop.RewardRegistry", HalfConstantReward)
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.recipe.loader import load_recipe
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
     name = "one_step_off"
@@ -220,9 +220,9 @@ def test_a_lagged_run_resumes_as_the_uninterrupted_one(tiny_data, servers, tmp_p
     batches of steps 3 and 4, generated on the weights of steps 1 and 2, wait in its pipeline) and
     resumed: steps 3-4 train on A's groups with A's tokens, versions (lag 2, not the 0 and 1 of a
     refilled pipeline), rewards and every logged number; nothing pickled is in the checkpoint."""
-    from sorl_megatron.trainer.pending_batches import ARRAYS_FILE, JSON_FILE
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.recipe.loader import load_recipe
     from sorl_megatron.trainer.rl_loop import RLTrainer
+    from sorl_megatron.trainer.sources.pending_batches import ARRAYS_FILE, JSON_FILE
 
     def trainer(name):
         return RLTrainer(load_recipe(BASE_RECIPE, run_overrides(
@@ -270,8 +270,8 @@ def test_pending_batches_round_trip_without_pickle(tmp_path):
     arrays (routes included), absent arrays, texts, meta, rewards, PVPO marks, dropped groups
     with why, counts and the next group id; another format is refused naming the file."""
     from sorl_megatron.rollout.trajectory import Trajectory
-    from sorl_megatron.trainer.pending_batches import ARRAYS_FILE, JSON_FILE, decode, encode
-    from sorl_megatron.trainer.producer import Group
+    from sorl_megatron.trainer.groups.producer import Group
+    from sorl_megatron.trainer.sources.pending_batches import ARRAYS_FILE, JSON_FILE, decode, encode
 
     def traj(n, routes):
         return Trajectory(token_ids=np.arange(n, dtype=np.int64),
@@ -387,7 +387,7 @@ def test_async_window_counts_the_groups_a_step_trains_until_released():
     fast producer has at most 2 groups ahead while a step trains, so the next step's groups were
     started before the previous sync (lag 1), never two syncs back (which the staleness rule
     would drop). A dropped group's slot is released at once, and taken back if it fills the batch."""
-    from sorl_megatron.trainer.producer import AsyncProducer, Group
+    from sorl_megatron.trainer.groups.producer import AsyncProducer, Group
 
     started: list[int] = []
 
@@ -428,7 +428,7 @@ def test_async_window_counts_the_groups_a_step_trains_until_released():
 
 def _fake_group(gid: int, versions: list[int], rewards: list[float]):
     from sorl_megatron.rollout.trajectory import Trajectory
-    from sorl_megatron.trainer.producer import Group
+    from sorl_megatron.trainer.groups.producer import Group
 
     trajs = []
     for v in versions:  # a prompt token, then two policy turns sampled by versions v and v + 1
@@ -441,9 +441,9 @@ def _fake_group(gid: int, versions: list[int], rewards: list[float]):
 
 
 def _collect_with(overrides, groups, version):
-    from sorl_megatron.trainer.batch_source import make_rollout_source
-    from sorl_megatron.trainer.recipe import load_recipe
-    from sorl_megatron.trainer.runtime import DataStream
+    from sorl_megatron.trainer.groups.prompts import DataStream
+    from sorl_megatron.trainer.recipe.loader import load_recipe
+    from sorl_megatron.trainer.sources.modes import make_rollout_source
 
     cfg = load_recipe(BASE_RECIPE, [*overrides, "model.path=x", "data.train=x", "retrieval.url=http://127.0.0.1:1"])
     source = make_rollout_source(cfg, DataStream([0, 1, 2], cfg.schedule.batch_size, 0), [None] * 3, None,
@@ -462,7 +462,7 @@ def test_batch_rules_staleness_and_dynamic_sampling():
     """The staleness rule (oldest token more than K versions behind: dropped, or kept and
     counted), dynamic sampling (equal rewards dropped, refilled, and dropped ones filling the
     batch when the draws run out) and the settled bookkeeping a checkpoint saves."""
-    from sorl_megatron.trainer.producer import SettledGroups, apply_overlong, version_lag_metrics
+    from sorl_megatron.trainer.groups.producer import SettledGroups, apply_overlong, version_lag_metrics
 
     base = ["schedule.batch_size=2", "rollout.group_size=2", "schedule.mini_batch_size=2",
             "schedule.micro_batch_size=1", "rollout.max_staleness=1", "rollout.mode=async"]
@@ -584,7 +584,7 @@ def test_pause_and_continue_around_updates_or_the_404_fallback():
         # the trainer: a pause one server refuses raises, and the one that paused is told to go on
         from types import SimpleNamespace
 
-        from sorl_megatron.trainer.connections import Connections
+        from sorl_megatron.trainer.serving.connections import Connections
 
         async def with_client(fn):
             client = RolloutClient([servers[0].url, servers[3].url])

@@ -14,8 +14,8 @@ from sorl_megatron.retrieval.corpus import Passage
 from sorl_megatron.rewards.registry import RewardRegistry
 from sorl_megatron.rollout.agent import AgentConfig, SearchAgent
 from sorl_megatron.rollout.trajectory import Trajectory
-from sorl_megatron.trainer.pvpo import group_sampling, inject_ground_truth, reference_statistics
-from sorl_megatron.trainer.rollout_phase import collect_rollouts
+from sorl_megatron.trainer.groups.rollouts import collect_rollouts
+from sorl_megatron.trainer.stages.pvpo import group_sampling, inject_ground_truth, reference_statistics
 
 
 @pytest.fixture(scope="module")

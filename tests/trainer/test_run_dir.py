@@ -1,5 +1,5 @@
 """A run directory has one writer (common/run_lock.py) and holds one run: other defining
-settings under the same name are refused (trainer/run_settings.py); the finished-run advice
+settings under the same name are refused (trainer/recipe/run_settings.py); the finished-run advice
 gives the command as it was typed; the demo names a variant's run after its overrides."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from sorl_megatron.common.run_lock import LOCK_NAME, RunLockedError, acquire_run_lock
-from sorl_megatron.trainer.inputs import InputError, check_resume_dir
-from sorl_megatron.trainer.recipe import dump_config, load_recipe
-from sorl_megatron.trainer.run_settings import RERUN_ENV, rerun_command, run_settings_problem
+from sorl_megatron.trainer.recipe.inputs import InputError, check_resume_dir
+from sorl_megatron.trainer.recipe.loader import dump_config, load_recipe
+from sorl_megatron.trainer.recipe.run_settings import RERUN_ENV, rerun_command, run_settings_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "recipes" / "tiny_search_base.yaml"
@@ -216,7 +216,7 @@ def _study_files(tmp_path: Path, seeds: str = "[1]") -> Path:
 
 def test_the_study_refuses_duplicate_cells_and_a_cell_in_use(tmp_path):
     from sorl_megatron.common.typed_config import ConfigError
-    from sorl_megatron.study import Cell, load_study, run_cell
+    from sorl_megatron.study.runner import Cell, load_study, run_cell
 
     with pytest.raises(ConfigError, match=r"seeds lists \[1\] more than once"):
         load_study(_study_files(tmp_path, "[1, 2, 1]"))
@@ -232,7 +232,7 @@ def test_an_interrupted_study_stops_its_running_cell_starts_no_other_and_says_on
     cell gets it once and exits, the next cell never starts, one line and no traceback."""
     study = _study_files(tmp_path)
     runs = tmp_path / "out" / "runs"
-    code = ("import sys, sorl_megatron.study as s; s.TRAIN_MODULE = 'tests.study_stub_train'; "
+    code = ("import sys, sorl_megatron.study.runner as s; s.TRAIN_MODULE = 'tests.study_stub_train'; "
             "raise SystemExit(s.main(['--config', sys.argv[1]]))")
     proc = subprocess.Popen([sys.executable, "-c", code, str(study)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
@@ -276,7 +276,7 @@ def test_entry_points_outside_the_environment_say_how_to_enter_it(argv):
 
 
 def test_the_progress_bar_is_plain_lines_when_not_on_a_terminal(tmp_path, capsys):
-    from sorl_megatron.trainer.metrics_log import MetricsLogger
+    from sorl_megatron.trainer.metrics.logger import MetricsLogger
 
     logger = MetricsLogger(tmp_path, 2, tensorboard=False, progress="tqdm")  # pytest's capture is no terminal
     logger.log(1, {"rollout/reward": 0.5})

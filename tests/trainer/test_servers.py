@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec
+from sorl_megatron.trainer.serving.servers import EmbeddedServers, retrieval_server_spec
 
 
 def _corpus(tmp_path):
@@ -60,7 +60,7 @@ def test_missing_corpus_is_a_clear_error(tmp_path):
 def test_an_interrupted_run_reports_one_line_on_rank_0(capsys, monkeypatch):
     import signal
 
-    from sorl_megatron.trainer.servers import SignalInterrupt, report_interrupt
+    from sorl_megatron.trainer.serving.servers import SignalInterrupt, report_interrupt
 
     monkeypatch.setenv("RANK", "0")
     assert report_interrupt(KeyboardInterrupt()) == 128 + signal.SIGINT
@@ -75,7 +75,7 @@ def test_an_interrupted_run_reports_one_line_on_rank_0(capsys, monkeypatch):
 
 
 def test_deterministic_rollouts_reach_the_embedded_server_as_its_flag():
-    from sorl_megatron.trainer.servers import rollout_server_spec
+    from sorl_megatron.trainer.serving.servers import rollout_server_spec
 
     flag = "--enable-deterministic-inference"
     assert flag in rollout_server_spec("m", "fp32", False, 1, deterministic=True).args

@@ -43,7 +43,7 @@ def tiny_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def retrieval(tiny_data, tmp_path_factory):
     """One retrieval server for the module's runs (its key reaches them by environment variable)."""
-    from sorl_megatron.trainer.servers import EmbeddedServers, retrieval_server_spec
+    from sorl_megatron.trainer.serving.servers import EmbeddedServers, retrieval_server_spec
 
     servers = EmbeddedServers(tmp_path_factory.mktemp("retrieval"))
     with pytest.MonkeyPatch.context() as env:
@@ -82,7 +82,7 @@ def _interrupt_at_call(monkeypatch, n: int) -> None:
 
 
 def _sft(overrides) -> None:
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.recipe.loader import load_recipe
 
     with pytest.raises(_SFTDone):
         RLTrainer(load_recipe(BASE_RECIPE, overrides)).run()
@@ -98,7 +98,7 @@ def test_interrupted_sft_resumes_to_the_uninterrupted_curve_and_weights(tiny_dat
     7 starts (checkpoints 4 and 6 kept: checkpoint.keep_last=2). C: B's command again resumes
     from step 6. C's loss curve (every logged number) and its SFT policy (every tensor) equal A's:
     saving neither draws random numbers nor changes the training."""
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.recipe.loader import load_recipe
 
     common = [*SFT, "sft.steps=12", *retrieval]
     _sft(run_overrides(tiny_data, tmp_path, "full", *common, "sft.save_every=0"))
@@ -134,7 +134,7 @@ def test_ctrl_c_during_sft_names_the_step_a_rerun_resumes_from(tiny_data, retrie
     """The CLI in a subprocess, Ctrl-C (SIGINT to its process group) once an SFT checkpoint is
     complete: exit 130 and one line naming the newest complete checkpoint's step; the same
     command (here in process) resumes from it."""
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.recipe.loader import load_recipe
 
     args = run_overrides(tiny_data, tmp_path, "sigint", *SFT, "sft.steps=400", "sft.save_every=2",
                          "logging.progress=plain", *retrieval)

@@ -38,7 +38,7 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 def _run(tiny_data, tmp_path, name, *overrides):
-    from sorl_megatron.trainer.recipe import load_recipe
+    from sorl_megatron.trainer.recipe.loader import load_recipe
     from sorl_megatron.trainer.rl_loop import RLTrainer
 
     RLTrainer(load_recipe(BASE_RECIPE, run_overrides(tiny_data, tmp_path, name, *overrides))).run()

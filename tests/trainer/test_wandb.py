@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from sorl_megatron.common.typed_config import to_dict
-from sorl_megatron.trainer.config import RecipeError
-from sorl_megatron.trainer.metrics_log import WANDB_ID_FILE, MetricsLogger, open_wandb, read_metrics
-from sorl_megatron.trainer.recipe import load_recipe
+from sorl_megatron.trainer.metrics.logger import WANDB_ID_FILE, MetricsLogger, open_wandb, read_metrics
+from sorl_megatron.trainer.recipe.config import RecipeError
+from sorl_megatron.trainer.recipe.loader import load_recipe
 
 wandb = pytest.importorskip("wandb")  # in the dev extra, so `make test` has it
 

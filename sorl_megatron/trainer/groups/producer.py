@@ -36,8 +36,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..common import aio
-from ..rollout.trajectory import Trajectory
+from ...common import aio
+from ...rollout.trajectory import Trajectory
 
 log = logging.getLogger("sorl_megatron.trainer")
 

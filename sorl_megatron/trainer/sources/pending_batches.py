@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..rollout.trajectory import Trajectory
-from .producer import Group
+from ...rollout.trajectory import Trajectory
+from ..groups.producer import Group
 
 FORMAT = 1
 JSON_FILE = "rollout/pending.json"

@@ -21,8 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
-from ..bridge.families import first_k_dense, shared_expert_size
+from ...algorithms.advantages import ADVANTAGE_ESTIMATORS
+from ...bridge.families import first_k_dense, shared_expert_size
 from .config import RecipeError, TrainConfig
 
 GIB = 1024**3

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 
 from tqdm import tqdm
 
-from ..algorithms.diagnostics import Histogram
+from ...algorithms.diagnostics import Histogram
 
 
 def _is_terminal(stream: Any) -> bool:

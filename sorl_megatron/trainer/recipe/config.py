@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
-from ..algorithms.config import PolicyLossConfig
-from ..algorithms.loss_registry import POLICY_LOSSES
-from ..bridge.layout import ParallelLayout
-from ..bridge.te_fp8 import Fp8Error, Fp8Options
-from ..engine.config import BatchingConfig, OptimConfig
-from .config_checks import (
+from ...algorithms.advantages import ADVANTAGE_ESTIMATORS
+from ...algorithms.config import PolicyLossConfig
+from ...algorithms.loss_registry import POLICY_LOSSES
+from ...bridge.layout import ParallelLayout
+from ...bridge.te_fp8 import Fp8Error, Fp8Options
+from ...engine.config import BatchingConfig, OptimConfig
+from .checks import (
     RecipeError,
     _check_finite,
     _check_parallelism,

@@ -15,18 +15,18 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional
 
-from ..common import aio
-from ..common.http import RetryPolicy, ServerError
-from ..data.gold import gold_plan, gold_trajectory
-from ..data.qa import QARow, encode_prompt
-from ..retrieval.client import RetrievalClient
-from ..rewards.registry import RewardRegistry
-from ..rollout.agent import AgentConfig, SearchAgent
-from ..rollout.client import PauseClock, RolloutClient, RolloutClientConfig
-from ..rollout.trajectory import Trajectory
-from .config import TrainConfig
+from ...common import aio
+from ...common.http import RetryPolicy, ServerError
+from ...data.gold import gold_plan, gold_trajectory
+from ...data.qa import QARow, encode_prompt
+from ...retrieval.client import RetrievalClient
+from ...rewards.registry import RewardRegistry
+from ...rollout.agent import AgentConfig, SearchAgent
+from ...rollout.client import PauseClock, RolloutClient, RolloutClientConfig
+from ...rollout.trajectory import Trajectory
+from ..groups.rollouts import RolloutResult, collect_rollouts
+from ..recipe.config import TrainConfig
 from .fleet import RolloutFleet, Worker, start_fleet
-from .rollout_phase import RolloutResult, collect_rollouts
 from .servers import EmbeddedServers, retrieval_server_spec, rollout_server_spec
 
 log = logging.getLogger("sorl_megatron.trainer")
@@ -128,8 +128,8 @@ class Connections:
         if not self.cfg.rollout_routes:
             return None
         if self._routing_shape is None:
-            from ..bridge.families import routing_shape
-            from ..bridge.hf_config import load_hf_config
+            from ...bridge.families import routing_shape
+            from ...bridge.hf_config import load_hf_config
 
             self._routing_shape = routing_shape(load_hf_config(self.cfg.model.path))
         return self._routing_shape

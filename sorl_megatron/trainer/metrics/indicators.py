@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..algorithms.mismatch import importance_ess, k3_kl, route_flip_counts
+from ...algorithms.mismatch import importance_ess, k3_kl, route_flip_counts
 
 
 def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,

@@ -18,8 +18,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..algorithms.advantages import static_values_from_rollouts
-from ..rollout.trajectory import Trajectory
+from ...algorithms.advantages import static_values_from_rollouts
+from ...rollout.trajectory import Trajectory
 
 SOLVED = 1.0 - 1e-6  # a reward of 1 (up to float error) counts as a correct rollout
 

@@ -49,13 +49,13 @@ from typing import Optional
 
 import aiohttp
 
-from ..common import aio
-from ..common.http import RetryPolicy, ServerError, ServerUnavailableError, check_health
-from ..common.protocol import ROLLOUT_API_KEY_ENV, bearer_headers
-from ..rollout.router import RouterAdmin
+from ...common import aio
+from ...common.http import RetryPolicy, ServerError, ServerUnavailableError, check_health
+from ...common.protocol import ROLLOUT_API_KEY_ENV, bearer_headers
+from ...rollout.router import RouterAdmin
 from .servers import EmbeddedServers, ServerSpec, router_spec
 
-log = logging.getLogger("sorl_megatron.trainer.fleet")
+log = logging.getLogger("sorl_megatron.trainer.serving.fleet")
 
 FAILED_SERVER_ENV = "SORL_FAILED_SERVER_URL"
 

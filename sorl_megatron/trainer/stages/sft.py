@@ -6,7 +6,7 @@ exactly what RL will see. The stage writes ``<run_dir>/sft_model`` (safetensors,
 tokenizer files) with a ``SFT_DONE`` marker; a resumed run with the marker skips the stage.
 
 The batches of step k depend only on the seed and k (not on the number of steps), so a run
-resumed from an SFT checkpoint after step k (``trainer/stages.py``: engine, optimizer, RNG)
+resumed from an SFT checkpoint after step k (``trainer/stages/drivers.py``: engine, optimizer, RNG)
 trains on exactly the batches the uninterrupted run would have.
 """
 
@@ -18,12 +18,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..bridge.weights import save_hf_checkpoint
-from ..common import comm
-from ..engine.rl_batch import RLBatch
-from ..rollout.trajectory import Trajectory, collate
-
-SFT_DONE = "SFT_DONE"  # in the HF directory SFT writes, last: the stage finished
+from ...bridge.weights import save_hf_checkpoint
+from ...common import comm
+from ...engine.rl_batch import RLBatch
+from ...rollout.trajectory import Trajectory, collate
+from ..rerun import SFT_DONE
 
 
 def sft_batches(trajs: Sequence[Trajectory], batch_size: int, steps: int, seed: int) -> list[list[int]]:

@@ -14,29 +14,30 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..bridge.model import ModelOptions
-from ..common import comm
-from ..data.gold import cold_start_plans
-from ..data.qa import QARow
-from ..engine.actor import ActorConfig, PolicyEngine
-from ..engine.checkpoint import (
+from ...bridge.model import ModelOptions
+from ...common import comm
+from ...data.gold import cold_start_plans
+from ...data.qa import QARow
+from ...engine.actor import ActorConfig, PolicyEngine
+from ...engine.checkpoint import (
     load_engine_checkpoint,
     newest_checkpoint,
     prune_checkpoints,
     read_checkpoint_meta,
     save_engine_checkpoint,
 )
-from ..engine.config import OptimConfig
-from ..rewards.registry import RewardRegistry
-from .config import TrainConfig
-from .connections import Connections
-from .inputs import InputError
-from .metrics_log import MetricsLogger
-from .producer import Group
+from ...engine.config import OptimConfig
+from ...rewards.registry import RewardRegistry
+from ..groups.producer import Group
+from ..groups.prompts import DataStream
+from ..metrics.logger import MetricsLogger
+from ..metrics.timing import StepTimer
+from ..recipe.config import TrainConfig
+from ..recipe.inputs import InputError
+from ..rerun import SFT_DONE, sft_checkpoint_root, sft_finished, sft_model_dir
+from ..serving.connections import Connections
 from .pvpo import PVPOState, group_sampling, inject_ground_truth, reference_statistics
-from .rerun import sft_checkpoint_root, sft_finished, sft_model_dir
-from .runtime import DataStream, StepTimer
-from .sft import SFT_DONE, run_sft
+from .sft import run_sft
 
 log = logging.getLogger("sorl_megatron.trainer")
 

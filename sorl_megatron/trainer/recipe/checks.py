@@ -11,8 +11,8 @@ import math
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..bridge.layout import ParallelLayout
-from ..common.typed_config import ConfigError
+from ...bridge.layout import ParallelLayout
+from ...common.typed_config import ConfigError
 
 
 class RecipeError(ConfigError):

@@ -6,8 +6,8 @@ server starts; ``--print-config`` skips them (it needs neither).
 
 from __future__ import annotations
 
-from ..bridge.layout import num_experts_of
-from ..bridge.te_fp8 import Fp8Error, require_fp8
+from ...bridge.layout import num_experts_of
+from ...bridge.te_fp8 import Fp8Error, require_fp8
 from .config import RecipeError, TrainConfig
 
 
@@ -53,7 +53,7 @@ def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
 
 
 def _load_hf_config(key: str, path: str):
-    from ..bridge.hf_config import load_hf_config
+    from ...bridge.hf_config import load_hf_config
 
     try:
         return load_hf_config(path)
@@ -97,7 +97,7 @@ def _check_model_layout(cfg: TrainConfig, hf_config, key: str) -> None:
 
 def _check_layout_rules(cfg: TrainConfig, hf_config, key: str, world_size: int) -> None:
     """bridge/layout.py's rules (expert layout vs the world size, expert FFN vs ETP, ...)."""
-    from ..bridge.layout import LayoutError, UnsupportedModelError, validate_layout
+    from ...bridge.layout import LayoutError, UnsupportedModelError, validate_layout
 
     layout = p = cfg.parallelism
     stages = f", first_stage_layers={p.first_stage_layers}, last_stage_layers={p.last_stage_layers}" * p.uneven

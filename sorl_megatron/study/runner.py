@@ -32,15 +32,15 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from .common.run_lock import RunLockedError, acquire_run_lock
-from .common.typed_config import ConfigError, build_dataclass
-from .study_indicators import DEFAULT_INDICATORS, Indicator, collapse_step, indicator_report, run_warnings
-from .study_indicators import series as metric_series
-from .trainer.metrics_log import read_metrics
-from .trainer.plots import METRIC_AXES, identical_curves, identical_note, line_style, style_axis, symbol_notes
-from .trainer.recipe import load_recipe, overrides_tree
-from .trainer.run_settings import run_settings_problem
-from .trainer.servers import SignalInterrupt
+from ..common.run_lock import RunLockedError, acquire_run_lock
+from ..common.typed_config import ConfigError, build_dataclass
+from ..trainer.metrics.logger import read_metrics
+from ..trainer.metrics.plots import METRIC_AXES, identical_curves, identical_note, line_style, style_axis, symbol_notes
+from ..trainer.recipe.loader import load_recipe, overrides_tree
+from ..trainer.recipe.run_settings import run_settings_problem
+from ..trainer.serving.servers import SignalInterrupt
+from .indicators import DEFAULT_INDICATORS, Indicator, collapse_step, indicator_report, run_warnings
+from .indicators import series as metric_series
 
 # What the summary plots and tables (SORL Figs. 2-8): score, KL, clip ratio, gradient norm, ||C||.
 FIGURE_METRICS: dict[str, str] = {

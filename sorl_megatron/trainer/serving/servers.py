@@ -8,7 +8,7 @@ Ctrl-C (``KeyboardInterrupt``) and SIGTERM all go through :meth:`EmbeddedServers
 itself is killed (SIGKILL included). Server output goes to ``<run_dir>/servers/*.log``.
 A fleet of rollout servers (``rollout.num_servers``) and the ``sglang-router`` in front of
 them are started the same way; :meth:`EmbeddedServers.restart` replaces one that died or hung
-(trainer/fleet.py decides when).
+(trainer/serving/fleet.py decides when).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..common.background import free_port, wait_healthy
-from ..common.procutil import die_with_parent_preexec
-from ..common.protocol import RETRIEVAL_API_KEY_ENV, ROLLOUT_API_KEY_ENV
+from ...common.background import free_port, wait_healthy
+from ...common.procutil import die_with_parent_preexec
+from ...common.protocol import RETRIEVAL_API_KEY_ENV, ROLLOUT_API_KEY_ENV
 
 
 @dataclass

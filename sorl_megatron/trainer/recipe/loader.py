@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from ..common.typed_config import ConfigError, build_dataclass, to_dict
+from ...common.typed_config import ConfigError, build_dataclass, to_dict
 from .config import RecipeError, TrainConfig
 
 MAX_LISTED = 40  # recipe names a not-found message lists, at most

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..common.typed_config import to_dict
+from ...common.typed_config import to_dict
 from .config import TrainConfig
 
 # key -> how a run name shows its value (see settings_suffix)

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..common.typed_config import ConfigError
-from ..data.qa import DataError, QARow, read_parquet
-from ..retrieval.bm25 import NO_TERMS, has_index_terms
-from ..retrieval.corpus import read_corpus
-from ..rewards.qa import choice_letter, normalize_answer
-from ..rewards.registry import DEFAULT_SOURCES, RewardRegistry
+from ...common.typed_config import ConfigError
+from ...data.qa import DataError, QARow, read_parquet
+from ...retrieval.bm25 import NO_TERMS, has_index_terms
+from ...retrieval.corpus import read_corpus
+from ...rewards.qa import choice_letter, normalize_answer
+from ...rewards.registry import DEFAULT_SOURCES, RewardRegistry
 from .config import TrainConfig
 from .run_settings import run_settings_problem
 
@@ -94,7 +94,7 @@ def load_tokenizer(path: str):
 
 def check_resume_dir(cfg: TrainConfig) -> None:
     """``checkpoint.resume``, when it names a directory, is one, and the run directory holds no
-    run with other defining settings (trainer/run_settings.py); InputError otherwise."""
+    run with other defining settings (trainer/recipe/run_settings.py); InputError otherwise."""
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         raise InputError(f"checkpoint.resume: {resume} is not a directory (auto, none or a checkpoint directory)")

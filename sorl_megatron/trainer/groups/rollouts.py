@@ -13,10 +13,10 @@ from typing import Any, Sequence
 
 import torch
 
-from ..data.qa import QARow, encode_prompt
-from ..rewards.registry import RewardRegistry
-from ..rollout.agent import SearchAgent, parse_action
-from ..rollout.trajectory import Trajectory
+from ...data.qa import QARow, encode_prompt
+from ...rewards.registry import RewardRegistry
+from ...rollout.agent import SearchAgent, parse_action
+from ...rollout.trajectory import Trajectory
 
 
 @dataclass

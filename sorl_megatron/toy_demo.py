@@ -8,7 +8,7 @@ several epochs of mini-batches (off-policy, as in SORL appendix A.5). Every regi
 trains from the same initial policy; the table shows reward before and after, clip fraction,
 clip-bias norm and how much clipping-triggered normalization down-weighted mini-batches.
 
-    python -m sorl_megatron.demo [--steps N] [--runs so_ppo:gae,grpo:pvpo,...]
+    python -m sorl_megatron.toy_demo [--steps N] [--runs so_ppo:gae,grpo:pvpo,...]
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .metrics_log import read_metrics
+from .logger import read_metrics
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The stability study: the grid runner and the indicator analysis."""

@@ -1,0 +1,1 @@
+"""Group bookkeeping: prompt groups, the rollout phase's episodes and their scores."""

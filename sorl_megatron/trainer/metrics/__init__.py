@@ -1,0 +1,1 @@
+"""What a run records: the metrics log, the plots, the mismatch indicators."""

@@ -1,0 +1,1 @@
+"""What runs before or beside the RL steps: the SFT cold start and PVPO's reference pass."""
