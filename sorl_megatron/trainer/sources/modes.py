@@ -37,13 +37,13 @@ from ...common.clock import ActiveClock
 from ...data.qa import QARow, encode_prompt
 from ...rewards.registry import RewardRegistry
 from ...rollout.trajectory import Trajectory
-from . import pending_batches
 from ..groups.producer import AsyncProducer, Group, SettledGroups, apply_overlong, equal_rewards, version_lag_metrics
 from ..groups.prompts import DataStream
 from ..groups.rollouts import RolloutResult, check_prompt_length, rollout_metrics, score_trajectories
 from ..recipe.config import RolloutConfig, TrainConfig
 from ..serving.connections import Connections
 from ..stages.drivers import PVPOStage
+from . import pending_batches
 
 log = logging.getLogger("sorl_megatron.trainer")
 
