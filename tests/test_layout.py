@@ -129,13 +129,15 @@ def test_every_import_points_down_the_layers():
 
 
 # The trainer's rooms, lower floors first: a module may import its own room or a lower floor.
-# ``rerun`` (where a rerun picks up; the run directory's markers) and ``rl_loop`` (the loop) are
-# single modules at the trainer's top level.
+# ``rerun`` (where a rerun picks up; the run directory's markers), ``engines``, ``checkpoints``
+# and ``rl_loop`` (the loop) are single modules at the trainer's top level.
 TRAINER_FLOORS = {
     "recipe": 0,  # schema, loader, checks, memory plan
     "metrics": 0,  # metrics log, plots, indicators, timers
     "groups": 0,  # prompt stream, group bookkeeping, the rollout phase and its scores
     "rerun": 1,
+    "engines": 1,  # the run's actor, reference and critic, built from the recipe
+    "checkpoints": 1,  # the run's RL checkpoints
     "serving": 1,  # rank 0's connections, the fleet, the embedded servers
     "stages": 2,  # SFT, PVPO's reference pass
     "sources": 3,  # one rollout source per mode

@@ -2,7 +2,7 @@
 critic updates -> weight sync -> validation -> checkpoint.
 
 Every rank runs the Megatron engines; rank 0 alone talks HTTP for rollouts, retrieval and
-health (:class:`~.connections.Connections`, which only rank 0 builds) and sends each step's
+health (:class:`~.serving.connections.Connections`, which only rank 0 builds) and sends each step's
 batch to the other ranks as tensors (the R3 routes only for the rows each data-parallel rank's
 passes read, ``engine/batch_transfer.py``), which then cut their own data-parallel rows, except in the
 distributed weight sync, where every sending rank announces its own buckets to the servers
@@ -13,12 +13,12 @@ rollout.group_size`` trajectories per step, split into mini-batches of
 from its latest checkpoint reproduces the uninterrupted run on CPU.
 
 Where a step's groups come from (``rollout.mode``) is the rollout source's business
-(``batch_source.py``); the SFT cold start and PVPO's reference pass are in ``stages.py``.
+(``sources/``); the SFT cold start and PVPO's reference pass are in ``stages/``, the engines'
+building in ``engines.py`` and the checkpoints in ``checkpoints.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from contextlib import ExitStack
@@ -28,28 +28,19 @@ from typing import Any, Optional
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
+from ..algorithms import AdvantageInputs, compute_advantages
 from ..bridge.parallel import init_distributed
 from ..common import comm
 from ..common.typed_config import to_dict
 from ..data.qa import QARow
-from ..engine.actor import ActorConfig, PolicyEngine
+from ..engine.actor import PolicyEngine
 from ..engine.batch_transfer import share_batch
-from ..engine.checkpoint import (
-    complete_checkpoints,
-    load_engine_checkpoint,
-    newest_checkpoint,
-    prune_checkpoints,
-    read_checkpoint_meta,
-    save_engine_checkpoint,
-)
-from ..engine.config import BatchingConfig
-from ..engine.critic import CriticConfig, ValueEngine
+from ..engine.critic import ValueEngine
 from ..engine.rl_batch import RLBatch
 from ..rewards.registry import RewardRegistry
 from ..rollout.trajectory import collate
-from ..weight_sync.base import SyncTargets
-from ..weight_sync.factory import make_weight_sync
+from .checkpoints import RunCheckpoints
+from .engines import build_engines
 from .groups.prompts import DataStream
 from .groups.rollouts import RolloutResult, rollout_metrics
 from .metrics.indicators import mismatch_metrics, route_flip_metrics
@@ -62,6 +53,7 @@ from .recipe.model_options import model_options
 from .rerun import interrupted
 from .serving.connections import Connections
 from .serving.servers import EmbeddedServers
+from .serving.weight_push import WeightPush
 from .sources.modes import RolloutSource, make_rollout_source, source_class
 from .stages.drivers import PVPOStage, sft_resume_point, sft_stage
 
@@ -127,7 +119,7 @@ class RLTrainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.run_dir = Path(cfg.logging.dir) / cfg.logging.run_name
-        self.ckpt_root = Path(cfg.checkpoint.dir)
+        self.checkpoints = RunCheckpoints(cfg.checkpoint)
         self.rewards = RewardRegistry(metric_override=cfg.reward.metric, format_weight=cfg.reward.format_weight)
         # data (run)
         self.rows: list[QARow] = []
@@ -144,8 +136,7 @@ class RLTrainer:
         self.source: Optional[RolloutSource] = None
         self.pvpo: Optional[PVPOStage] = None  # only with the pvpo estimator
         self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
-        self._wsync = make_weight_sync(cfg.rollout, self.run_dir)  # rollout.weight_sync's transport
-        self.weight_sync_bytes = 0  # sent by this rank in the last sync
+        self.weights = WeightPush(cfg.rollout, self.run_dir)  # rollout.weight_sync's transport
         self.phase = "the set-up"  # what the run is doing now: an interrupt's message names it
 
     # -- set-up ------------------------------------------------------------------------
@@ -163,69 +154,21 @@ class RLTrainer:
         self.source = make_rollout_source(cfg, self.stream, rows, self.rewards, conn=self.conn, pvpo=self.pvpo,
                                           run_dir=self.run_dir)
 
-    def _optimizer_steps(self, epochs: int) -> int:
-        """Optimizer steps of the whole run for an engine updating ``epochs`` times per batch."""
-        s = self.cfg.schedule
-        return s.total_steps * max(1, s.batch_size * self.cfg.rollout.group_size // s.mini_batch_size) * epochs
-
     def build_engines(self, policy_path: str) -> None:
-        cfg, s = self.cfg, self.cfg.schedule
-        layout, options = cfg.parallelism, model_options(cfg)
-        batching = BatchingConfig(
-            epochs=s.ppo_epochs, mini_batch_size=s.mini_batch_size, micro_batch_size=s.micro_batch_size,
-            shuffle=True, seed=s.seed, pack_sequences=s.pack_sequences,
-            max_tokens_per_micro_batch=s.max_tokens_per_micro_batch,
-        )
-        self.actor = PolicyEngine(policy_path, layout, ActorConfig(
-            loss=cfg.algorithm.loss, optim=cfg.optimizer.actor(self._optimizer_steps(s.ppo_epochs)), batching=batching,
-            routing_replay=cfg.algorithm.routing_replay, temperature=cfg.rollout.temperature), model_options=options)
-        if cfg.algorithm.loss.kl_coef > 0:
-            self.ref = PolicyEngine(policy_path, layout, ActorConfig(
-                loss=cfg.algorithm.loss, batching=batching, temperature=cfg.rollout.temperature),
-                trainable=False, model_options=options)
-        if ADVANTAGE_ESTIMATORS[cfg.algorithm.advantage.estimator].critic:
-            critic_batching = dataclasses.replace(batching, epochs=s.critic_epochs, seed=s.seed + 1)
-            self.critic = ValueEngine(cfg.model.critic_path or policy_path, layout, CriticConfig(
-                optim=cfg.optimizer.critic(self._optimizer_steps(s.critic_epochs)), batching=critic_batching,
-                value_clip=cfg.algorithm.value_clip, loss_agg=cfg.algorithm.loss.loss_agg), model_options=options)
-        for engine in (self.actor, self.ref, self.critic):
-            if engine is not None:
-                engine.config_prefix = "schedule"  # batching errors name the recipe's keys
+        engines = build_engines(self.cfg, policy_path)
+        self.actor, self.ref, self.critic = engines.actor, engines.ref, engines.critic
 
     # -- checkpoints -------------------------------------------------------------------
-
-    def latest_checkpoint(self) -> Optional[Path]:
-        if self.cfg.checkpoint.resume == "none":
-            return None
-        if self.cfg.checkpoint.resume != "auto":
-            path = Path(self.cfg.checkpoint.resume)
-            if not (path / "trainer.json").is_file():
-                raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no trainer.json)")
-            return path
-        return newest_checkpoint(self.ckpt_root)  # verified; a damaged newer one is skipped with a warning
-
-    def checkpoint_step(self, path: Path) -> int:
-        """The RL step a checkpoint was saved after (its ``trainer.json``; nothing else is read)."""
-        _, _, extra = read_checkpoint_meta(path)
-        try:
-            return int(extra["step"])
-        except (KeyError, TypeError, ValueError):
-            raise FileNotFoundError(f"{path}/trainer.json: no trainer step (not a training run's checkpoint)") from None
-
-    def complete_checkpoints(self) -> list[Path]:
-        """``step_<k>`` checkpoints whose save finished, oldest first (not ``.tmp`` / ``.old``)."""
-        return complete_checkpoints(self.ckpt_root)
 
     def save(self, step: int) -> None:
         extra = {"step": step, "producer": self.source.state_json()}
         if self.pvpo is not None and self.pvpo.state is not None:
             extra["pvpo"] = self.pvpo.to_json()
         files = self.source.checkpoint_files() if comm.rank() == 0 else {}
-        save_engine_checkpoint(str(self.ckpt_root / f"step_{step}"), self.actor, self.critic, extra=extra, files=files)
-        prune_checkpoints(self.ckpt_root, self.cfg.checkpoint.keep_last)
+        self.checkpoints.save(step, self.actor, self.critic, extra, files)
 
     def restore(self, path: Path) -> int:
-        extra = load_engine_checkpoint(str(path), self.actor, self.critic)
+        extra = self.checkpoints.load(path, self.actor, self.critic)
         if "pvpo" in extra and self.pvpo is not None:
             self.pvpo.load_json(extra["pvpo"])
         step = int(extra["step"])
@@ -243,31 +186,8 @@ class RLTrainer:
             self.conn.check_servers(phase, retrieval)
 
     def sync_weights(self, step: int) -> None:
-        """Push the actor's weights after ``step`` RL steps to the rollout servers (HF names,
-        bucketed), labelled weight version ``step_<step>``."""
-        version = f"step_{step}"
-        self.check_servers(f"the weight sync to version {version}", retrieval=False)
-        conn = self.conn
-        if conn is not None:
-            conn.prepare_sync()
-        paused = conn.pause() if conn is not None else False
-        try:
-            self._push_weights(version)
-        finally:
-            if paused:
-                conn.resume()
-        if conn is not None:
-            conn.finish_sync()
-
-    def _push_weights(self, version: str) -> None:
-        """The sync itself, to the servers serving now (every rank joins the export)."""
-        conn = self.conn
-        targets = SyncTargets()
-        if conn is not None:
-            fleet = conn.get_fleet()
-            targets = SyncTargets(tuple(conn.rollout_urls), conn.api_keys.get("rollout"), on_failure=fleet.on_failure,
-                                  generations=fleet.generations(conn.rollout_urls))
-        self.weight_sync_bytes = self._wsync.sync(self.actor.model, targets, version).bytes_sent
+        """Push the actor's weights after ``step`` RL steps to the rollout servers."""
+        self.weights.sync(self.actor, self.conn, step)
 
     # -- the step ----------------------------------------------------------------------
 
@@ -442,8 +362,8 @@ class RLTrainer:
         init_distributed(timeout_s=self.cfg.parallelism.collective_timeout_s)
         cfg = self.cfg
         check_resume_dir(cfg)
-        resume = self.latest_checkpoint()
-        found = self.checkpoint_step(resume) if resume is not None else 0
+        resume = self.checkpoints.resume_point()
+        found = self.checkpoints.step_of(resume) if resume is not None else 0
         go_on, message = start_message(cfg, resume, found)
         if not go_on:  # finished: said so before reading the data or starting a server
             if comm.rank() == 0:
@@ -483,7 +403,7 @@ class RLTrainer:
                 wandb_run=self.wandb_run,
             )
             stack.callback(logger.close)
-            stack.callback(self._wsync.close)
+            stack.callback(self.weights.close)
             if rank0:
                 if start == 0:
                     (self.run_dir / "episodes.jsonl").unlink(missing_ok=True)

@@ -50,7 +50,7 @@ class GroupWatch:
     def __call__(self, trainer: RLTrainer) -> bool:
         if not _synced_once(trainer):
             return False
-        sender = getattr(trainer._wsync, "sender", None)
+        sender = getattr(trainer.weights.transport, "sender", None)
         if self.urls is None and sender is not None:
             self.urls = tuple(sender.group_urls)
         return True
