@@ -38,7 +38,7 @@ from .config import PolicyLossConfig, SAPOConfig
 from .diagnostics import turn_ratio_spread, turn_ratio_spread_of
 from .is_correction import is_correction_weights
 from .kl import kl_penalty
-from .loss_registry import POLICY_LOSSES, PolicyLossSpec
+from .loss_registry import PolicyLossSpec
 from .mismatch import clip_counts
 from .ratios import level_log_ratio, masked_log_ratio, segments_for_level
 from .turns import segment_turns
@@ -86,7 +86,7 @@ def compute_policy_loss(
         logprobs, old_logprobs, advantages, loss_mask, config,
         rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
         turn_ids=turn_ids, denominator=denominator,
-        surrogate=normalize and config.clip_bias.mode == "param_grad" and POLICY_LOSSES[config.name].clip_normalized,
+        surrogate=normalize and config.clip_bias.mode == "param_grad" and config.spec.clip_normalized,
     )
     loss, metrics = terms.loss, terms.metrics
     factor = torch.ones((), device=logprobs.device)
@@ -158,7 +158,7 @@ class LossDenominators:
 def loss_denominators(loss_mask: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig) -> LossDenominators:
     """The mini-batch counts of ``config``'s loss for the rows of ``loss_mask`` / ``advantages``."""
     sapo = None
-    if POLICY_LOSSES[config.name].sapo_penalty and config.sapo.variant == "listing":
+    if config.spec.sapo_penalty and config.sapo.variant == "listing":
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1).expand(loss_mask.shape)
         sapo = _sapo_listing_tokens(advantages, loss_mask.bool(), config.sapo).sum().to(torch.float32)
@@ -193,9 +193,7 @@ def _policy_terms(
     rather than a masked pass each; the aggregation weights are folded into the advantages
     (``a_t = g_t A_t``, ``g_t > 0`` on policy tokens), so the surrogate's sum is the loss.
     """
-    spec = POLICY_LOSSES.get(config.name)
-    if spec is None:
-        raise ValueError(f"loss.name: unknown policy loss {config.name!r}; registered: {sorted(POLICY_LOSSES)}")
+    spec = config.spec
     advantages = _check_inputs(
         logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy, turn_ids
     )
