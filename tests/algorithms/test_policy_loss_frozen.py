@@ -9,8 +9,8 @@ and keeps the others.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -89,4 +89,6 @@ def _write(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    _write(sys.argv[1:] or sorted(POLICY_LOSSES))
+    parser = argparse.ArgumentParser(description="Write the frozen numbers of registered losses (others are kept).")
+    parser.add_argument("names", nargs="*", help="registered loss names (default: every registered loss)")
+    _write(parser.parse_args().names or sorted(POLICY_LOSSES))
