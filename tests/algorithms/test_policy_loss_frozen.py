@@ -3,7 +3,7 @@
 ``data/policy_loss_frozen.json`` holds what ``compute_policy_loss`` gave for the cases below
 (the losses that predate the staged loss were frozen before it); a change of the loss math
 shows here as a changed number. A new loss adds its own numbers once its paper check passes:
-``python -m tests.algorithms.test_policy_loss_frozen NAME`` writes the numbers of ``NAME``
+``python tests/algorithms/test_policy_loss_frozen.py NAME`` writes the numbers of ``NAME``
 and keeps the others.
 """
 
