@@ -195,8 +195,9 @@ def _policy_terms(
     """The loss and its metrics, computing only what the configuration needs (the lean path).
 
     Stages, each a function below: inputs -> aggregation weights -> ratio -> surrogate (the
-    registered loss's own) -> corrections (IS weights, clip bias) -> penalties (SAPO, KL,
-    entropy) -> metrics. ``bias_surrogate`` asks for the clip-bias surrogate ``S`` with gradient.
+    registered loss's own) -> corrections (IS weights) -> aggregation -> corrections (clip
+    bias) -> penalties (SAPO, KL, entropy) -> metrics. ``bias_surrogate`` asks for the
+    clip-bias surrogate ``S`` with gradient.
 
     Every ``[B, T]`` intermediate that is exactly 0 (log-ratios) or 1 (ratios) off the mask is
     reduced over the whole tensor, so the metrics are whole-tensor sums and one ``aminmax``
@@ -212,7 +213,7 @@ def _policy_terms(
     ratios = _ratios(inputs, config, spec)
     terms = _surrogate(inputs, config, spec, ratios, weights)
     is_weights, is_metrics = _is_correction(inputs, config, ratios)
-    pg_loss = (terms.per_token if is_weights is None else terms.per_token * is_weights).sum()
+    pg_loss = _aggregate(terms, is_weights)
     bias = _clip_bias(inputs, config, spec, ratios, terms, weights, is_weights, bias_surrogate)
     loss, metrics = _penalties(pg_loss, inputs, config, spec, ratios, weights)
     metrics.update(_metrics(inputs, config, spec, ratios, terms, pg_loss, bias, is_metrics))
@@ -295,6 +296,13 @@ def _aggregation_weights(
     if spec.sapo_penalty or config.kl_coef > 0 or config.entropy_coef > 0:
         weights = inputs.mask.to(torch.float32) * scale
     return _Aggregation(weighted, weights, sapo_denominator)
+
+
+def _aggregate(terms: SurrogateTerms, is_weights: torch.Tensor | None) -> torch.Tensor:
+    """``sum_t w_IS,t l_t``: the per-token terms carry ``g_t`` already, so the sum is the
+    aggregated surrogate loss."""
+    per_token = terms.per_token if is_weights is None else terms.per_token * is_weights
+    return per_token.sum()
 
 
 # ------------------------------------------------------------------------------------------- ratio

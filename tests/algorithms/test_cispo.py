@@ -134,3 +134,25 @@ def test_no_lower_bound_reading_keeps_small_weights():
     expected = torch.where(mask.bool(), -r.clamp(max=1 + EPS_HIGH) * adv, torch.zeros(())) / mask.sum()
     assert torch.allclose(grad, expected, atol=1e-7, rtol=1e-6)
     assert m["clip_frac_low"].item() == 0.0 and math.isfinite(loss.item())
+
+
+@pytest.mark.parametrize("extreme", [-50.0, 50.0])
+def test_finite_with_extreme_ratios_padding_and_every_option(extreme):
+    g = torch.Generator().manual_seed(5)
+    mask = (torch.rand(4, 9, generator=g) < 0.7).long()
+    mask[1] = 0
+    old = -torch.rand(4, 9, generator=g) * 3
+    lp = old + torch.randn(4, 9, generator=g)
+    lp[:, 0] = old[:, 0] + extreme
+    old = old.masked_fill(mask == 0, float("-inf"))
+    lp = lp.masked_fill(mask == 0, float("-inf")).requires_grad_()
+    finite_old = old.nan_to_num(neginf=-1.0)
+    cfg = PolicyLossConfig(name="cispo", loss_agg="seq-mean-token-mean", dual_clip=3.0, kl_coef=0.01,
+                           entropy_coef=0.01, diagnostics=True,
+                           is_correction=ISCorrectionConfig(mode="tis", level="turn"))
+    loss, metrics = compute_policy_loss(lp, old, torch.randn(4, 9, generator=g), mask, cfg,
+                                        rollout_logprobs=finite_old - 0.1, ref_logprobs=finite_old,
+                                        entropy=torch.rand(4, 9, generator=g))
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and (grad[mask == 0] == 0).all()
+    assert all(torch.isfinite(v).all() for v in metrics.values())
