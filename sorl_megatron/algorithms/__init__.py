@@ -3,7 +3,7 @@
 No distributed or Megatron imports here: the RL engine (``sorl_megatron.engine``) calls these
 functions per micro-batch and owns all cross-rank reduction. Equation numbers refer to the
 papers (SORL / ST-PPO, arXiv 2511.20718; SAPO, arXiv 2511.20347; MiniRL, arXiv 2512.01374;
-PVPO), cited in full in ``docs/algorithms.md``.
+PVPO; CISPO of MiniMax-M1, arXiv 2506.13585), cited in full in ``docs/algorithms.md``.
 """
 
 from .advantages import (
@@ -29,6 +29,7 @@ from .loss_registry import POLICY_LOSSES, PolicyLossSpec, register_policy_loss
 from .policy_loss import LossDenominators, clip_bias_surrogate, compute_policy_loss, loss_denominators
 from .ratios import level_log_ratio, masked_log_ratio
 from .sft import sft_loss
+from .surrogate import Surrogate, SurrogateInputs, SurrogateTerms, ppo_clipped_surrogate
 from .turns import TurnSegments, broadcast_segments, row_segments, segment_mean_broadcast, segment_sum, segment_turns
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "POLICY_LOSSES",
     "PolicyLossConfig",
     "PolicyLossSpec",
+    "ppo_clipped_surrogate",
     "register_advantage_estimator",
     "register_policy_loss",
     "row_segments",
@@ -72,6 +74,9 @@ __all__ = [
     "segment_turns",
     "sft_loss",
     "static_values_from_rollouts",
+    "Surrogate",
+    "SurrogateInputs",
+    "SurrogateTerms",
     "terminal_token_rewards",
     "token_weights",
     "TurnSegments",

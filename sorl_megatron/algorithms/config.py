@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 
 from ..common.typed_config import build_dataclass
 from .aggregation import LOSS_AGG_MODES
-from .loss_registry import POLICY_LOSSES
+from .loss_registry import POLICY_LOSSES, PolicyLossSpec
 
 ClipBiasMode = Literal["logprob", "scalar", "param_grad"]
 ClipBiasApply = Literal["grad", "clipped_grad", "lr"]
@@ -206,6 +206,14 @@ class PolicyLossConfig:
         self.validate()
 
     @property
+    def spec(self) -> PolicyLossSpec:
+        """The registered loss ``name`` names (the one lookup of ``POLICY_LOSSES`` by name)."""
+        spec = POLICY_LOSSES.get(self.name)
+        if spec is None:
+            raise ValueError(f"loss.name: unknown policy loss {self.name!r}; registered: {sorted(POLICY_LOSSES)}")
+        return spec
+
+    @property
     def clip_low(self) -> float:
         return 1.0 - self.eps_low
 
@@ -237,7 +245,7 @@ class PolicyLossConfig:
             raise ValueError(f"{prefix}.diagnostics must be true or false, got {self.diagnostics!r}")
         for sub in ("clip_bias", "sapo", "is_correction"):
             getattr(self, sub).validate(f"{prefix}.{sub}")
-        if POLICY_LOSSES[self.name].sapo_penalty and self.sapo.variant == "listing" and self.loss_agg != "token-mean":
+        if self.spec.sapo_penalty and self.sapo.variant == "listing" and self.loss_agg != "token-mean":
             raise ValueError(
                 f"{prefix}.sapo.variant='listing' averages the surrogate over all policy tokens (the listing's "
                 f"masked_mean): set {prefix}.loss_agg=token-mean, not {self.loss_agg!r} (or sapo.variant=eq11)"

@@ -1,6 +1,10 @@
-"""The policy-loss registry: what each named loss is (ratio level, normalization, penalty).
+"""The policy-loss registry: what each named loss is (surrogate, ratio level, normalization,
+penalty).
 
-Data only, below both the configs (which validate names against it) and the loss math.
+Below both the configs (which validate names against it) and the loss math. The losses here
+share PPO's clipped surrogate; a loss with a surrogate of its own lives in a file of
+``losses/`` together with its :func:`register_policy_loss` call, and importing this module
+registers those too.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .ratios import RatioLevel
+from .surrogate import Surrogate, ppo_clipped_surrogate
 
 
 @dataclass(frozen=True)
@@ -16,6 +21,7 @@ class PolicyLossSpec:
 
     Attributes:
         name: config name.
+        surrogate: the per-token objective (``surrogate.py``); PPO's clipped one by default.
         ratio_level: ``token``, ``turn`` or ``sequence`` importance ratio.
         clip_normalized: scale by ``1 / max(||C||, delta)`` (SORL clipping-triggered norm).
         token_gradient: the ratio's value is the ``ratio_level`` one but its gradient is each
@@ -36,6 +42,7 @@ class PolicyLossSpec:
     sapo_penalty: bool = False
     critic: bool = False
     reference: str = ""
+    surrogate: Surrogate = ppo_clipped_surrogate
 
 
 POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
@@ -72,3 +79,5 @@ for _spec in (
     PolicyLossSpec("sapo", "token", sapo_penalty=True, reference="SAPO eq. 9-11 (GRPO surrogate + conditional KL)"),
 ):
     register_policy_loss(_spec)
+
+from . import losses  # noqa: E402, F401  (registers the losses of losses/, which import this module's names)

@@ -1,13 +1,17 @@
 """Policy losses: one registry, one entry point.
 
 ``compute_policy_loss(logprobs, old_logprobs, advantages, loss_mask, config)`` returns
-``(loss, metrics)``. Each registered loss is a :class:`PolicyLossSpec`: the level of the
-importance ratio, whether clipping-triggered normalization applies, and whether SAPO's
-conditional KL is added. Every option composes with every loss: asymmetric / dual clip,
-aggregation mode, KL to a reference policy, entropy bonus, MiniRL's IS correction.
+``(loss, metrics)``. Each registered loss is a :class:`PolicyLossSpec`: its surrogate (the
+per-token objective, ``surrogate.py``), the level of the importance ratio, whether
+clipping-triggered normalization applies, and whether SAPO's conditional KL is added. Every
+option composes with every loss: asymmetric / dual clip, aggregation mode, KL to a reference
+policy, entropy bonus, MiniRL's IS correction.
 
-The clipped surrogate (PPO; SORL eq. 1, 3; GRPO eq. 13; GSPO) per token, with ``w`` the
-loss ratio and ``A`` the advantage::
+A loss is computed in stages, each a typed function below: the inputs, the aggregation
+weights ``g_t``, the ratio, the surrogate, the corrections (IS weights, clip bias and its
+normalization), the penalties (SAPO, KL, entropy) and the metrics. With PPO's clipped
+surrogate (SORL eq. 1, 3; GRPO eq. 13; GSPO), per token, ``w`` the loss ratio and ``A`` the
+advantage::
 
     l_t = max(-A w, -A clip(w, 1 - eps_low, 1 + eps_high))        (then, if A < 0 and dual
     l_t = min(l_t, -A c)                                            clip c is set)
@@ -23,7 +27,6 @@ from typing import Iterable
 
 import torch
 
-from . import dispatch
 from .aggregation import (
     aggregate,
     aggregation_denominator,
@@ -38,10 +41,11 @@ from .config import PolicyLossConfig, SAPOConfig
 from .diagnostics import turn_ratio_spread, turn_ratio_spread_of
 from .is_correction import is_correction_weights
 from .kl import kl_penalty
-from .loss_registry import POLICY_LOSSES, PolicyLossSpec
+from .loss_registry import PolicyLossSpec
 from .mismatch import clip_counts
 from .ratios import level_log_ratio, masked_log_ratio, segments_for_level
-from .turns import segment_turns
+from .surrogate import SurrogateInputs, SurrogateTerms
+from .turns import TurnSegments, segment_turns
 
 
 def compute_policy_loss(
@@ -86,21 +90,12 @@ def compute_policy_loss(
         logprobs, old_logprobs, advantages, loss_mask, config,
         rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
         turn_ids=turn_ids, denominator=denominator,
-        surrogate=normalize and config.clip_bias.mode == "param_grad" and POLICY_LOSSES[config.name].clip_normalized,
+        bias_surrogate=normalize and config.clip_bias.mode == "param_grad" and config.spec.clip_normalized,
     )
     loss, metrics = terms.loss, terms.metrics
     factor = torch.ones((), device=logprobs.device)
     if terms.spec.clip_normalized:
-        mode = config.clip_bias.mode
-        norm = None
-        if mode != "param_grad":
-            norm = clip_bias_norm(terms.bias.scalar, terms.bias.sq_sum, mode)
-        elif normalize:
-            if params is None:
-                raise ValueError(
-                    "loss.clip_bias.mode='param_grad' needs params here (or normalize=False and an engine)"
-                )
-            norm = param_grad_clip_bias_norm(terms.bias.surrogate, params)
+        norm = _clip_bias_norm(terms.bias, config, normalize, params)
         if normalize:
             if config.clip_bias.form != "absolute":
                 raise ValueError("loss.clip_bias.form='relative' keeps a running mean across mini-batches: "
@@ -132,7 +127,8 @@ def clip_bias_surrogate(
     the same mini-batch ``denominator``, and reduces the squared gradient norm like the
     gradient norm.
     """
-    return _policy_terms(logprobs, old_logprobs, advantages, loss_mask, config, surrogate=True, **kwargs).bias.surrogate
+    terms = _policy_terms(logprobs, old_logprobs, advantages, loss_mask, config, bias_surrogate=True, **kwargs)
+    return terms.bias.surrogate
 
 
 @dataclass(frozen=True)
@@ -158,7 +154,7 @@ class LossDenominators:
 def loss_denominators(loss_mask: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig) -> LossDenominators:
     """The mini-batch counts of ``config``'s loss for the rows of ``loss_mask`` / ``advantages``."""
     sapo = None
-    if POLICY_LOSSES[config.name].sapo_penalty and config.sapo.variant == "listing":
+    if config.spec.sapo_penalty and config.sapo.variant == "listing":
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1).expand(loss_mask.shape)
         sapo = _sapo_listing_tokens(advantages, loss_mask.bool(), config.sapo).sum().to(torch.float32)
@@ -174,7 +170,7 @@ def _sapo_listing_tokens(advantages: torch.Tensor, mask: torch.Tensor, sapo: SAP
     return mask & keep
 
 
-@dataclass
+@dataclass(frozen=True)
 class _PolicyTerms:
     spec: PolicyLossSpec
     loss: torch.Tensor  # before clipping-triggered normalization
@@ -183,19 +179,78 @@ class _PolicyTerms:
 
 
 def _policy_terms(
-    logprobs, old_logprobs, advantages, loss_mask, config: PolicyLossConfig, *,
-    rollout_logprobs=None, ref_logprobs=None, entropy=None, turn_ids=None, denominator=None, surrogate=False,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: PolicyLossConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    turn_ids: torch.Tensor | None = None,
+    denominator: float | torch.Tensor | LossDenominators | None = None,
+    bias_surrogate: bool = False,
 ) -> _PolicyTerms:
     """The loss and its metrics, computing only what the configuration needs (the lean path).
+
+    Stages, each a function below: inputs -> aggregation weights -> ratio -> surrogate (the
+    registered loss's own) -> corrections (IS weights) -> aggregation -> corrections (clip
+    bias) -> penalties (SAPO, KL, entropy) -> metrics. ``bias_surrogate`` asks for the
+    clip-bias surrogate ``S`` with gradient.
 
     Every ``[B, T]`` intermediate that is exactly 0 (log-ratios) or 1 (ratios) off the mask is
     reduced over the whole tensor, so the metrics are whole-tensor sums and one ``aminmax``
     rather than a masked pass each; the aggregation weights are folded into the advantages
     (``a_t = g_t A_t``, ``g_t > 0`` on policy tokens), so the surrogate's sum is the loss.
     """
-    spec = POLICY_LOSSES.get(config.name)
-    if spec is None:
-        raise ValueError(f"loss.name: unknown policy loss {config.name!r}; registered: {sorted(POLICY_LOSSES)}")
+    spec = config.spec
+    inputs = _loss_inputs(
+        logprobs, old_logprobs, advantages, loss_mask, config,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy, turn_ids=turn_ids,
+    )
+    weights = _aggregation_weights(inputs, config, spec, denominator)
+    ratios = _ratios(inputs, config, spec)
+    terms = _surrogate(inputs, config, spec, ratios, weights)
+    is_weights, is_metrics = _is_correction(inputs, config, ratios)
+    pg_loss = _aggregate(terms, is_weights)
+    bias = _clip_bias(inputs, config, spec, ratios, terms, weights, is_weights, bias_surrogate)
+    loss, metrics = _penalties(pg_loss, inputs, config, spec, ratios, weights)
+    metrics.update(_metrics(inputs, config, spec, ratios, terms, pg_loss, bias, is_metrics))
+    return _PolicyTerms(spec=spec, loss=loss, bias=bias, metrics=metrics)
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+@dataclass(frozen=True)
+class _LossInputs:
+    """One call's checked ``[B, T]`` tensors: ``advantages`` float32, detached, 0 off the mask;
+    ``mask`` bool; the rest as given (``None`` when not given)."""
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    rollout_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    entropy: torch.Tensor | None
+    turn_ids: torch.Tensor | None
+
+
+def _loss_inputs(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: PolicyLossConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    turn_ids: torch.Tensor | None,
+) -> _LossInputs:
+    """Shapes checked, per-sequence advantages broadcast, and the inputs each option needs present."""
     advantages = _check_inputs(
         logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy, turn_ids
     )
@@ -203,152 +258,332 @@ def _policy_terms(
         raise ValueError("loss.kl_coef > 0 needs ref_logprobs")
     if config.entropy_coef > 0 and entropy is None:
         raise ValueError("loss.entropy_coef > 0 needs entropy")
-    is_cfg = config.is_correction
-    if is_cfg.mode != "off" and rollout_logprobs is None:
-        raise ValueError(f"loss.is_correction.mode={is_cfg.mode!r} needs rollout_logprobs")
+    if config.is_correction.mode != "off" and rollout_logprobs is None:
+        raise ValueError(f"loss.is_correction.mode={config.is_correction.mode!r} needs rollout_logprobs")
+    mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
+    advantages = torch.where(mask, advantages.float(), zero).detach()
+    return _LossInputs(logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs, entropy, turn_ids)
 
+
+# ------------------------------------------------------------------------------------- aggregation
+
+
+@dataclass(frozen=True)
+class _Aggregation:
+    """The aggregation mode's weights ``g_t`` (``aggregation.py``): folded into the advantages
+    (``a_t = g_t A_t``, 0 off the mask) so the surrogate's sum is the loss; ``weights`` is
+    ``g_t`` itself when a penalty aggregates a term of its own (else ``None``);
+    ``sapo_denominator`` the mini-batch count of SAPO's listing variant, if given."""
+
+    weighted_advantages: torch.Tensor
+    weights: torch.Tensor | None
+    sapo_denominator: float | torch.Tensor | None
+
+
+def _aggregation_weights(
+    inputs: _LossInputs,
+    config: PolicyLossConfig,
+    spec: PolicyLossSpec,
+    denominator: float | torch.Tensor | LossDenominators | None,
+) -> _Aggregation:
     sapo_denominator = None
     if isinstance(denominator, LossDenominators):
         denominator, sapo_denominator = denominator.aggregation, denominator.sapo
-    mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask.bool()
-    clamp = config.log_ratio_clamp
-    zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
-    advantages = torch.where(mask, advantages.float(), zero).detach()
-    scale = token_scale(mask, config.loss_agg, denominator, config.norm_length)
-    weighted_adv = advantages * scale  # a_t = g_t A_t: 0 off the mask
-    weights = None  # g_t itself, for the optional terms below
+    scale = token_scale(inputs.mask, config.loss_agg, denominator, config.norm_length)
+    weighted = inputs.advantages * scale  # a_t = g_t A_t: 0 off the mask
+    weights = None
     if spec.sapo_penalty or config.kl_coef > 0 or config.entropy_coef > 0:
-        weights = mask.to(torch.float32) * scale
-    diagnostics = config.diagnostics
+        weights = inputs.mask.to(torch.float32) * scale
+    return _Aggregation(weighted, weights, sapo_denominator)
 
-    # Turn segments: for turn ratios, turn-level IS weights, or the spread diagnostic.
-    # (with turn ids, always: the turn clip fraction is logged for every loss)
-    need_turns = (spec.ratio_level == "turn" or (is_cfg.mode != "off" and is_cfg.level == "turn") or diagnostics
-                  or turn_ids is not None)
-    turns = segment_turns(mask, turn_ids) if need_turns else None
-    level_segments = segments_for_level(spec.ratio_level, mask, turns)
 
-    token_lr_raw = masked_log_ratio(logprobs, old_logprobs, mask)  # 0 off the mask
+def _aggregate(terms: SurrogateTerms, is_weights: torch.Tensor | None) -> torch.Tensor:
+    """``sum_t w_IS,t l_t``: the per-token terms carry ``g_t`` already, so the sum is the
+    aggregated surrogate loss."""
+    per_token = terms.per_token if is_weights is None else terms.per_token * is_weights
+    return per_token.sum()
+
+
+# ------------------------------------------------------------------------------------------- ratio
+
+
+@dataclass(frozen=True)
+class _Ratios:
+    """The importance ratios of one call (``ratios.py``).
+
+    Attributes:
+        turns: turn segments, when turn ratios, turn-level IS weights, the diagnostics or
+            explicit turn ids ask for them (else ``None``).
+        segments: the units of the loss ratio (turns or rows; ``None`` at token level).
+        token_log_ratio: ``log pi - log pi_old``, unclamped, exactly 0 off the mask.
+        clamped_log_ratio: the same clamped to ``[-log_ratio_clamp, log_ratio_clamp]``.
+        token_ratio: ``exp`` of the clamped token log-ratio (1 off the mask).
+        level_log_ratio: the unclamped log of the loss ratio (GSPO-token: its value with each
+            token's own gradient).
+        ratio: the loss ratio, clamped in log space, with gradient (1 off the mask).
+    """
+
+    turns: TurnSegments | None
+    segments: TurnSegments | None
+    token_log_ratio: torch.Tensor
+    clamped_log_ratio: torch.Tensor
+    token_ratio: torch.Tensor
+    level_log_ratio: torch.Tensor
+    ratio: torch.Tensor
+
+
+def _ratios(inputs: _LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec) -> _Ratios:
+    is_cfg = config.is_correction
+    # with turn ids, always: the turn clip fraction is logged for every loss
+    need_turns = (spec.ratio_level == "turn" or (is_cfg.mode != "off" and is_cfg.level == "turn")
+                  or config.diagnostics or inputs.turn_ids is not None)
+    turns = segment_turns(inputs.mask, inputs.turn_ids) if need_turns else None
+    segments = segments_for_level(spec.ratio_level, inputs.mask, turns)
+    clamp = config.log_ratio_clamp
+    token_lr_raw = masked_log_ratio(inputs.logprobs, inputs.old_logprobs, inputs.mask)  # 0 off the mask
     token_lr = token_lr_raw.clamp(-clamp, clamp)
     token_ratio = torch.exp(token_lr)  # 1 off the mask
     if spec.ratio_level == "token":
         level_lr_raw, ratio = token_lr_raw, token_ratio
     else:
-        level_lr_raw = level_log_ratio(token_lr_raw, spec.ratio_level, level_segments, clamp=None)
+        level_lr_raw = level_log_ratio(token_lr_raw, spec.ratio_level, segments, clamp=None)
         if spec.token_gradient:  # GSPO-token: the value of s_i, the gradient of token t alone (times s_i)
             level_lr_raw = level_lr_raw.detach() + token_lr_raw - token_lr_raw.detach()
         ratio = torch.exp(level_lr_raw.clamp(-clamp, clamp))
+    return _Ratios(turns, segments, token_lr_raw, token_lr, token_ratio, level_lr_raw, ratio)
 
-    # Clipped surrogate and the indicators of B^c; dispatched (fused Triton kernel on CUDA). With
-    # a_t = g_t A_t in place of A_t the per-token terms come out weighted and the indicators the same.
-    per_token, clip_high, clip_low, dual = dispatch.clipped_surrogate(
-        ratio, weighted_adv, mask, config.clip_low, config.clip_high, config.dual_clip
+
+# --------------------------------------------------------------------------------------- surrogate
+
+
+def _surrogate(
+    inputs: _LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: _Ratios, weights: _Aggregation
+) -> SurrogateTerms:
+    """The registered loss's surrogate on the loss ratio and ``a_t = g_t A_t``: its per-token
+    terms come out weighted, its clip indicators the same as with ``A_t``."""
+    return spec.surrogate(
+        SurrogateInputs(
+            ratio=ratios.ratio, logprobs=inputs.logprobs, advantages=weights.weighted_advantages, mask=inputs.mask,
+            clip_low=config.clip_low, clip_high=config.clip_high, dual_clip=config.dual_clip,
+        )
     )
 
-    is_weights, is_metrics = None, {}
-    if is_cfg.mode != "off" or rollout_logprobs is not None:  # without mu there is no mismatch to report
-        is_corr = is_correction_weights(old_logprobs, rollout_logprobs, mask, is_cfg, turns, clamp)
-        is_metrics = is_corr.metrics
-        if is_cfg.mode != "off":
-            is_weights = is_corr.weights
-    pg_loss = (per_token if is_weights is None else per_token * is_weights).sum()
-    loss = pg_loss
 
-    # Clip bias (SORL eq. 7/8/14), for every loss: ||C|| (clip_bias/sq_sum) is a logged leading indicator,
-    # and an engine measuring ||C|| in parameter space reads it (0 means C = 0, no backward).
-    # Indicators from the loss ratio, or token ratios on request.
-    clipped = clip_high | clip_low | dual
-    indicator = clipped
+# ------------------------------------------------------------------------------------- corrections
+
+
+def _is_correction(
+    inputs: _LossInputs, config: PolicyLossConfig, ratios: _Ratios
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """MiniRL's detached ``pi_old / mu`` weights (``None`` when the correction is off) and the
+    mismatch metrics (none without rollout log-probs: no mismatch to report)."""
+    is_cfg = config.is_correction
+    if is_cfg.mode == "off" and inputs.rollout_logprobs is None:
+        return None, {}
+    corr = is_correction_weights(
+        inputs.old_logprobs, inputs.rollout_logprobs, inputs.mask, is_cfg, ratios.turns, config.log_ratio_clamp
+    )
+    return (None if is_cfg.mode == "off" else corr.weights), corr.metrics
+
+
+def _clip_bias(
+    inputs: _LossInputs,
+    config: PolicyLossConfig,
+    spec: PolicyLossSpec,
+    ratios: _Ratios,
+    terms: SurrogateTerms,
+    weights: _Aggregation,
+    is_weights: torch.Tensor | None,
+    bias_surrogate: bool,
+) -> ClipBiasTerms:
+    """Clip bias (SORL eq. 7/8/14), for every loss: ``||C||`` (``clip_bias/sq_sum``) is a logged
+    leading indicator, and an engine measuring ``||C||`` in parameter space reads it (0 means
+    C = 0, no backward). Indicators from the surrogate, or from token ratios on request."""
+    indicator = terms.clip_high | terms.clip_low | terms.dual
     if config.clip_bias.indicator == "token_ratio" and spec.ratio_level != "token":
+        adv, token_ratio = inputs.advantages, ratios.token_ratio
         indicator = (
-            ((advantages > 0) & (token_ratio > config.clip_high))
-            | ((advantages < 0) & (token_ratio < config.clip_low))
-        ) & mask
+            ((adv > 0) & (token_ratio > config.clip_high)) | ((adv < 0) & (token_ratio < config.clip_low))
+        ) & inputs.mask
     # d ratio_t / d log pi_j: spread over the unit (turn / sequence ratios) or token t's own (GSPO-token)
-    grad_segments = None if spec.token_gradient else level_segments
-    bias_adv = weighted_adv if is_weights is None else weighted_adv * is_weights
-    bias = clip_bias_terms(ratio, level_lr_raw, clamp, indicator, bias_adv, grad_segments, surrogate=surrogate)
+    grad_segments = None if spec.token_gradient else ratios.segments
+    bias_adv = weights.weighted_advantages if is_weights is None else weights.weighted_advantages * is_weights
+    if terms.bias_share is not None:
+        bias_adv = bias_adv * terms.bias_share
+    return clip_bias_terms(
+        ratios.ratio, ratios.level_log_ratio, config.log_ratio_clamp, indicator, bias_adv, grad_segments,
+        surrogate=bias_surrogate,
+    )
 
-    metrics: dict[str, torch.Tensor] = {}
+
+def _clip_bias_norm(
+    bias: ClipBiasTerms, config: PolicyLossConfig, normalize: bool, params: Iterable[torch.Tensor] | None
+) -> torch.Tensor | None:
+    """``||C||`` of a clip-normalized loss in ``clip_bias.mode``'s space; ``None`` for
+    ``param_grad`` left to an engine (``normalize=False``)."""
+    if config.clip_bias.mode != "param_grad":
+        return clip_bias_norm(bias.scalar, bias.sq_sum, config.clip_bias.mode)
+    if not normalize:
+        return None
+    if params is None:
+        raise ValueError("loss.clip_bias.mode='param_grad' needs params here (or normalize=False and an engine)")
+    return param_grad_clip_bias_norm(bias.surrogate, params)
+
+
+# --------------------------------------------------------------------------------------- penalties
+
+
+def _penalties(
+    pg_loss: torch.Tensor,
+    inputs: _LossInputs,
+    config: PolicyLossConfig,
+    spec: PolicyLossSpec,
+    ratios: _Ratios,
+    weights: _Aggregation,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``pg_loss`` plus SAPO's conditional KL, the KL to the reference and minus the entropy
+    bonus, each aggregated with the loss's weights; their metrics."""
+    loss, metrics = pg_loss, {}
     if spec.sapo_penalty:
-        # -log r_t on active tokens; its gradient pushes r_t back up towards tau.
-        sapo = config.sapo
-        if sapo.variant == "listing":
-            # appendix A.6: masked_mean(log(r).masked_fill(r > tau, 0)[A[:, 0] >= 0], mask[A[:, 0] >= 0])
-            rows = _sapo_listing_tokens(advantages, mask, sapo)
-            active = (rows & (token_ratio <= sapo.tau)).detach()
-            count = rows.sum() if sapo_denominator is None else sapo_denominator
-            count = torch.as_tensor(count, dtype=torch.float32, device=logprobs.device).clamp(min=1.0)
-            sapo_term = masked_sum(-token_lr, active) / count
-        else:  # eq. 11, inside eq. 9's aggregation
-            positive = advantages >= 0 if sapo.nonnegative else advantages > 0
-            active = (positive & (token_ratio < sapo.tau) & mask).detach()
-            sapo_term = aggregate(torch.where(active, -token_lr, zero), weights)
-        loss = loss + sapo.gamma * sapo_term
+        sapo_term, active = _sapo_penalty(inputs, config.sapo, ratios, weights)
+        loss = loss + config.sapo.gamma * sapo_term
         metrics["sapo/penalty"] = sapo_term.detach()
-        metrics["sapo/penalty_frac"] = masked_mean(active.float(), mask)
+        metrics["sapo/penalty_frac"] = masked_mean(active.float(), inputs.mask)
     if config.kl_coef > 0:
-        kl = aggregate(kl_penalty(logprobs, ref_logprobs, config.kl_estimator, clamp), weights)
+        kl = aggregate(kl_penalty(inputs.logprobs, inputs.ref_logprobs, config.kl_estimator, config.log_ratio_clamp),
+                       weights.weights)
         loss = loss + config.kl_coef * kl
         metrics["kl_ref"] = kl.detach()
     if config.entropy_coef > 0:
-        ent = aggregate(entropy.float(), weights)
+        ent = aggregate(inputs.entropy.float(), weights.weights)
         loss = loss - config.entropy_coef * ent
         metrics["entropy"] = ent.detach()
-    if entropy is not None:  # a diagnostic for every loss: the token mean, whatever the aggregation
-        metrics["entropy/mean"] = masked_mean(entropy.detach().float(), mask)
+    if inputs.entropy is not None:  # a diagnostic for every loss: the token mean, whatever the aggregation
+        metrics["entropy/mean"] = masked_mean(inputs.entropy.detach().float(), inputs.mask)
+    return loss, metrics
 
-    with torch.no_grad():
-        tokens = mask.sum(dtype=torch.float64)
-        count = tokens.clamp(min=1)
-        n_high, n_low, n_dual = (t.sum(dtype=torch.float64) for t in (clip_high, clip_low, dual))
-        lr_sum = token_lr.sum(dtype=torch.float64)
-        ratio_sum = _sum_off_ones(token_ratio, tokens)  # sum of r over the mask (r = 1 off it)
-        lo, hi = _masked_extremes(token_lr_raw.detach(), mask, tokens)
-        metrics.update(
-            {
-                "pg_loss": pg_loss.detach(),
-                # B^c's three parts are disjoint: A > 0 (high) and A < 0 with r < 1 - eps or r > c > 1
-                "clip_frac": ((n_high + n_low + n_dual) / count).float(),
-                "clip_frac_high": (n_high / count).float(),
-                "clip_frac_low": (n_low / count).float(),
-                "dual_clip_frac": (n_dual / count).float(),
-                # KL(pi_old || pi_theta) estimated on tokens sampled from pi_old (k1, k3 of Schulman)
-                "approx_kl_k1": (-lr_sum / count).float(),
-                "approx_kl_k3": ((ratio_sum - tokens - lr_sum) / count).float(),
-                "ratio/mean": (ratio_sum / count).float(),
-                "ratio/min": _ratio_of(lo, clamp, tokens),
-                "ratio/max": _ratio_of(hi, clamp, tokens),
-                "abs_log_ratio/max": torch.maximum(lo.abs(), hi.abs()),
-                "policy_tokens": tokens.float(),
-            }
-        )
-        if bias is not None:
-            metrics["clip_bias/scalar"] = bias.scalar
-            metrics["clip_bias/sq_sum"] = bias.sq_sum
-        if turns is not None:
-            if spec.ratio_level == "turn" and not spec.token_gradient:
-                # the loss's own turn ratios, read at each turn's first token (their clamped value)
-                spread, multi_turn_rows = turn_ratio_spread_of(turns.per_segment(ratio.detach()), turns)
-            else:
-                spread, multi_turn_rows = turn_ratio_spread(token_lr_raw, turns, clamp)
-            metrics["turn_ratio/spread_sum"] = spread  # sums: an engine adds them over micro-batches
-            metrics["turn_ratio/multi_turn_rows"] = multi_turn_rows
-            metrics["turn_ratio/spread"] = spread / multi_turn_rows.clamp(min=1)
-        if spec.ratio_level != "token":
-            prefix = "turn_ratio" if spec.ratio_level == "turn" else "seq_ratio"
-            level_lo, level_hi = _masked_extremes(level_lr_raw.detach(), mask, tokens)
-            metrics[f"{prefix}/mean"] = (_sum_off_ones(ratio.detach(), tokens) / count).float()
-            metrics[f"{prefix}/min"] = _ratio_of(level_lo, clamp, tokens)
-            metrics[f"{prefix}/max"] = _ratio_of(level_hi, clamp, tokens)
-        metrics.update(is_metrics)
-        # leading indicators: tokens clipped by their own ratio, turns by their turn ratio (SORL eq. 4)
-        counts = clip_counts(token_lr_raw, advantages, mask, config.clip_low, config.clip_high, turns, clamp)
-        metrics["clip_frac/token"] = (counts["tokens_clipped"] / count).float()
-        if turns is not None:  # sums: an engine adds them over micro-batches (clip_frac/turn)
-            metrics["clip/turns_clipped"] = counts["turns_clipped"]
-            metrics["clip/turns"] = counts["turns"]
-    return _PolicyTerms(spec=spec, loss=loss, bias=bias, metrics=metrics)
+
+def _sapo_penalty(
+    inputs: _LossInputs, sapo: SAPOConfig, ratios: _Ratios, weights: _Aggregation
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAPO's ``-log r_t`` on its active tokens (its gradient pushes ``r_t`` back up towards
+    ``tau``): ``(term, active tokens)``."""
+    mask, advantages, token_lr = inputs.mask, inputs.advantages, ratios.clamped_log_ratio
+    if sapo.variant == "listing":
+        # appendix A.6: masked_mean(log(r).masked_fill(r > tau, 0)[A[:, 0] >= 0], mask[A[:, 0] >= 0])
+        rows = _sapo_listing_tokens(advantages, mask, sapo)
+        active = (rows & (ratios.token_ratio <= sapo.tau)).detach()
+        count = rows.sum() if weights.sapo_denominator is None else weights.sapo_denominator
+        count = torch.as_tensor(count, dtype=torch.float32, device=inputs.logprobs.device).clamp(min=1.0)
+        return masked_sum(-token_lr, active) / count, active
+    # eq. 11, inside eq. 9's aggregation
+    positive = advantages >= 0 if sapo.nonnegative else advantages > 0
+    active = (positive & (ratios.token_ratio < sapo.tau) & mask).detach()
+    zero = torch.zeros((), dtype=torch.float32, device=inputs.logprobs.device)
+    return aggregate(torch.where(active, -token_lr, zero), weights.weights), active
+
+
+# ----------------------------------------------------------------------------------------- metrics
+
+
+@torch.no_grad()
+def _metrics(
+    inputs: _LossInputs,
+    config: PolicyLossConfig,
+    spec: PolicyLossSpec,
+    ratios: _Ratios,
+    terms: SurrogateTerms,
+    pg_loss: torch.Tensor,
+    bias: ClipBiasTerms | None,
+    is_metrics: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """The detached metrics of one call: means over its policy tokens, plus additive sums
+    (``clip_bias/scalar``, ``sq_sum``, the turn counts) an engine adds over micro-batches."""
+    tokens = inputs.mask.sum(dtype=torch.float64)
+    metrics = _ratio_and_clip_metrics(inputs, config, ratios, terms, pg_loss, tokens)
+    if bias is not None:
+        metrics["clip_bias/scalar"] = bias.scalar
+        metrics["clip_bias/sq_sum"] = bias.sq_sum
+    if ratios.turns is not None:
+        metrics.update(_turn_spread_metrics(config, spec, ratios))
+    if spec.ratio_level != "token":
+        metrics.update(_level_ratio_metrics(inputs, config, spec, ratios, tokens))
+    metrics.update(is_metrics)
+    metrics.update(_clip_count_metrics(inputs, config, ratios, tokens))
+    return metrics
+
+
+def _ratio_and_clip_metrics(
+    inputs: _LossInputs,
+    config: PolicyLossConfig,
+    ratios: _Ratios,
+    terms: SurrogateTerms,
+    pg_loss: torch.Tensor,
+    tokens: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    clamp = config.log_ratio_clamp
+    count = tokens.clamp(min=1)
+    n_high, n_low, n_dual = (t.sum(dtype=torch.float64) for t in (terms.clip_high, terms.clip_low, terms.dual))
+    lr_sum = ratios.clamped_log_ratio.sum(dtype=torch.float64)
+    ratio_sum = _sum_off_ones(ratios.token_ratio, tokens)  # sum of r over the mask (r = 1 off it)
+    lo, hi = _masked_extremes(ratios.token_log_ratio.detach(), inputs.mask, tokens)
+    return {
+        "pg_loss": pg_loss.detach(),
+        # B^c's three parts are disjoint: A > 0 (high) and A < 0 with r < 1 - eps or r > c > 1
+        "clip_frac": ((n_high + n_low + n_dual) / count).float(),
+        "clip_frac_high": (n_high / count).float(),
+        "clip_frac_low": (n_low / count).float(),
+        "dual_clip_frac": (n_dual / count).float(),
+        # KL(pi_old || pi_theta) estimated on tokens sampled from pi_old (k1, k3 of Schulman)
+        "approx_kl_k1": (-lr_sum / count).float(),
+        "approx_kl_k3": ((ratio_sum - tokens - lr_sum) / count).float(),
+        "ratio/mean": (ratio_sum / count).float(),
+        "ratio/min": _ratio_of(lo, clamp, tokens),
+        "ratio/max": _ratio_of(hi, clamp, tokens),
+        "abs_log_ratio/max": torch.maximum(lo.abs(), hi.abs()),
+        "policy_tokens": tokens.float(),
+    }
+
+
+def _turn_spread_metrics(config: PolicyLossConfig, spec: PolicyLossSpec, ratios: _Ratios) -> dict[str, torch.Tensor]:
+    turns = ratios.turns
+    if spec.ratio_level == "turn" and not spec.token_gradient:
+        # the loss's own turn ratios, read at each turn's first token (their clamped value)
+        spread, multi_turn_rows = turn_ratio_spread_of(turns.per_segment(ratios.ratio.detach()), turns)
+    else:
+        spread, multi_turn_rows = turn_ratio_spread(ratios.token_log_ratio, turns, config.log_ratio_clamp)
+    return {
+        "turn_ratio/spread_sum": spread,  # sums: an engine adds them over micro-batches
+        "turn_ratio/multi_turn_rows": multi_turn_rows,
+        "turn_ratio/spread": spread / multi_turn_rows.clamp(min=1),
+    }
+
+
+def _level_ratio_metrics(
+    inputs: _LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: _Ratios, tokens: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    prefix = "turn_ratio" if spec.ratio_level == "turn" else "seq_ratio"
+    clamp = config.log_ratio_clamp
+    level_lo, level_hi = _masked_extremes(ratios.level_log_ratio.detach(), inputs.mask, tokens)
+    return {
+        f"{prefix}/mean": (_sum_off_ones(ratios.ratio.detach(), tokens) / tokens.clamp(min=1)).float(),
+        f"{prefix}/min": _ratio_of(level_lo, clamp, tokens),
+        f"{prefix}/max": _ratio_of(level_hi, clamp, tokens),
+    }
+
+
+def _clip_count_metrics(
+    inputs: _LossInputs, config: PolicyLossConfig, ratios: _Ratios, tokens: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Leading indicators: tokens clipped by their own ratio, turns by their turn ratio (SORL eq. 4)."""
+    counts = clip_counts(ratios.token_log_ratio, inputs.advantages, inputs.mask, config.clip_low, config.clip_high,
+                         ratios.turns, config.log_ratio_clamp)
+    metrics = {"clip_frac/token": (counts["tokens_clipped"] / tokens.clamp(min=1)).float()}
+    if ratios.turns is not None:  # sums: an engine adds them over micro-batches (clip_frac/turn)
+        metrics["clip/turns_clipped"] = counts["turns_clipped"]
+        metrics["clip/turns"] = counts["turns"]
+    return metrics
 
 
 def _sum_off_ones(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -126,6 +126,7 @@ LOSS_RUNS = [  # (loss, advantage estimator, extra overrides riding along)
     ("gspo", "grpo", ["algorithm.routing_replay=r3"]),
     ("gspo_token", "grpo", ["algorithm.loss.clip_bias.diagnostics=true"]),
     ("sapo", "grpo", ["algorithm.loss.kl_coef=0.01", "reward.metric=f1"]),
+    ("cispo", "grpo", ["algorithm.loss.eps_low=0.999", "algorithm.loss.eps_high=0.28"]),
     ("grpo", "pvpo", ["algorithm.pvpo.num_ref_rollouts=2"]),
 ]
 
