@@ -77,7 +77,7 @@ def rollout(task: ToyTask, policy: ToyPolicy, targets: torch.Tensor, g: torch.Ge
     return prompt, tokens, mu, reward
 
 
-CRITIC_LOSSES = ("ppo", "turn_ppo", "s_ppo", "so_ppo")  # trained with a critic and GAE
+CRITIC_LOSSES = tuple(n for n, spec in POLICY_LOSSES.items() if spec.critic)  # trained with a critic and GAE
 NORMALIZED = tuple(n for n, spec in POLICY_LOSSES.items() if spec.clip_normalized)
 ESTIMATORS = ("gae", "grpo", "pvpo")
 

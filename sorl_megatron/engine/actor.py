@@ -35,7 +35,6 @@ from ..algorithms.diagnostics import (
     advantage_stats,
     turn_advantage_sign_mixing,
 )
-from ..algorithms.loss_registry import POLICY_LOSSES
 from ..bridge.layout import ParallelLayout
 from ..bridge.model import ModelOptions
 from ..common import comm
@@ -394,7 +393,7 @@ class PolicyEngine(EngineBase):
 
     def _train_mini_batch(self, batch: RLBatch, rows: torch.Tensor, mbs: int) -> dict[str, float]:
         loss_cfg = self.cfg.loss
-        spec = POLICY_LOSSES[loss_cfg.name]
+        spec = loss_cfg.spec
         denominator = loss_denominators(batch.loss_mask[rows], batch.advantages[rows], loss_cfg).to(device())
         _, micro = self._micro_batches(batch, rows, mbs, "batching.mini_batch_size")
         scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp

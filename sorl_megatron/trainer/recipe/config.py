@@ -23,7 +23,6 @@ from typing import Any, Literal, Optional
 
 from ...algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ...algorithms.config import PolicyLossConfig
-from ...algorithms.loss_registry import POLICY_LOSSES
 from ...bridge.layout import ParallelLayout
 from ...bridge.te_fp8 import Fp8Error, Fp8Options
 from ...engine.config import BatchingConfig, OptimConfig
@@ -133,7 +132,7 @@ class AlgorithmConfig:
         """The estimator gives the advantages the loss is defined on (a critic's for the PPO
         family, outcome-based ones for the group-relative losses)."""
         loss, estimator = self.loss.name, self.advantage.estimator
-        critic = POLICY_LOSSES[loss].critic
+        critic = self.loss.spec.critic
         spec = ADVANTAGE_ESTIMATORS[estimator]
         if critic != spec.critic:
             wants = "a critic's advantages (gae)" if critic else "outcome-based advantages"
