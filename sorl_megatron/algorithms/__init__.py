@@ -6,6 +6,7 @@ papers (SORL / ST-PPO, arXiv 2511.20718; SAPO, arXiv 2511.20347; MiniRL, arXiv 2
 PVPO; CISPO of MiniMax-M1, arXiv 2506.13585), cited in full in ``docs/algorithms.md``.
 """
 
+from . import losses  # noqa: F401  (registers the losses with a surrogate of their own: losses/)
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimatorSpec,

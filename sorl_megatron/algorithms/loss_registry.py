@@ -79,5 +79,3 @@ for _spec in (
     PolicyLossSpec("sapo", "token", sapo_penalty=True, reference="SAPO eq. 9-11 (GRPO surrogate + conditional KL)"),
 ):
     register_policy_loss(_spec)
-
-from . import losses  # noqa: E402, F401  (registers the losses of losses/, which import this module's names)
