@@ -70,7 +70,10 @@ def _replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_c
     if not in_backward:
         with torch.no_grad():
             differs = (torch.sort(idx, dim=1).values != torch.sort(live_idx, dim=1).values).any(dim=1)
-            self._sorl_stats += torch.stack([given.sum(), (differs & given.squeeze(1)).sum()]).to(self._sorl_stats)
+            counts = torch.stack([given.sum(), (differs & given.squeeze(1)).sum()])
+            # on the router's device: no host synchronization per layer and micro-batch; the pass
+            # reads the sum once (RoutingReplay.end)
+            self._sorl_stats = counts if self._sorl_stats is None else self._sorl_stats + counts
     return probs, idx
 
 
@@ -101,7 +104,7 @@ def install(chunks: list[torch.nn.Module]) -> list[RouterSlot]:
         rr._sorl_layer = slot.layer
         rr._sorl_mode = None
         rr._sorl_records = []
-        rr._sorl_stats = torch.zeros(2, dtype=torch.float64)
+        rr._sorl_stats = None  # [replayed, mismatched] pairs, int64 on the router's device
     return slots
 
 
@@ -141,18 +144,20 @@ class RoutingReplay:
             rr._sorl_mode = mode
             rr._sorl_keep = keep_used
             rr._sorl_records = []
-            rr._sorl_stats = torch.zeros(2, dtype=torch.float64)
+            rr._sorl_stats = None
             if action is None:
                 rr.clear_router_replay_action()
             else:
                 rr.set_router_replay_action(action)
 
     def end(self) -> torch.Tensor:
-        """Stop; returns this rank's [replayed pairs, mismatched pairs] (float64)."""
-        stats = torch.zeros(2, dtype=torch.float64)
+        """Stop; returns this rank's [replayed pairs, mismatched pairs] (float64, on the host:
+        the one read of the pass's counts, which stayed on the routers' device until here)."""
+        counts = [s.replay._sorl_stats for s in self.slots if s.replay._sorl_stats is not None]
+        stats = torch.stack(counts).sum(0).to("cpu", torch.float64) if counts else torch.zeros(2, dtype=torch.float64)
         for s in self.slots:
             rr = s.replay
-            stats += rr._sorl_stats
+            rr._sorl_stats = None
             rr._sorl_mode = None
             rr._sorl_keep = False
             rr.clear_indices()
@@ -181,11 +186,15 @@ class RoutingReplay:
         sl = _sp_slice(seq_len, self.sequence_parallel)
         rows, pos = token_rows[:, sl], token_pos[:, sl]
         keep = rows >= 0
+        layers, records = [], []
         for s in self.slots:
-            if s.chunk != chunk:
-                continue
-            if not s.replay._sorl_records:
-                continue
-            idx = s.replay._sorl_records.pop(0)
-            idx = idx.view(rows.shape[1], rows.shape[0], -1).transpose(0, 1)
-            out[rows[keep], pos[keep], s.layer, :] = idx[keep].to(out.dtype).cpu() + 1
+            if s.chunk == chunk and s.replay._sorl_records:
+                layers.append(s.layer)
+                records.append(s.replay._sorl_records.pop(0))
+        if not records:
+            return
+        # one copy to the host for all of the chunk's layers, not one per layer
+        idx = torch.stack(records).to("cpu")  # [layers, tokens (sequence-major), K]
+        idx = idx.view(len(records), rows.shape[1], rows.shape[0], -1).transpose(1, 2)  # [layers, b, s, K]
+        where = torch.tensor(layers).unsqueeze(1)
+        out[rows[keep].unsqueeze(0), pos[keep].unsqueeze(0), where, :] = idx[:, keep].to(out.dtype) + 1
