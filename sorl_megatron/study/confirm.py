@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .indicators import collapse_step
+from .indicators import collapse_step, load_record
 from .indicators import series as metric_series
 
 COLLAPSE_FRACTION = 0.5  # the study's collapse_fraction (every round-two grid's)
@@ -294,24 +294,6 @@ def _seed_ranges(seeds: Sequence[int]) -> str:
     if run:
         out.append(run)
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out)
-
-
-def load_record(dirs: Sequence[str | Path]) -> dict[str, list[dict[str, Any]]]:
-    """``{cell: rows}`` of every ``<dir>/runs/<cell>/metrics.jsonl``; a cell in two records with
-    different rows is an error (the same cell must be one run)."""
-    from ..trainer.metrics.logger import read_metrics
-
-    record: dict[str, list[dict[str, Any]]] = {}
-    for d in dirs:
-        runs = Path(d) / "runs"
-        if not runs.is_dir():
-            raise FileNotFoundError(f"no record at {runs}")
-        for cell_dir in sorted(p for p in runs.iterdir() if p.is_dir()):
-            rows = read_metrics(cell_dir)
-            if cell_dir.name in record and record[cell_dir.name] != rows:
-                raise ValueError(f"{cell_dir.name} is in two records with different numbers")
-            record[cell_dir.name] = rows
-    return record
 
 
 def report(record: dict[str, list[dict[str, Any]]], seeds: Sequence[int] = SEEDS) -> list[str]:
