@@ -139,13 +139,14 @@ class ISCorrectionConfig:
 
     Tokens are weighted by the detached ``pi_old / mu`` (``mu`` = rollout engine) at token,
     turn or sequence level; ``tis`` truncates the weight at ``cap``, ``mis`` zeroes tokens
-    whose weight lies outside ``[low, high]``. Turn/sequence weights are products of token
-    ratios, or geometric means when ``geometric``.
+    whose weight lies outside ``[low, high]``. Turn/sequence weights are geometric means of the
+    token ratios (the default), or their products with ``geometric=False``: a product over a long
+    turn or episode collapses towards 0 (``is_correction.py``'s module doc).
     """
 
     mode: ISMode = "off"
     level: ISLevel = "token"
-    geometric: bool = False
+    geometric: bool = True
     cap: float = 2.0
     low: float = 0.5
     high: float = 2.0

@@ -9,6 +9,13 @@ to the run's own start (``rel_above`` / ``rel_below``: a multiple of the median 
 
 "Fell" is the collapse step of :func:`collapse_step` (the study's definition). A crossing counts
 when it happens at or before that step; the lead is ``collapse step - crossing step``.
+
+Round three (issue 47, item 2; ``study/early_warning.py`` writes docs/study/round3/indicators.md)
+asks whether an indicator *predicts* a fall: falls timed by validation EM and by the training
+reward (:func:`reward_fall_step`), scores read from step 2 on as values and as the rise from the
+run's own step-1 value (:class:`Score`), an ROC AUC per lead window over (run, step) samples
+(:func:`window_samples`, :func:`auc`) and a threshold fitted on all seeds but one and judged on
+that one (:func:`leave_one_seed_out`, :func:`usable`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
 
 Kind = Literal["above", "below", "rel_above", "rel_below"]
 
@@ -152,3 +160,412 @@ def indicator_report(warnings: list[RunWarnings], indicators: dict[str, Indicato
     lines += ["", (f"Crossed in all {len(collapsed)} collapsed runs and in none of the {stable} stable ones: "
                    + (", ".join(f"**{n}**" for n in sep) if sep else "no indicator") + "."), ""]
     return lines
+
+
+# ----------------------------------------------------------------------------- round three
+# The indicators as predictors (issue 47, item 2; docs/study/round3/indicators.md): per step,
+# does an indicator's value say that a fall follows within a window of steps? Events are timed
+# by validation EM (``collapse_step``) and by the per-step training reward
+# (``reward_fall_step``); scores are read from step 2 on, as the value itself and as the change
+# from the run's own step-1 value; each (indicator, score, window) gets an ROC AUC over all its
+# (run, step) samples and a leave-one-seed-out check of the threshold fitted on the other seeds.
+
+EventKind = Literal["validation", "reward"]
+REWARD_WINDOW = 3  # trailing mean of the training reward (its batch-to-batch swing is 2x)
+FIRST_SCORED_STEP = 2  # step 1's batch is the same in every run of a seed (module doc of round three)
+
+
+def reward_fall_step(rows: list[dict[str, Any]], collapse_fraction: float, window: int = REWARD_WINDOW,
+                     key: str = "rollout/reward") -> Optional[int]:
+    """The first step whose trailing mean of the training reward over ``window`` steps is below
+    ``collapse_fraction`` x the best such mean before it (that best >= 0.05): the collapse rule
+    on the per-step reward. None when it never falls (or the run is shorter than the window)."""
+    values = sorted(series(rows, key).items())
+    best: Optional[float] = None
+    for i in range(window - 1, len(values)):
+        mean = sum(v for _, v in values[i - window + 1: i + 1]) / window
+        if best is not None and best >= 0.05 and mean < collapse_fraction * best:
+            return values[i][0]
+        best = mean if best is None else max(best, mean)
+    return None
+
+
+def event_step(rows: list[dict[str, Any]], kind: EventKind, collapse_fraction: float) -> Optional[int]:
+    if kind == "validation":
+        return collapse_step(rows, collapse_fraction)
+    if kind == "reward":
+        return reward_fall_step(rows, collapse_fraction)
+    raise ValueError(f"event kind must be validation or reward, got {kind!r}")
+
+
+@dataclass(frozen=True)
+class Score:
+    """An indicator read as an alarm score, higher = more alarming: ``direction`` +1 for a metric
+    that rises before trouble (KL, clip fraction), -1 for one that falls (ESS, entropy); ``rise``
+    scores the change from the run's own step-1 value (``scale`` ``diff``: x_t - x_1, ``log``:
+    log(x_t / x_1), for quantities measured by their ratio), else the value itself."""
+
+    metric: str
+    direction: int
+    scale: Literal["diff", "log"] = "diff"
+
+    def scores(self, rows: list[dict[str, Any]], rise: bool, start: int = FIRST_SCORED_STEP) -> dict[int, float]:
+        values = series(rows, self.metric)
+        base = values.get(1)
+        out = {}
+        for t, x in values.items():
+            if t < start:
+                continue
+            if rise:
+                if base is None:
+                    continue
+                if self.scale == "log":
+                    if x <= 0 or base <= 0:
+                        continue
+                    x = math.log(x / base)
+                else:
+                    x = x - base
+            out[t] = self.direction * x
+        return out
+
+
+ROC_SCORES: dict[str, Score] = {
+    "train_inference_kl": Score("mismatch/kl_k3", +1),
+    "ess": Score("mismatch/ess_frac", -1),
+    "ess_seq": Score("mismatch/ess_frac_seq", -1),
+    "route_flip": Score("mismatch/route_flip_rate", +1),
+    "kl_old_new": Score("actor/approx_kl_k3", +1),
+    "clip_frac": Score("actor/clip_frac", +1),
+    "clip_frac_token": Score("actor/clip_frac/token", +1),
+    "clip_frac_turn": Score("actor/clip_frac/turn", +1),
+    "grad_norm": Score("actor/grad_norm", +1, "log"),
+    "entropy": Score("actor/entropy/mean", -1, "log"),
+}
+LEAD_WINDOWS: tuple[tuple[int, int], ...] = ((1, 4), (5, 9), (10, 19))
+
+
+@dataclass(frozen=True)
+class Sample:
+    run: str
+    seed: int
+    step: int
+    score: float
+    label: int  # 1: the event follows within the window; 0: no event within it
+
+
+def run_seed(name: str) -> int:
+    """The seed of a cell name ``<loss>__<stress>__s<seed>``."""
+    tail = name.rsplit("__", 1)[-1]
+    if not tail.startswith("s") or not tail[1:].isdigit():
+        raise ValueError(f"{name!r} is not a cell name <loss>__<stress>__s<seed>")
+    return int(tail[1:])
+
+
+def window_samples(name: str, scores: dict[int, float], event: Optional[int], last_step: int,
+                   window: tuple[int, int]) -> list[Sample]:
+    """One sample per scored step t before the event: positive when the event is ``lo..hi``
+    steps after t, negative when no event falls within ``hi`` steps after t (and the run lasts
+    that long). Steps at or after the event, steps whose event is nearer than ``lo`` and steps
+    whose window runs past the run's end without an event are left out."""
+    lo, hi = window
+    seed = run_seed(name)
+    out = []
+    for t in sorted(scores):
+        if event is not None and t >= event:
+            break
+        lead = None if event is None else event - t
+        if lead is not None and lo <= lead <= hi:
+            out.append(Sample(name, seed, t, scores[t], 1))
+        elif lead is not None and lead < lo:
+            continue
+        elif t + hi <= last_step:
+            out.append(Sample(name, seed, t, scores[t], 0))
+    return out
+
+
+def auc(samples: list[Sample]) -> Optional[float]:
+    """The ROC area (Mann-Whitney, ties half): the chance that a positive sample scores above a
+    negative one. None without both."""
+    pos = [s.score for s in samples if s.label]
+    neg = [s.score for s in samples if not s.label]
+    if not pos or not neg:
+        return None
+    ranked = sorted([(v, 1) for v in pos] + [(v, 0) for v in neg])
+    rank_sum, i = 0.0, 0
+    while i < len(ranked):
+        j = i
+        while j < len(ranked) and ranked[j][0] == ranked[i][0]:
+            j += 1
+        mid = (i + 1 + j) / 2  # the average rank of the tie block (1-based)
+        rank_sum += mid * sum(label for _, label in ranked[i:j])
+        i = j
+    return (rank_sum - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
+
+
+@dataclass(frozen=True)
+class Rates:
+    tpr: float
+    fpr: float
+    precision: Optional[float]  # of the alarms, the share followed by the event (None: no alarm)
+    alarms: int
+
+
+def rates(samples: list[Sample], threshold: float) -> Rates:
+    """An alarm is ``score >= threshold``."""
+    pos = sum(s.label for s in samples)
+    neg = len(samples) - pos
+    tp = sum(1 for s in samples if s.label and s.score >= threshold)
+    fp = sum(1 for s in samples if not s.label and s.score >= threshold)
+    return Rates(tp / pos if pos else math.nan, fp / neg if neg else math.nan,
+                 tp / (tp + fp) if tp + fp else None, tp + fp)
+
+
+def youden_threshold(samples: list[Sample]) -> Optional[float]:
+    """The threshold (one of the scores) with the largest TPR - FPR; ties: the highest (fewest
+    alarms). None without positives and negatives."""
+    pos = sum(s.label for s in samples)
+    neg = len(samples) - pos
+    if not pos or not neg:
+        return None
+    best, best_j = None, -math.inf
+    tp = fp = 0
+    ordered = sorted(samples, key=lambda s: -s.score)
+    for i, s in enumerate(ordered):
+        tp += s.label
+        fp += 1 - s.label
+        if i + 1 < len(ordered) and ordered[i + 1].score == s.score:
+            continue  # a threshold takes the whole tie block
+        j = tp / pos - fp / neg
+        if j > best_j + 1e-12:
+            best, best_j = s.score, j
+    return best
+
+
+@dataclass(frozen=True)
+class Fold:
+    seed: int  # held out
+    flipped: bool  # the other seeds ranked the steps before a fall low: the score is read reversed
+    threshold: Optional[float]  # fitted on the other seeds (on the score as read)
+    auc: Optional[float]  # on the held-out seed, the score as read
+    rates: Optional[Rates]  # of the fitted threshold on the held-out seed
+    positives: int
+    negatives: int
+
+
+def _flip(samples: list[Sample]) -> list[Sample]:
+    return [Sample(s.run, s.seed, s.step, -s.score, s.label) for s in samples]
+
+
+def leave_one_seed_out(samples: list[Sample]) -> list[Fold]:
+    """Per held-out seed: the direction (the indicator's own, or reversed when the other seeds'
+    AUC is below 0.5) and the threshold fitted on the other seeds, judged on the held-out one."""
+    folds = []
+    for seed in sorted({s.seed for s in samples}):
+        train = [s for s in samples if s.seed != seed]
+        test = [s for s in samples if s.seed == seed]
+        train_auc = auc(train)
+        flipped = train_auc is not None and train_auc < 0.5
+        if flipped:
+            train, test = _flip(train), _flip(test)
+        thr = youden_threshold(train)
+        pos = sum(s.label for s in test)
+        folds.append(Fold(seed, flipped, thr, auc(test), rates(test, thr) if thr is not None else None, pos,
+                          len(test) - pos))
+    return folds
+
+
+# A rule is usable when, on every held-out seed, the indicator ranks the steps before a fall
+# above the others (AUC >= 0.75) and the threshold fitted on the other seeds catches at least half
+# of the held-out seed's pre-fall steps with at most a fifth of its other steps alarmed.
+USABLE_AUC, USABLE_TPR, USABLE_FPR = 0.75, 0.5, 0.2
+
+
+def usable(folds: list[Fold]) -> bool:
+    return bool(folds) and all(
+        f.auc is not None and f.auc >= USABLE_AUC and f.rates is not None and f.rates.tpr >= USABLE_TPR
+        and f.rates.fpr <= USABLE_FPR for f in folds)
+
+
+def load_record(dirs: Sequence[str | Path]) -> dict[str, list[dict[str, Any]]]:
+    """``{cell: rows}`` of every ``<dir>/runs/<cell>/metrics.jsonl``; a cell in two records with
+    different rows is an error (the same cell must be one run)."""
+    from ..trainer.metrics.logger import read_metrics
+
+    record: dict[str, list[dict[str, Any]]] = {}
+    for d in dirs:
+        runs = Path(d) / "runs"
+        if not runs.is_dir():
+            raise FileNotFoundError(f"no record at {runs}")
+        for cell_dir in sorted(p for p in runs.iterdir() if p.is_dir()):
+            rows = read_metrics(cell_dir)
+            if cell_dir.name in record and record[cell_dir.name] != rows:
+                raise ValueError(f"{cell_dir.name} is in two records with different numbers")
+            record[cell_dir.name] = rows
+    return record
+
+
+# ----------------------------------------------------------------------------- the report
+
+POOLS: dict[str, str] = {"all": "", "route_lag2": "__route_lag2__"}  # pool -> the cell names it keeps
+EVENTS: tuple[EventKind, ...] = ("validation", "reward")
+KL_RULE = Indicator("mismatch/kl_k3", "above", 0.1)  # round two's "train/inference KL > 0.1"
+
+
+def pool_runs(record: dict[str, list[dict[str, Any]]], pool: str) -> dict[str, list[dict[str, Any]]]:
+    return {name: rows for name, rows in record.items() if POOLS[pool] in name}
+
+
+def samples_for(runs: dict[str, list[dict[str, Any]]], score: Score, rise: bool, event: EventKind,
+                window: tuple[int, int], collapse_fraction: float = 0.5) -> list[Sample]:
+    out: list[Sample] = []
+    for name, rows in runs.items():
+        last = max(int(r["step"]) for r in rows)
+        out += window_samples(name, score.scores(rows, rise), event_step(rows, event, collapse_fraction), last, window)
+    return out
+
+
+def alarm_samples(runs: dict[str, list[dict[str, Any]]], indicator: Indicator, event: EventKind,
+                  window: tuple[int, int], start: int, collapse_fraction: float = 0.5) -> list[Sample]:
+    """The fixed rule ``indicator`` as a 0/1 alarm at every step from ``start``."""
+    out: list[Sample] = []
+    for name, rows in runs.items():
+        values = series(rows, indicator.metric)
+        above = indicator.kind.endswith("above")
+        alarm = {t: float(v > indicator.threshold if above else v < indicator.threshold)
+                 for t, v in values.items() if t >= start}
+        last = max(int(r["step"]) for r in rows)
+        out += window_samples(name, alarm, event_step(rows, event, collapse_fraction), last, window)
+    return out
+
+
+def _g(x: Optional[float], digits: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _first(s: dict[int, float], test, start: int = 1) -> Optional[int]:
+    return next((t for t in sorted(s) if t >= start and test(s[t])), None)
+
+
+def kl_crossings(rows: list[dict[str, Any]], threshold: float = 0.1) -> dict[str, Optional[int]]:
+    """Where ``mismatch/kl_k3`` first passed ``threshold``: at any step (``any``), from step 2
+    (``from2``), and by its rise over the run's own step-1 value, from step 2 (``rise``)."""
+    kl = series(rows, "mismatch/kl_k3")
+    k1 = kl.get(1)
+    return {"any": _first(kl, lambda v: v > threshold), "from2": _first(kl, lambda v: v > threshold, 2),
+            "rise": None if k1 is None else _first(kl, lambda v: v - k1 > threshold, 2)}
+
+
+def kl_rule_section(record: dict[str, list[dict[str, Any]]], collapse_fraction: float = 0.5) -> list[str]:
+    """Round two's reading of ``mismatch/kl_k3 > 0.1`` redone: per fallen run, where it crossed
+    (at step 1, or from step 2, and against the run's own step-1 value), and the stable runs that
+    crossed too."""
+    fell = {name: collapse_step(rows, collapse_fraction) for name, rows in record.items()}
+    cross = {name: kl_crossings(rows) for name, rows in record.items()}
+
+    def before(name: str, key: str) -> bool:
+        t = cross[name][key]
+        return t is not None and (fell[name] is None or t <= fell[name])
+
+    summary = []
+    for label, names in (("At `route_lag2`", [n for n in record if "__route_lag2__" in n]),
+                         ("In the other cells", [n for n in record if "__route_lag2__" not in n])):
+        down = [n for n in names if fell[n] is not None]
+        up = [n for n in names if fell[n] is None]
+        summary.append(
+            f"{label} ({len(names)} runs): of the {len(down)} whose validation EM fell, the train/inference KL "
+            f"crossed 0.1 at step 1 in {sum(cross[n]['any'] == 1 for n in down)}, crossed it from step 2 at or "
+            f"before the fall in {sum(before(n, 'from2') for n in down)}, and rose by more than 0.1 over its own "
+            f"step-1 value at or before the fall in {sum(before(n, 'rise') for n in down)}; of the {len(up)} "
+            f"that did not fall, {sum(before(n, 'any') for n in up)} crossed 0.1, "
+            f"{sum(before(n, 'from2') for n in up)} from step 2, and {sum(before(n, 'rise') for n in up)} rose "
+            "by more than 0.1 over their step-1 value.")
+    lines = ["| run | EM fell at (validation) | reward fell at (3-step mean) | KL at step 1 | KL > 0.1 first "
+             "| from step 2 | KL - its step-1 value > 0.1, first | ESS / N < 0.5, first "
+             "| KL(old ‖ new) > 0.05, first |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name in sorted((n for n in record if fell[n] is not None), key=lambda n: (n.rsplit("__", 2)[1], n)):
+        rows, t_fell = record[name], fell[name]
+
+        def shown(t: Optional[int]) -> str:
+            return "-" if t is None else (f"{t} (lead {t_fell - t})" if t <= t_fell else f"{t} (after)")
+
+        c = cross[name]
+        lines.append(f"| {name} | {t_fell} | {reward_fall_step(rows, collapse_fraction) or '-'} "
+                     f"| {_g(series(rows, 'mismatch/kl_k3').get(1), 3)} "
+                     f"| {shown(c['any'])} | {shown(c['from2'])} | {shown(c['rise'])} "
+                     f"| {shown(_first(series(rows, 'mismatch/ess_frac'), lambda v: v < 0.5, 2))} "
+                     f"| {shown(_first(series(rows, 'actor/approx_kl_k3'), lambda v: v > 0.05, 2))} |")
+    return [" ".join(summary), ""] + lines + [""]
+
+
+def step1_kl_section(record: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Step 1's train/inference KL by seed over the injected runs without R3: it is the seed's, not
+    the run's (every run of a seed samples step 1's batch from the same policy)."""
+    by_seed: dict[int, list[float]] = {}
+    for name, rows in record.items():
+        if "route" in name.rsplit("__", 2)[1] and not name.startswith("grpo_r3__"):
+            v = series(rows, "mismatch/kl_k3").get(1)
+            if v is not None:
+                by_seed.setdefault(run_seed(name), []).append(v)
+    return [("Step 1's train/inference KL in the injected runs without R3, by seed (min-max over the runs): "
+             + "; ".join(f"seed {s}: {min(v):.4f}-{max(v):.4f} ({len(v)} runs)" for s, v in sorted(by_seed.items()))
+             + ". Every run of a seed samples step 1's batch from the start policy with the same injection, so "
+               "a crossing at step 1 is the seed's, whatever the loss or the outcome."), ""]
+
+
+def roc_tables(record: dict[str, list[dict[str, Any]]]) -> tuple[list[str], list[str]]:
+    """(the AUC tables, the rules that survive leave-one-seed-out)."""
+    lines: list[str] = []
+    survivors: list[str] = []
+    for pool in POOLS:
+        runs = pool_runs(record, pool)
+        for event in EVENTS:
+            n_events = sum(event_step(rows, event, 0.5) is not None for rows in runs.values())
+            lines += [f"#### Pool `{pool}` ({len(runs)} runs), events timed by {event} ({n_events} runs fell)", "",
+                      "| indicator | score | " + " | ".join(f"{a}-{b} steps ahead" for a, b in LEAD_WINDOWS) + " |",
+                      "|---|---|" + "---|" * len(LEAD_WINDOWS)]
+            for name, score in ROC_SCORES.items():
+                for rise in (False, True):
+                    cells = []
+                    for window in LEAD_WINDOWS:
+                        samples = samples_for(runs, score, rise, event, window)
+                        folds = leave_one_seed_out(samples)
+                        held = [f.auc for f in folds if f.auc is not None]
+                        ok = usable(folds)
+                        pos = sum(s.label for s in samples)
+                        cells.append(f"{_g(auc(samples))} [{_g(min(held) if held else None)}-"
+                                     f"{_g(max(held) if held else None)}]" + (" **usable**" if ok else "")
+                                     + f" ({pos}/{len(samples) - pos})")
+                        if ok:
+                            survivors.append(_survivor(pool, event, name, rise, window, folds))
+                    lines.append(f"| {name} | {'rise from step 1' if rise else 'value'} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return lines, survivors
+
+
+def _survivor(pool: str, event: str, name: str, rise: bool, window: tuple[int, int], folds: list[Fold]) -> str:
+    score = ROC_SCORES[name]
+    what = f"{score.metric} {'rise from step 1' if rise else 'value'}"
+    per = "; ".join(
+        f"seed {f.seed}: {'reversed, ' if f.flipped else ''}threshold {f.threshold:.4g} (on the score), "
+        f"AUC {f.auc:.2f}, TPR {f.rates.tpr:.2f}, FPR {f.rates.fpr:.2f}, precision {_g(f.rates.precision)}"
+        for f in folds if f.rates is not None and f.threshold is not None and f.auc is not None)
+    return f"- pool `{pool}`, {event}-timed, {window[0]}-{window[1]} steps ahead, {what}: {per}"
+
+
+def kl_alarm_table(record: dict[str, list[dict[str, Any]]]) -> list[str]:
+    lines = ["| pool | events | counted from | " + " | ".join(f"{a}-{b} steps: AUC / TPR / FPR / false alarms"
+                                                          for a, b in LEAD_WINDOWS) + " |",
+             "|---|---|---|" + "---|" * len(LEAD_WINDOWS)]
+    for pool in POOLS:
+        runs = pool_runs(record, pool)
+        for event in EVENTS:
+            for start in (1, 2):
+                cells = []
+                for window in LEAD_WINDOWS:
+                    s = alarm_samples(runs, KL_RULE, event, window, start)
+                    r = rates(s, 1.0)
+                    false = None if r.precision is None else 1 - r.precision
+                    cells.append(f"{_g(auc(s))} / {_g(r.tpr)} / {_g(r.fpr)} / {_g(false)}")
+                lines.append(f"| {pool} | {event} | step {start} | " + " | ".join(cells) + " |")
+    return lines + [""]

@@ -60,7 +60,8 @@ RECORD_KEYS = ("val/em", "val/reward", "rollout/response_length", "rollout/valid
                "rollout/version_lag_max", "mismatch/kl_k3", "mismatch/ess_frac", "mismatch/ess_frac_seq",
                "mismatch/route_flip_rate", "actor/clip_frac/token", "actor/clip_frac/turn", "actor/clip_bias/norm",
                "actor/entropy/mean", "actor/turn_ratio/spread", "actor/advantage/mean", "actor/advantage/var",
-               "actor/advantage/turn_sign_mixed_frac")
+               "actor/advantage/turn_sign_mixed_frac", "actor/is/ess_token", "actor/is/ess_turn",
+               "actor/is/ess_sequence")
 
 
 @dataclass
