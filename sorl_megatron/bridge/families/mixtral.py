@@ -17,6 +17,18 @@ def tiny_config():
     )
 
 
+def demo_config(common: dict, *, head_dim: int, intermediate_size: int, num_experts: int, top_k: int):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        **common,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        num_local_experts=num_experts,
+        num_experts_per_tok=top_k,
+    )
+
+
 def config_overrides(hf_config: Any, on_gpu_te: bool) -> dict[str, Any]:
     # HF Mixtral renormalizes the top-k probabilities; mbridge's pre-softmax does not.
     return {"moe_router_pre_softmax": False}
@@ -28,4 +40,5 @@ SPEC = register_family(FamilySpec(
     tiny_config=tiny_config,
     config_overrides=config_overrides,
     sliding_window="every_layer",
+    demo_config=demo_config,
 ))

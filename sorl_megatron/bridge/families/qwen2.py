@@ -17,10 +17,17 @@ def tiny_config(tied: bool = False, layers: int = 2, **kw):
     return Qwen2Config(**tiny_base(tie_word_embeddings=tied, rope_theta=10000.0, num_hidden_layers=layers, **kw))
 
 
+def demo_config(common: dict, *, head_dim: int, intermediate_size: int, num_experts: int, top_k: int):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**common, intermediate_size=intermediate_size)
+
+
 SPEC = register_family(FamilySpec(
     model_type="qwen2",
     title="Qwen2",
     tiny_config=tiny_config,
     sliding_window="by_layer_type",
     qkv_bias=True,
+    demo_config=demo_config,
 ))

@@ -13,6 +13,12 @@ def tiny_config():
     return Qwen3Config(**tiny_base(intermediate_size=96, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0))
 
 
+def demo_config(common: dict, *, head_dim: int, intermediate_size: int, num_experts: int, top_k: int):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**common, head_dim=head_dim, intermediate_size=intermediate_size)
+
+
 SPEC = register_family(FamilySpec(
     model_type="qwen3",
     title="Qwen3",
@@ -20,4 +26,5 @@ SPEC = register_family(FamilySpec(
     sliding_window="by_layer_type",
     attention_bias_biases_o_proj=True,
     qk_norm=True,
+    demo_config=demo_config,
 ))

@@ -27,6 +27,20 @@ def tiny_config():
     )
 
 
+def demo_config(common: dict, *, head_dim: int, intermediate_size: int, num_experts: int, top_k: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **common,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        moe_intermediate_size=intermediate_size // 2,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+    )
+
+
 def config_overrides(hf_config: Any, on_gpu_te: bool) -> dict[str, Any]:
     # HF Qwen3-MoE renormalizes top-k only when norm_topk_prob is set.
     return {"moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", False))}
@@ -40,4 +54,5 @@ SPEC = register_family(FamilySpec(
     sliding_window="every_layer",
     attention_bias_biases_o_proj=True,
     qk_norm=True,
+    demo_config=demo_config,
 ))

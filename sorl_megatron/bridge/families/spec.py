@@ -71,6 +71,10 @@ class FamilySpec:
         those scales are unused tensors and the load is refused.
     tiny_router_std: the tiny test model's router weights are drawn with this std (clear top-k
         margins, no near ties between transformers and megatron); None = as initialized.
+    demo_config: ``(common, head_dim=, intermediate_size=, num_experts=, top_k=) -> config``: the
+        CPU demo's and training tests' tiny model (sorl_megatron/data/tiny_model.py, its
+        ``arch``) from the sizes every family shares (``common``: vocabulary, hidden size,
+        layers, heads, ...) and these; None = the demo does not build this family.
     """
 
     model_type: str
@@ -90,6 +94,7 @@ class FamilySpec:
     rope_scaling: tuple[str, ...] = ()
     reads_block_fp8: bool = False
     tiny_router_std: Optional[float] = None
+    demo_config: Optional[Callable[..., Config]] = None
 
     def __post_init__(self) -> None:
         if not self.mbridge_name:
