@@ -122,3 +122,10 @@ def test_spec_defaults():
     with pytest.raises(ValueError, match="sliding_window"):
         FamilySpec(model_type="x", title="X", tiny_config=dict, sliding_window="sometimes")
 
+
+
+def test_the_walk_through_shows_the_family_module_as_it_is():
+    """docs/add-a-model-family.md walks through qwen2_moe.py, quoted whole: the quote is the file."""
+    doc = (PACKAGE.parent / "docs" / "add-a-model-family.md").read_text()
+    module = (FAMILIES_DIR / "qwen2_moe.py").read_text()
+    assert f"```python\n{module}```\n" in doc
