@@ -11,7 +11,7 @@ import torch
 from transformers import PretrainedConfig
 
 from .cpu_compat import apply_cpu_compat
-from .families import family_config_overrides, local_spec_layout_problem
+from .families import bridge_class, family_config_overrides, local_spec_layout_problem
 from .hf_checkpoint import read_checkpoint
 from .hf_config import load_hf_config
 from .layout import LayoutError, ParallelLayout, megatron_pipeline_split, num_experts_of, validate_layout
@@ -35,13 +35,6 @@ def _config_overrides(hf_config: PretrainedConfig, layout: ParallelLayout, optio
         "moe_grouped_gemm": use_te,  # local spec: its own grouped linears, no grouped_gemm pkg
         "use_cpu_initialization": on_cpu,
     }
-    mt = hf_config.model_type
-    if mt == "mixtral":
-        # HF Mixtral renormalizes the top-k probabilities; mbridge's pre-softmax does not.
-        over["moe_router_pre_softmax"] = False
-    elif mt == "qwen3_moe":
-        # HF Qwen3-MoE renormalizes top-k only when norm_topk_prob is set.
-        over["moe_router_pre_softmax"] = not bool(getattr(hf_config, "norm_topk_prob", False))
     if num_experts_of(hf_config):
         over["moe_token_dispatcher_type"] = "alltoall"
     over.update(megatron_pipeline_split(layout))  # layer offsets follow it: mbridge maps by layer_number
@@ -120,42 +113,12 @@ def _without_sp(layout: ParallelLayout) -> tuple:
     return (layout.tp, layout.pp, layout.vpp, layout.ep, layout.expert_tp, layout.cp)
 
 
-def _mla_config_class(*args, **kwargs):
-    """mbridge 0.15.1 passes `max_position_embeddings` (the YaRN original length) to megatron's
-    MLATransformerConfig, which 0.16.1 calls `original_max_position_embeddings`: TypeError."""
-    from megatron.core.transformer import MLATransformerConfig
-
-    if "max_position_embeddings" in kwargs:  # an explicit override (YaRN, families.py) wins
-        value = kwargs.pop("max_position_embeddings")
-        kwargs.setdefault("original_max_position_embeddings", value)
-    return MLATransformerConfig(*args, **kwargs)
-
-
-def _bridge_class(model_type: str):
-    """mbridge's registered bridge class for `model_type`, fixed where 0.15.1 does not run on
-    megatron-core 0.16.1."""
+def _bridge_class(hf_config: PretrainedConfig):
+    """mbridge's registered bridge class for the config's family, as its spec fixes it where
+    0.15.1 does not run on megatron-core 0.16.1 (families/)."""
     from mbridge.core.auto_bridge import _MODEL_REGISTRY
 
-    cls = _MODEL_REGISTRY[model_type]
-    if model_type == "deepseek_v3":
-        cls = type(
-            "DeepseekV3BridgeFixed",
-            (cls,),
-            {"TransformerConfigClass": staticmethod(_mla_config_class), "_get_safetensor_io": _plain_safetensor_io},
-        )
-    return cls
-
-
-def _plain_safetensor_io(self, weights_path: str):
-    """mbridge's DeepSeek-V3 bridge reads weights only through its FP8-dequantizing reader
-    (bf16 and CUDA only; any other dtype raises `NotImplemented(...)`: TypeError). A checkpoint
-    without block-FP8 weights is read as every other family's; an FP8 one keeps mbridge's reader."""
-    from mbridge.core.safetensor_io import SafeTensorIO
-
-    quant = getattr(self.hf_config, "quantization_config", None) or {}
-    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
-        return type(self).__mro__[1]._get_safetensor_io(self, weights_path)
-    return SafeTensorIO(self._get_actual_hf_path(weights_path))
+    return bridge_class(hf_config, _MODEL_REGISTRY)
 
 
 def _make_bridge(hf_config: PretrainedConfig, layout: ParallelLayout, options: ModelOptions):
@@ -166,7 +129,7 @@ def _make_bridge(hf_config: PretrainedConfig, layout: ParallelLayout, options: M
         # A critic's head is not the embedding: build untied so nothing syncs the two.
         bridge_config = copy.deepcopy(hf_config)
         bridge_config.tie_word_embeddings = False
-    bridge = _bridge_class(bridge_config.model_type)(bridge_config, dtype=options.resolved_dtype())
+    bridge = _bridge_class(bridge_config)(bridge_config, dtype=options.resolved_dtype())
     # mbridge's Qwen2 bridge writes the tied-embedding mapping into a class-level dict, so one
     # tied model would make every later untied model in the process export embed_tokens as
     # lm_head. Give each bridge its own mapping.

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..common.comm import all_gather_object
-from .families import mtp_layers
+from .families import block_fp8_families, mtp_layers, reads_block_fp8
 from .hf_config import (
     CheckpointContentError,
     CheckpointFileError,
@@ -191,14 +191,9 @@ def unused_allowed(hf_config: Any, name: str, requested: set[str], value_head: b
         return True
     if name.endswith(".rotary_emb.inv_freq"):
         return True
-    return name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in requested and _dequantizes(hf_config)
-
-
-def _dequantizes(hf_config: Any) -> bool:
-    """Whether the bridge reads block-FP8 weights with their scales (mbridge's DeepSeek-V3
-    reader, build.py); any other family would take FP8 values without their scales."""
-    quant = getattr(hf_config, "quantization_config", None) or {}
-    return hf_config.model_type == "deepseek_v3" and isinstance(quant, dict) and quant.get("quant_method") == "fp8"
+    # only a family whose bridge dequantizes block-FP8 (FamilySpec.reads_block_fp8) uses the
+    # scales; any other would take FP8 values without them
+    return name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in requested and reads_block_fp8(hf_config)
 
 
 def _fits(bridge: Any, local: str, global_name: str, hf_names: list[str], param: Any,
@@ -261,7 +256,8 @@ def check_against_model(model: Any, hf_dir: str, tensors: dict[str, TensorEntry]
              if not u and not unused_allowed(model.hf_config, n, requested_all, model.options.value_head)]
     if extra:
         files = sorted({tensors[n].file for n in extra})
-        why = ("block-FP8 scales: only deepseek_v3 loads block-FP8 weights (mbridge dequantizes them)"
+        why = (f"block-FP8 scales: only {', '.join(block_fp8_families())} loads block-FP8 weights "
+               "(mbridge dequantizes them)"
                if any(n.endswith("_scale_inv") for n in extra) else
                "layers or modules config.json does not describe: the checkpoint and its config disagree")
         raise CheckpointContentError(

@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 
 from transformers import AutoConfig, PretrainedConfig
 
-from .layout import SUPPORTED_MODEL_TYPES
+from .families import is_supported, rope_scaling_allowed, rope_scaling_note
 
 
 class CheckpointFileError(FileNotFoundError):
@@ -92,7 +92,7 @@ def load_hf_config(source: Union[str, os.PathLike, PretrainedConfig]) -> Pretrai
     one-line CheckpointContentError naming it.
     """
     if isinstance(source, PretrainedConfig):
-        if source.model_type in SUPPORTED_MODEL_TYPES:
+        if is_supported(source.model_type):
             check_config_sizes(
                 {k: getattr(source, k, None) for k in (*_REQUIRED_SIZES, *_OPTIONAL_SIZES, "kv_lora_rank")},
                 f"{source.model_type} config",
@@ -109,7 +109,7 @@ def load_hf_config(source: Union[str, os.PathLike, PretrainedConfig]) -> Pretrai
         raise CheckpointContentError(f"{config_json}: not valid JSON ({err})") from None
     if not isinstance(raw, dict):
         raise CheckpointContentError(f"{config_json}: expected a JSON object, got {type(raw).__name__}")
-    if raw.get("model_type") in SUPPORTED_MODEL_TYPES:  # others are refused by name (validate_layout)
+    if is_supported(raw.get("model_type")):  # others are refused by name (validate_layout)
         check_config_sizes(raw, config_json)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -155,11 +155,10 @@ def normalize_hf_config(hf_config: PretrainedConfig) -> PretrainedConfig:
         cfg.rope_theta = theta
     rope = getattr(cfg, "rope_parameters", None)
     rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if rope_type == "yarn" and cfg.model_type == "deepseek_v3":
-        pass  # megatron's MLA has YaRN: families.family_config_overrides passes its parameters
-    elif rope_type not in (None, "default"):
+    # a scaling the family passes to megatron (DeepSeek-V3's YaRN: its config_overrides) loads
+    if not rope_scaling_allowed(cfg, rope_type):
         raise ValueError(f"rope_type={rope_type!r} (rope scaling) is not supported; only default RoPE"
-                         + (" (and YaRN for deepseek_v3)" if rope_type == "yarn" else ""))
+                         + rope_scaling_note(rope_type))
     # GLM-4.5's partial rotary: transformers 5 keeps it in rope_parameters, mbridge reads it
     # from the top level.
     if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:

@@ -9,11 +9,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from .families import FamilyConfigError, check_family, first_k_dense, shared_expert_size
+from .families import (
+    SUPPORTED_MODEL_TYPES,  # noqa: F401 (re-exported: sorl_megatron.bridge.SUPPORTED_MODEL_TYPES)
+    FamilyConfigError,
+    check_family,
+    first_k_dense,
+    is_supported,
+    shared_expert_size,
+    supported_model_types,
+)
 
-# HF `model_type` values this package builds and has tested on CPU (family-specific checks and
-# config fixes: families.py). mbridge registers more (mimo, glm4v, gemma3, ...): refused up front.
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe", "glm4_moe")
+# The HF `model_type` values this package builds and has tested on CPU are the registered
+# families (families/, one module each). mbridge registers more (mimo, glm4v, gemma3, ...):
+# refused up front.
 
 
 class LayoutError(ValueError):
@@ -223,11 +231,11 @@ def validate_layout(layout: ParallelLayout, hf_config: Any, world_size: Optional
     Called before process groups exist: everything here is arithmetic on the config.
     """
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if not is_supported(model_type):
         raise UnsupportedModelError(
             f"unsupported architecture model_type={model_type!r} "
             f"(architectures={getattr(hf_config, 'architectures', None)}); "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"supported: {', '.join(supported_model_types())}"
         )
     try:
         check_family(hf_config)

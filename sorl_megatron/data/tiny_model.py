@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from ..bridge.families import FAMILIES
 from ..common.hf_build import HF_BUILD_LOCK
 
-Arch = Literal["qwen3_moe", "qwen2", "qwen3", "mixtral"]
+# A registered model family whose spec makes a demo model (FamilySpec.demo_config): qwen2,
+# qwen3, qwen3_moe, mixtral.
+Arch = str
 
 
 @dataclass(frozen=True)
@@ -54,29 +56,12 @@ def hf_config(
         pad_token_id=pad_token_id,
         tie_word_embeddings=cfg.tie_embeddings,
     )
-    if cfg.arch == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **common,
-            head_dim=cfg.head_dim,
-            intermediate_size=cfg.intermediate_size,
-            moe_intermediate_size=cfg.intermediate_size // 2,
-            num_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.top_k,
-            norm_topk_prob=True,
-        )
-    if cfg.arch == "mixtral":
-        return MixtralConfig(
-            **common,
-            head_dim=cfg.head_dim,
-            intermediate_size=cfg.intermediate_size,
-            num_local_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.top_k,
-        )
-    if cfg.arch == "qwen3":
-        return Qwen3Config(**common, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size)
-    if cfg.arch == "qwen2":
-        return Qwen2Config(**common, intermediate_size=cfg.intermediate_size)
-    raise ValueError(f"tiny_model.arch: {cfg.arch!r} is not one of qwen3_moe, qwen2, qwen3, mixtral")
+    spec = FAMILIES.get(cfg.arch)
+    if spec is None or spec.demo_config is None:
+        archs = ", ".join(mt for mt, s in FAMILIES.items() if s.demo_config is not None)
+        raise ValueError(f"tiny_model.arch: {cfg.arch!r} is not one of {archs}")
+    return spec.demo_config(common, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+                            num_experts=cfg.num_experts, top_k=cfg.top_k)
 
 
 def build_tiny_model(cfg: TinyModelConfig, eos_token_id: int | None = None, pad_token_id: int | None = None):

@@ -1,5 +1,7 @@
 """The checks each worker launch runs (ids are what the tests look up)."""
 
+from sorl_megatron.bridge.families import FAMILIES
+
 LOGIT_TOL = 1e-5  # float32; observed ~2e-7
 
 DENSE_FAMILIES = ["qwen3", "llama"]
@@ -88,6 +90,7 @@ MP_CASES = [
 NEW_FAMILIES = ["deepseek_v3", "qwen2_moe", "glm4_moe"]
 
 KINDS = ["qwen2", "qwen2_tied", "qwen3_moe", "mixtral", "qwen2_4l", *NEW_FAMILIES, *DENSE_FAMILIES]
+KINDS += [k for k in FAMILIES if k not in KINDS]  # every registered family: logits and round trip at ws1
 
 SINGLE_CASES = (
     [{"id": f"logits/{k}/ws1", "op": "logits", "model": k, "layout": ""} for k in KINDS]

@@ -208,7 +208,7 @@ def test_fp8_export_of_shared_expert_families(single_results, model):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["deepseek_v3", "deepseek_v3_yarn", "qwen2_moe", "glm4_moe"])
 def test_each_family_fix_is_needed(single_results, model):
-    """Undoing any TransformerConfig field families.py sets (or zeroing the loaded expert-score
+    """Undoing any TransformerConfig field a family spec sets (or zeroing the loaded expert-score
     bias) moves the logits far from transformers': the tiny configs exercise every fix."""
     r = result(single_results, f"family_fixes/{model}")
     assert r["diffs"] and all(d > 1e-3 for d in r["diffs"].values()), r["diffs"]

@@ -7,160 +7,22 @@ from typing import Callable
 
 import torch
 
+from sorl_megatron.bridge.families import FAMILIES, tiny_base
 from sorl_megatron.common.hf_build import HF_BUILD_LOCK
 
-VOCAB = 128
+VOCAB = tiny_base()["vocab_size"]  # 128
 
+_common = tiny_base  # the sizes every tiny model shares (tests/engine/test_memory_plan.py builds one more)
 
-def _common(**kw):
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        attention_dropout=0.0,
-    )
-    base.update(kw)
-    return base
-
-
-def qwen2_config(tied: bool = False, layers: int = 2, **kw):
-    from transformers import Qwen2Config
-
-    kw = {"intermediate_size": 96, **kw}
-    return Qwen2Config(**_common(tie_word_embeddings=tied, rope_theta=10000.0, num_hidden_layers=layers, **kw))
-
-
-def qwen3_config():
-    """Dense Qwen3: q/k RMS norms, no q/k/v biases, and head_dim=32 given explicitly (not
-    hidden_size / num_attention_heads = 16, as Qwen3-0.6B / 1.7B / 4B: heads x head_dim != hidden)."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(**_common(intermediate_size=96, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0))
-
-
-def llama_config():
-    """Llama: no q/k/v or MLP biases, no q/k norms, untied, a non-default rope_theta."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        **_common(
-            intermediate_size=96,
-            attention_bias=False,
-            mlp_bias=False,
-            tie_word_embeddings=False,
-            rope_theta=500000.0,
-        )
-    )
-
-
-def qwen3_moe_config():
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        **_common(
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            head_dim=16,
-            tie_word_embeddings=False,
-        )
-    )
-
-
-def mixtral_config():
-    from transformers import MixtralConfig
-
-    return MixtralConfig(
-        **_common(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
-    )
-
-
-def deepseek_v3_config():
-    """MLA with a q LoRA, interleaved rope dims, 1 leading dense layer, 8 routed experts in 2
-    groups (1 group per token, top-2: megatron's top-(topk/group_topk) = HF's top-2 per group),
-    one shared expert, sigmoid scores with a correction bias, routed scaling 2.5, and an MTP
-    module declared (its weights are written by `save_tiny_model` and must be skipped)."""
-    from transformers import DeepseekV3Config
-
-    return DeepseekV3Config(
-        **_common(
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_key_value_heads=4,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            first_k_dense_replace=1,
-            q_lora_rank=32,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            rope_interleave=True,
-            num_nextn_predict_layers=1,
-            tie_word_embeddings=False,
-        )
-    )
-
-
-def qwen2_moe_config():
-    """Softmax top-2 of 4 experts without renormalization, a sigmoid-gated shared expert, q/k/v
-    biases; every layer MoE (mbridge's bridge maps no dense Qwen2-MoE layers)."""
-    from transformers import Qwen2MoeConfig
-
-    return Qwen2MoeConfig(
-        **_common(
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            tie_word_embeddings=False,
-        )
-    )
-
-
-def glm4_moe_config():
-    """GLM-4.5: half-rotary heads, q/k/v biases, q/k norms, 1 leading dense layer, sigmoid
-    routing with a correction bias over 4 experts (one group), one shared expert, an MTP module
-    declared (its weights skipped as DeepSeek-V3's)."""
-    from transformers import Glm4MoeConfig
-
-    return Glm4MoeConfig(
-        **_common(
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            head_dim=16,
-            n_routed_experts=4,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            routed_scaling_factor=1.5,
-            norm_topk_prob=True,
-            first_k_dense_replace=1,
-            attention_bias=True,
-            use_qk_norm=True,
-            partial_rotary_factor=0.5,
-            num_nextn_predict_layers=1,
-            tie_word_embeddings=False,
-        )
-    )
+# Each family's tiny config is its spec's (sorl_megatron/bridge/families/<model_type>.py).
+qwen2_config = FAMILIES["qwen2"].tiny_config
+qwen3_config = FAMILIES["qwen3"].tiny_config
+llama_config = FAMILIES["llama"].tiny_config
+qwen3_moe_config = FAMILIES["qwen3_moe"].tiny_config
+mixtral_config = FAMILIES["mixtral"].tiny_config
+deepseek_v3_config = FAMILIES["deepseek_v3"].tiny_config
+qwen2_moe_config = FAMILIES["qwen2_moe"].tiny_config
+glm4_moe_config = FAMILIES["glm4_moe"].tiny_config
 
 
 def deepseek_v3_yarn_config():
@@ -204,12 +66,14 @@ CONFIGS: dict[str, Callable] = {
     # appended last: conftest seeds each model by its position here
     "qwen3": qwen3_config,
     "llama": llama_config,
+    # then every other registered family, by its spec's tiny config
 }
+CONFIGS.update({mt: spec.tiny_config for mt, spec in FAMILIES.items() if mt not in CONFIGS})
 
 
-# The issue-20 families get routers with clear top-k margins; the older kinds keep their
-# default-initialized routers (other tests' tolerances were measured on those exact models).
-_WIDE_ROUTERS = ("deepseek_v3", "qwen2_moe", "glm4_moe")
+# The issue-20 families get routers with clear top-k margins (FamilySpec.tiny_router_std); the
+# older kinds keep their default-initialized routers (other tests' tolerances were measured on
+# those exact models).
 
 
 def _random_norm_or_bias(name: str, p: torch.Tensor) -> bool:
@@ -236,8 +100,9 @@ def save_tiny_model(kind: str, out_dir: str, seed: int = 0, with_tokenizer: bool
         for name, p in model.named_parameters():
             if _random_norm_or_bias(name, p):
                 continue
-            if name.endswith("mlp.gate.weight") and config.model_type in _WIDE_ROUTERS:
-                p.normal_(0.0, 0.3)  # clear top-k margins (no near-ties between HF and Megatron)
+            router_std = FAMILIES[config.model_type].tiny_router_std
+            if name.endswith("mlp.gate.weight") and router_std is not None:
+                p.normal_(0.0, router_std)  # clear top-k margins (no near-ties between HF and Megatron)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # sigmoid routers' load-balancing bias
                 buf.normal_(0.0, 0.1)

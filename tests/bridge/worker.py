@@ -126,8 +126,9 @@ def op_roundtrip(case: dict, models: str, work: str) -> dict:
     return res
 
 
-# TransformerConfig fields families.py sets, and what megatron would compute without them:
-# each must move the logits away from transformers' (a fix that changes nothing is not needed).
+# TransformerConfig fields the family specs set (sorl_megatron/bridge/families/), and what megatron
+# would compute without them: each must move the logits away from transformers' (a fix that
+# changes nothing is not needed).
 FAMILY_FIXES = {
     "deepseek_v3_yarn": [{"rope_type": "rope", "rotary_scaling_factor": 1.0}],  # YaRN (mbridge: plain RoPE)
     "deepseek_v3": [

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 from ...algorithms.advantages import ADVANTAGE_ESTIMATORS
-from ...bridge.families import first_k_dense, shared_expert_size
+from ...bridge.families import first_k_dense, has_qk_norm, has_qkv_bias, shared_expert_size
 from .config import RecipeError, TrainConfig
 
 GIB = 1024**3
@@ -72,8 +72,8 @@ def _attention_params(c: Any) -> tuple[int, int]:
     kv_heads = int(_get(c, "num_key_value_heads", heads))
     hd = int(_get(c, "head_dim", h // heads))
     width = (heads + 2 * kv_heads) * hd
-    bias = width if (c.model_type == "qwen2" or _get(c, "attention_bias", False)) else 0
-    qk_norm = 2 * hd if c.model_type in ("qwen3", "qwen3_moe") else 0
+    bias = width if has_qkv_bias(c) else 0
+    qk_norm = 2 * hd if has_qk_norm(c) else 0
     return h * width + heads * hd * h + bias + qk_norm, width
 
 
