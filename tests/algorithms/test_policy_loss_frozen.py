@@ -23,7 +23,8 @@ FROZEN = Path(__file__).parent / "data" / "policy_loss_frozen.json"
 CASES = {
     "plain": {"loss_agg": "token-mean"},
     "options": {"loss_agg": "seq-mean-token-mean", "dual_clip": 3.0, "kl_coef": 0.1, "entropy_coef": 0.01,
-                "eps_low": 0.1, "eps_high": 0.28, "is_correction": {"mode": "tis", "level": "turn", "geometric": False}},
+                "eps_low": 0.1, "eps_high": 0.28,
+                "is_correction": {"mode": "tis", "level": "turn", "geometric": False}},
     "diagnostics": {"loss_agg": "seq-mean-token-sum", "diagnostics": True,
                     "is_correction": {"mode": "mis", "low": 0.8, "high": 1.2}},
 }
