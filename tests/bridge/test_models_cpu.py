@@ -13,6 +13,7 @@ import os
 import pytest
 
 from sorl_megatron.bridge.dist_ckpt import check_dist_checkpoint
+from sorl_megatron.bridge.families import FAMILIES, mtp_layers
 
 from .cases import LOGIT_TOL, MP_CASES, SINGLE_CASES
 from .harness import result
@@ -45,11 +46,11 @@ def _check_roundtrip(r: dict, model: str) -> None:
     assert r["n_tensors"] > 10
     want_dtype = r["case"].get("dtype") or r["case"].get("expect_dtype", "float32")
     assert r["config_dtype"] == want_dtype
-    same = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe", "glm4_moe", "qwen3", "llama")
-    expected_type = model if model in same else "qwen2"
+    expected_type = model if model in FAMILIES else "qwen2"  # qwen2_tied, qwen2_4l: variants of qwen2
     assert r["config_model_type"] == expected_type
-    # DeepSeek-V3 / GLM-4.5's MTP module (stored as layer num_hidden_layers) is skipped on load, not exported
-    assert bool(r["skipped_mtp"]) == (model in ("deepseek_v3", "glm4_moe")), r["skipped_mtp"]
+    # an MTP module (DeepSeek-V3 / GLM-4.5: stored as layer num_hidden_layers) is skipped on load, not exported
+    has_mtp = model in FAMILIES and mtp_layers(FAMILIES[model].tiny_config()) > 0
+    assert bool(r["skipped_mtp"]) == has_mtp, r["skipped_mtp"]
     # tokenizer + generation files copied from the source directory
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"} <= set(r["files"])
 
