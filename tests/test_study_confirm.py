@@ -23,7 +23,7 @@ from sorl_megatron.study.confirm import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORDS = [ROOT / "docs/study/round2", ROOT / "docs/study/round2_mechanism"]
+RECORDS = [ROOT / "results/study/round2", ROOT / "results/study/round2_mechanism"]
 
 
 def _run(em: dict[int, float]) -> list[dict]:

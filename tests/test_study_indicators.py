@@ -174,7 +174,7 @@ def test_leave_one_seed_out_fits_on_the_other_seeds_and_reads_a_reversed_indicat
 def _record() -> dict:
     from sorl_megatron.study.indicators import load_record
 
-    root = Path(__file__).resolve().parents[1] / "docs" / "study"
+    root = Path(__file__).resolve().parents[1] / "results" / "study"
     return load_record([root / "round2", root / "round2_mechanism"])
 
 

@@ -1,9 +1,9 @@
-"""Round three's confirmation analysis (docs/study/round3/PREREGISTRATION.md): from a run record
+"""Round three's confirmation analysis (results/study/round3/PREREGISTRATION.md): from a run record
 (``{cell name: metrics rows}``, the study's ``--export`` record) to the table the
 pre-registration fixes, with nothing chosen after the runs.
 
-    python -m sorl_megatron.study.confirm --record docs/study/round2 --record docs/study/round2_mechanism \
-        --record docs/study/round3 --out docs/study/round3/confirmation.md
+    python -m sorl_megatron.study.confirm --record results/study/round2 --record results/study/round2_mechanism \
+        --record results/study/round3 --out results/study/round3/confirmation.md
 
 Per run (:func:`run_outcomes`), from its validation EM alone:
 
@@ -300,7 +300,7 @@ def report(record: dict[str, list[dict[str, Any]]], seeds: Sequence[int] = SEEDS
     results = compare(record, seeds=seeds)
     lines = ["# Round three: the confirmation's table", "",
              "Computed by `python -m sorl_megatron.study.confirm` (sorl_megatron/study/confirm.py) as "
-             "docs/study/round3/PREREGISTRATION.md fixes it. Primary outcome: `fell`; the others are "
+             "results/study/round3/PREREGISTRATION.md fixes it. Primary outcome: `fell`; the others are "
              "secondary. Differences are arm - baseline (a rate difference for yes/no outcomes).", ""]
     lines += table(results) + [""]
     missing = _missing_summary([m for r in results for m in r.missing])

@@ -2,8 +2,8 @@
 a fall in time to act? The analysis is ``indicators.py``'s; this module writes its document and
 figures from a study record:
 
-    python -m sorl_megatron.study.early_warning --record docs/study/round2 \
-        --record docs/study/round2_mechanism --out docs/study/round3/indicators.md
+    python -m sorl_megatron.study.early_warning --record results/study/round2 \
+        --record results/study/round2_mechanism --out results/study/round3/indicators.md
 
 (``--figures DIR``: the figures' directory, default ``figures`` beside ``--out``).
 """

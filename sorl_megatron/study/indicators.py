@@ -10,7 +10,7 @@ to the run's own start (``rel_above`` / ``rel_below``: a multiple of the median 
 "Fell" is the collapse step of :func:`collapse_step` (the study's definition). A crossing counts
 when it happens at or before that step; the lead is ``collapse step - crossing step``.
 
-Round three (issue 47, item 2; ``study/early_warning.py`` writes docs/study/round3/indicators.md)
+Round three (issue 47, item 2; ``study/early_warning.py`` writes results/study/round3/indicators.md)
 asks whether an indicator *predicts* a fall: falls timed by validation EM and by the training
 reward (:func:`reward_fall_step`), scores read from step 2 on as values and as the rise from the
 run's own step-1 value (:class:`Score`), an ROC AUC per lead window over (run, step) samples
@@ -163,7 +163,7 @@ def indicator_report(warnings: list[RunWarnings], indicators: dict[str, Indicato
 
 
 # ----------------------------------------------------------------------------- round three
-# The indicators as predictors (issue 47, item 2; docs/study/round3/indicators.md): per step,
+# The indicators as predictors (issue 47, item 2; results/study/round3/indicators.md): per step,
 # does an indicator's value say that a fall follows within a window of steps? Events are timed
 # by validation EM (``collapse_step``) and by the per-step training reward
 # (``reward_fall_step``); scores are read from step 2 on, as the value itself and as the change
