@@ -351,7 +351,7 @@ SNIPPETS = python_snippets()
 
 def test_the_python_snippets_are_found():
     runs = {(s.doc, s.needs_servers) for s in SNIPPETS if s.run}
-    assert {("README.md", False), ("algorithms.md", False), ("rollout.md", True)} <= runs
+    assert {("algorithms.md", False), ("rollout.md", True)} <= runs
     assert {s.doc for s in SNIPPETS if not s.run} >= {"conversion.md", "engine.md", "kernels.md"}
 
 
