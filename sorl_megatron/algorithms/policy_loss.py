@@ -30,22 +30,20 @@ import torch
 from .aggregation import (
     aggregate,
     aggregation_denominator,
-    masked_max,
     masked_mean,
-    masked_min,
     masked_sum,
     token_scale,
 )
 from .clip_bias import ClipBiasTerms, clip_bias_norm, clip_bias_terms, normalization_factor, param_grad_clip_bias_norm
 from .config import PolicyLossConfig, SAPOConfig
-from .diagnostics import turn_ratio_spread, turn_ratio_spread_of
 from .is_correction import is_correction_weights
 from .kl import kl_penalty
+from .loss_metrics import loss_metrics
 from .loss_registry import PolicyLossSpec
-from .mismatch import clip_counts
+from .loss_state import LossInputs, Ratios
 from .ratios import level_log_ratio, masked_log_ratio, segments_for_level
 from .surrogate import SurrogateInputs, SurrogateTerms
-from .turns import TurnSegments, segment_turns
+from .turns import segment_turns
 
 
 def compute_policy_loss(
@@ -216,26 +214,11 @@ def _policy_terms(
     pg_loss = _aggregate(terms, is_weights)
     bias = _clip_bias(inputs, config, spec, ratios, terms, weights, is_weights, bias_surrogate)
     loss, metrics = _penalties(pg_loss, inputs, config, spec, ratios, weights)
-    metrics.update(_metrics(inputs, config, spec, ratios, terms, pg_loss, bias, is_metrics))
+    metrics.update(loss_metrics(inputs, config, spec, ratios, terms, pg_loss, bias, is_metrics))
     return _PolicyTerms(spec=spec, loss=loss, bias=bias, metrics=metrics)
 
 
 # ------------------------------------------------------------------------------------------ inputs
-
-
-@dataclass(frozen=True)
-class _LossInputs:
-    """One call's checked ``[B, T]`` tensors: ``advantages`` float32, detached, 0 off the mask;
-    ``mask`` bool; the rest as given (``None`` when not given)."""
-
-    logprobs: torch.Tensor
-    old_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    rollout_logprobs: torch.Tensor | None
-    ref_logprobs: torch.Tensor | None
-    entropy: torch.Tensor | None
-    turn_ids: torch.Tensor | None
 
 
 def _loss_inputs(
@@ -249,7 +232,7 @@ def _loss_inputs(
     ref_logprobs: torch.Tensor | None,
     entropy: torch.Tensor | None,
     turn_ids: torch.Tensor | None,
-) -> _LossInputs:
+) -> LossInputs:
     """Shapes checked, per-sequence advantages broadcast, and the inputs each option needs present."""
     advantages = _check_inputs(
         logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs, ref_logprobs, entropy, turn_ids
@@ -263,7 +246,7 @@ def _loss_inputs(
     mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
     advantages = torch.where(mask, advantages.float(), zero).detach()
-    return _LossInputs(logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs, entropy, turn_ids)
+    return LossInputs(logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs, entropy, turn_ids)
 
 
 # ------------------------------------------------------------------------------------- aggregation
@@ -282,7 +265,7 @@ class _Aggregation:
 
 
 def _aggregation_weights(
-    inputs: _LossInputs,
+    inputs: LossInputs,
     config: PolicyLossConfig,
     spec: PolicyLossSpec,
     denominator: float | torch.Tensor | LossDenominators | None,
@@ -308,32 +291,7 @@ def _aggregate(terms: SurrogateTerms, is_weights: torch.Tensor | None) -> torch.
 # ------------------------------------------------------------------------------------------- ratio
 
 
-@dataclass(frozen=True)
-class _Ratios:
-    """The importance ratios of one call (``ratios.py``).
-
-    Attributes:
-        turns: turn segments, when turn ratios, turn-level IS weights, the diagnostics or
-            explicit turn ids ask for them (else ``None``).
-        segments: the units of the loss ratio (turns or rows; ``None`` at token level).
-        token_log_ratio: ``log pi - log pi_old``, unclamped, exactly 0 off the mask.
-        clamped_log_ratio: the same clamped to ``[-log_ratio_clamp, log_ratio_clamp]``.
-        token_ratio: ``exp`` of the clamped token log-ratio (1 off the mask).
-        level_log_ratio: the unclamped log of the loss ratio (GSPO-token: its value with each
-            token's own gradient).
-        ratio: the loss ratio, clamped in log space, with gradient (1 off the mask).
-    """
-
-    turns: TurnSegments | None
-    segments: TurnSegments | None
-    token_log_ratio: torch.Tensor
-    clamped_log_ratio: torch.Tensor
-    token_ratio: torch.Tensor
-    level_log_ratio: torch.Tensor
-    ratio: torch.Tensor
-
-
-def _ratios(inputs: _LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec) -> _Ratios:
+def _ratios(inputs: LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec) -> Ratios:
     is_cfg = config.is_correction
     # with turn ids, always: the turn clip fraction is logged for every loss
     need_turns = (spec.ratio_level == "turn" or (is_cfg.mode != "off" and is_cfg.level == "turn")
@@ -351,14 +309,14 @@ def _ratios(inputs: _LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec)
         if spec.token_gradient:  # GSPO-token: the value of s_i, the gradient of token t alone (times s_i)
             level_lr_raw = level_lr_raw.detach() + token_lr_raw - token_lr_raw.detach()
         ratio = torch.exp(level_lr_raw.clamp(-clamp, clamp))
-    return _Ratios(turns, segments, token_lr_raw, token_lr, token_ratio, level_lr_raw, ratio)
+    return Ratios(turns, segments, token_lr_raw, token_lr, token_ratio, level_lr_raw, ratio)
 
 
 # --------------------------------------------------------------------------------------- surrogate
 
 
 def _surrogate(
-    inputs: _LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: _Ratios, weights: _Aggregation
+    inputs: LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: Ratios, weights: _Aggregation
 ) -> SurrogateTerms:
     """The registered loss's surrogate on the loss ratio and ``a_t = g_t A_t``: its per-token
     terms come out weighted, its clip indicators the same as with ``A_t``."""
@@ -374,7 +332,7 @@ def _surrogate(
 
 
 def _is_correction(
-    inputs: _LossInputs, config: PolicyLossConfig, ratios: _Ratios
+    inputs: LossInputs, config: PolicyLossConfig, ratios: Ratios
 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """MiniRL's detached ``pi_old / mu`` weights (``None`` when the correction is off) and the
     mismatch metrics (none without rollout log-probs: no mismatch to report)."""
@@ -388,10 +346,10 @@ def _is_correction(
 
 
 def _clip_bias(
-    inputs: _LossInputs,
+    inputs: LossInputs,
     config: PolicyLossConfig,
     spec: PolicyLossSpec,
-    ratios: _Ratios,
+    ratios: Ratios,
     terms: SurrogateTerms,
     weights: _Aggregation,
     is_weights: torch.Tensor | None,
@@ -436,10 +394,10 @@ def _clip_bias_norm(
 
 def _penalties(
     pg_loss: torch.Tensor,
-    inputs: _LossInputs,
+    inputs: LossInputs,
     config: PolicyLossConfig,
     spec: PolicyLossSpec,
-    ratios: _Ratios,
+    ratios: Ratios,
     weights: _Aggregation,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``pg_loss`` plus SAPO's conditional KL, the KL to the reference and minus the entropy
@@ -465,7 +423,7 @@ def _penalties(
 
 
 def _sapo_penalty(
-    inputs: _LossInputs, sapo: SAPOConfig, ratios: _Ratios, weights: _Aggregation
+    inputs: LossInputs, sapo: SAPOConfig, ratios: Ratios, weights: _Aggregation
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SAPO's ``-log r_t`` on its active tokens (its gradient pushes ``r_t`` back up towards
     ``tau``): ``(term, active tokens)``."""
@@ -482,137 +440,6 @@ def _sapo_penalty(
     active = (positive & (ratios.token_ratio < sapo.tau) & mask).detach()
     zero = torch.zeros((), dtype=torch.float32, device=inputs.logprobs.device)
     return aggregate(torch.where(active, -token_lr, zero), weights.weights), active
-
-
-# ----------------------------------------------------------------------------------------- metrics
-
-
-@torch.no_grad()
-def _metrics(
-    inputs: _LossInputs,
-    config: PolicyLossConfig,
-    spec: PolicyLossSpec,
-    ratios: _Ratios,
-    terms: SurrogateTerms,
-    pg_loss: torch.Tensor,
-    bias: ClipBiasTerms | None,
-    is_metrics: dict[str, torch.Tensor],
-) -> dict[str, torch.Tensor]:
-    """The detached metrics of one call: means over its policy tokens, plus additive sums
-    (``clip_bias/scalar``, ``sq_sum``, the turn counts) an engine adds over micro-batches."""
-    tokens = inputs.mask.sum(dtype=torch.float64)
-    metrics = _ratio_and_clip_metrics(inputs, config, ratios, terms, pg_loss, tokens)
-    if bias is not None:
-        metrics["clip_bias/scalar"] = bias.scalar
-        metrics["clip_bias/sq_sum"] = bias.sq_sum
-    if ratios.turns is not None:
-        metrics.update(_turn_spread_metrics(config, spec, ratios))
-    if spec.ratio_level != "token":
-        metrics.update(_level_ratio_metrics(inputs, config, spec, ratios, tokens))
-    metrics.update(is_metrics)
-    metrics.update(_clip_count_metrics(inputs, config, ratios, tokens))
-    return metrics
-
-
-def _ratio_and_clip_metrics(
-    inputs: _LossInputs,
-    config: PolicyLossConfig,
-    ratios: _Ratios,
-    terms: SurrogateTerms,
-    pg_loss: torch.Tensor,
-    tokens: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    clamp = config.log_ratio_clamp
-    count = tokens.clamp(min=1)
-    n_high, n_low, n_dual = (t.sum(dtype=torch.float64) for t in (terms.clip_high, terms.clip_low, terms.dual))
-    lr_sum = ratios.clamped_log_ratio.sum(dtype=torch.float64)
-    ratio_sum = _sum_off_ones(ratios.token_ratio, tokens)  # sum of r over the mask (r = 1 off it)
-    lo, hi = _masked_extremes(ratios.token_log_ratio.detach(), inputs.mask, tokens)
-    return {
-        "pg_loss": pg_loss.detach(),
-        # B^c's three parts are disjoint: A > 0 (high) and A < 0 with r < 1 - eps or r > c > 1
-        "clip_frac": ((n_high + n_low + n_dual) / count).float(),
-        "clip_frac_high": (n_high / count).float(),
-        "clip_frac_low": (n_low / count).float(),
-        "dual_clip_frac": (n_dual / count).float(),
-        # KL(pi_old || pi_theta) estimated on tokens sampled from pi_old (k1, k3 of Schulman)
-        "approx_kl_k1": (-lr_sum / count).float(),
-        "approx_kl_k3": ((ratio_sum - tokens - lr_sum) / count).float(),
-        "ratio/mean": (ratio_sum / count).float(),
-        "ratio/min": _ratio_of(lo, clamp, tokens),
-        "ratio/max": _ratio_of(hi, clamp, tokens),
-        "abs_log_ratio/max": torch.maximum(lo.abs(), hi.abs()),
-        "policy_tokens": tokens.float(),
-    }
-
-
-def _turn_spread_metrics(config: PolicyLossConfig, spec: PolicyLossSpec, ratios: _Ratios) -> dict[str, torch.Tensor]:
-    turns = ratios.turns
-    if spec.ratio_level == "turn" and not spec.token_gradient:
-        # the loss's own turn ratios, read at each turn's first token (their clamped value)
-        spread, multi_turn_rows = turn_ratio_spread_of(turns.per_segment(ratios.ratio.detach()), turns)
-    else:
-        spread, multi_turn_rows = turn_ratio_spread(ratios.token_log_ratio, turns, config.log_ratio_clamp)
-    return {
-        "turn_ratio/spread_sum": spread,  # sums: an engine adds them over micro-batches
-        "turn_ratio/multi_turn_rows": multi_turn_rows,
-        "turn_ratio/spread": spread / multi_turn_rows.clamp(min=1),
-    }
-
-
-def _level_ratio_metrics(
-    inputs: _LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: _Ratios, tokens: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    prefix = "turn_ratio" if spec.ratio_level == "turn" else "seq_ratio"
-    clamp = config.log_ratio_clamp
-    level_lo, level_hi = _masked_extremes(ratios.level_log_ratio.detach(), inputs.mask, tokens)
-    return {
-        f"{prefix}/mean": (_sum_off_ones(ratios.ratio.detach(), tokens) / tokens.clamp(min=1)).float(),
-        f"{prefix}/min": _ratio_of(level_lo, clamp, tokens),
-        f"{prefix}/max": _ratio_of(level_hi, clamp, tokens),
-    }
-
-
-def _clip_count_metrics(
-    inputs: _LossInputs, config: PolicyLossConfig, ratios: _Ratios, tokens: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """Leading indicators: tokens clipped by their own ratio, turns by their turn ratio (SORL eq. 4)."""
-    counts = clip_counts(ratios.token_log_ratio, inputs.advantages, inputs.mask, config.clip_low, config.clip_high,
-                         ratios.turns, config.log_ratio_clamp)
-    metrics = {"clip_frac/token": (counts["tokens_clipped"] / tokens.clamp(min=1)).float()}
-    if ratios.turns is not None:  # sums: an engine adds them over micro-batches (clip_frac/turn)
-        metrics["clip/turns_clipped"] = counts["turns_clipped"]
-        metrics["clip/turns"] = counts["turns"]
-    return metrics
-
-
-def _sum_off_ones(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Sum over the mask of a tensor that is exactly 1 off the mask (a ratio), in float64."""
-    return values.sum(dtype=torch.float64) - (values.numel() - tokens)
-
-
-def _masked_extremes(
-    values: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(min, max)`` over the mask of a tensor that is exactly 0 off it: one ``aminmax`` over
-    the whole tensor, and a masked pass only when an extreme is that 0 (it may be off the mask);
-    ``(0, 0)`` without policy tokens."""
-    if not bool(tokens > 0):
-        z = torch.zeros((), dtype=values.dtype, device=values.device)
-        return z, z
-    lo, hi = torch.aminmax(values)
-    if bool(tokens < values.numel()):
-        if not bool(hi > 0):
-            hi = masked_max(values, mask)
-        if not bool(lo < 0):
-            lo = masked_min(values, mask)
-    return lo, hi
-
-
-def _ratio_of(log_ratio: torch.Tensor, clamp: float, tokens: torch.Tensor) -> torch.Tensor:
-    """``exp(clamp(log r))`` of an extreme log-ratio (exp and clamp are monotone); 0 without tokens."""
-    return torch.where(tokens > 0, torch.exp(log_ratio.clamp(-clamp, clamp)), torch.zeros((), dtype=log_ratio.dtype,
-                                                                                           device=log_ratio.device))
 
 
 def _check_inputs(

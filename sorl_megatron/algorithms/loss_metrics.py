@@ -1,0 +1,143 @@
+"""The policy loss's metric stage (``policy_loss.py``): detached means over one call's policy
+tokens, plus the additive sums an engine adds over micro-batches."""
+
+from __future__ import annotations
+
+import torch
+
+from .aggregation import masked_max, masked_min
+from .clip_bias import ClipBiasTerms
+from .config import PolicyLossConfig
+from .diagnostics import turn_ratio_spread, turn_ratio_spread_of
+from .loss_registry import PolicyLossSpec
+from .loss_state import LossInputs, Ratios
+from .mismatch import clip_counts
+from .surrogate import SurrogateTerms
+
+
+@torch.no_grad()
+def loss_metrics(
+    inputs: LossInputs,
+    config: PolicyLossConfig,
+    spec: PolicyLossSpec,
+    ratios: Ratios,
+    terms: SurrogateTerms,
+    pg_loss: torch.Tensor,
+    bias: ClipBiasTerms | None,
+    is_metrics: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """The detached metrics of one call: means over its policy tokens, plus additive sums
+    (``clip_bias/scalar``, ``sq_sum``, the turn counts) an engine adds over micro-batches."""
+    tokens = inputs.mask.sum(dtype=torch.float64)
+    metrics = _ratio_and_clip_metrics(inputs, config, ratios, terms, pg_loss, tokens)
+    if bias is not None:
+        metrics["clip_bias/scalar"] = bias.scalar
+        metrics["clip_bias/sq_sum"] = bias.sq_sum
+    if ratios.turns is not None:
+        metrics.update(_turn_spread_metrics(config, spec, ratios))
+    if spec.ratio_level != "token":
+        metrics.update(_level_ratio_metrics(inputs, config, spec, ratios, tokens))
+    metrics.update(is_metrics)
+    metrics.update(_clip_count_metrics(inputs, config, ratios, tokens))
+    return metrics
+
+
+def _ratio_and_clip_metrics(
+    inputs: LossInputs,
+    config: PolicyLossConfig,
+    ratios: Ratios,
+    terms: SurrogateTerms,
+    pg_loss: torch.Tensor,
+    tokens: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    clamp = config.log_ratio_clamp
+    count = tokens.clamp(min=1)
+    n_high, n_low, n_dual = (t.sum(dtype=torch.float64) for t in (terms.clip_high, terms.clip_low, terms.dual))
+    lr_sum = ratios.clamped_log_ratio.sum(dtype=torch.float64)
+    ratio_sum = _sum_off_ones(ratios.token_ratio, tokens)  # sum of r over the mask (r = 1 off it)
+    lo, hi = _masked_extremes(ratios.token_log_ratio.detach(), inputs.mask, tokens)
+    return {
+        "pg_loss": pg_loss.detach(),
+        # B^c's three parts are disjoint: A > 0 (high) and A < 0 with r < 1 - eps or r > c > 1
+        "clip_frac": ((n_high + n_low + n_dual) / count).float(),
+        "clip_frac_high": (n_high / count).float(),
+        "clip_frac_low": (n_low / count).float(),
+        "dual_clip_frac": (n_dual / count).float(),
+        # KL(pi_old || pi_theta) estimated on tokens sampled from pi_old (k1, k3 of Schulman)
+        "approx_kl_k1": (-lr_sum / count).float(),
+        "approx_kl_k3": ((ratio_sum - tokens - lr_sum) / count).float(),
+        "ratio/mean": (ratio_sum / count).float(),
+        "ratio/min": _ratio_of(lo, clamp, tokens),
+        "ratio/max": _ratio_of(hi, clamp, tokens),
+        "abs_log_ratio/max": torch.maximum(lo.abs(), hi.abs()),
+        "policy_tokens": tokens.float(),
+    }
+
+
+def _turn_spread_metrics(config: PolicyLossConfig, spec: PolicyLossSpec, ratios: Ratios) -> dict[str, torch.Tensor]:
+    turns = ratios.turns
+    if spec.ratio_level == "turn" and not spec.token_gradient:
+        # the loss's own turn ratios, read at each turn's first token (their clamped value)
+        spread, multi_turn_rows = turn_ratio_spread_of(turns.per_segment(ratios.ratio.detach()), turns)
+    else:
+        spread, multi_turn_rows = turn_ratio_spread(ratios.token_log_ratio, turns, config.log_ratio_clamp)
+    return {
+        "turn_ratio/spread_sum": spread,  # sums: an engine adds them over micro-batches
+        "turn_ratio/multi_turn_rows": multi_turn_rows,
+        "turn_ratio/spread": spread / multi_turn_rows.clamp(min=1),
+    }
+
+
+def _level_ratio_metrics(
+    inputs: LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: Ratios, tokens: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    prefix = "turn_ratio" if spec.ratio_level == "turn" else "seq_ratio"
+    clamp = config.log_ratio_clamp
+    level_lo, level_hi = _masked_extremes(ratios.level_log_ratio.detach(), inputs.mask, tokens)
+    return {
+        f"{prefix}/mean": (_sum_off_ones(ratios.ratio.detach(), tokens) / tokens.clamp(min=1)).float(),
+        f"{prefix}/min": _ratio_of(level_lo, clamp, tokens),
+        f"{prefix}/max": _ratio_of(level_hi, clamp, tokens),
+    }
+
+
+def _clip_count_metrics(
+    inputs: LossInputs, config: PolicyLossConfig, ratios: Ratios, tokens: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Leading indicators: tokens clipped by their own ratio, turns by their turn ratio (SORL eq. 4)."""
+    counts = clip_counts(ratios.token_log_ratio, inputs.advantages, inputs.mask, config.clip_low, config.clip_high,
+                         ratios.turns, config.log_ratio_clamp)
+    metrics = {"clip_frac/token": (counts["tokens_clipped"] / tokens.clamp(min=1)).float()}
+    if ratios.turns is not None:  # sums: an engine adds them over micro-batches (clip_frac/turn)
+        metrics["clip/turns_clipped"] = counts["turns_clipped"]
+        metrics["clip/turns"] = counts["turns"]
+    return metrics
+
+
+def _sum_off_ones(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Sum over the mask of a tensor that is exactly 1 off the mask (a ratio), in float64."""
+    return values.sum(dtype=torch.float64) - (values.numel() - tokens)
+
+
+def _masked_extremes(
+    values: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` over the mask of a tensor that is exactly 0 off it: one ``aminmax`` over
+    the whole tensor, and a masked pass only when an extreme is that 0 (it may be off the mask);
+    ``(0, 0)`` without policy tokens."""
+    if not bool(tokens > 0):
+        z = torch.zeros((), dtype=values.dtype, device=values.device)
+        return z, z
+    lo, hi = torch.aminmax(values)
+    if bool(tokens < values.numel()):
+        if not bool(hi > 0):
+            hi = masked_max(values, mask)
+        if not bool(lo < 0):
+            lo = masked_min(values, mask)
+    return lo, hi
+
+
+def _ratio_of(log_ratio: torch.Tensor, clamp: float, tokens: torch.Tensor) -> torch.Tensor:
+    """``exp(clamp(log r))`` of an extreme log-ratio (exp and clamp are monotone); 0 without tokens."""
+    return torch.where(tokens > 0, torch.exp(log_ratio.clamp(-clamp, clamp)), torch.zeros((), dtype=log_ratio.dtype,
+                                                                                           device=log_ratio.device))
