@@ -179,7 +179,7 @@ class PolicyEngine(EngineBase):
         """
         batch = self._validate(batch, ("routed_experts",) if replay else ())
         b0, s0 = batch.batch_size, batch.seq_len
-        batch, micro = self._forward_micro_batches(batch, rows)
+        batch, micro = self.batcher.forward_micro_batches(batch, rows)
         mode = self._replay_mode(batch, training=False) if replay is None else ("replay" if replay else None)
         record = None
         if record_routing:
@@ -299,7 +299,7 @@ class PolicyEngine(EngineBase):
         optimizer step trains on: the weights a forward pass would read now, so its update
         forward is that pass (:meth:`update`'s ``old_from_forward``)."""
         first = torch.zeros(n, dtype=torch.bool)
-        first[self._update_rows(n)[0]] = True
+        first[self.batcher.update_rows(n, self.step)[0]] = True
         return first
 
     def _begin_old_from_forward(self, batch: RLBatch, old_from_forward: Optional[torch.Tensor]) -> None:
@@ -396,7 +396,7 @@ class PolicyEngine(EngineBase):
         loss_cfg = self.cfg.loss
         spec = POLICY_LOSSES[loss_cfg.name]
         denominator = loss_denominators(batch.loss_mask[rows], batch.advantages[rows], loss_cfg).to(device())
-        _, micro = self._micro_batches(batch, rows, mbs, "batching.mini_batch_size")
+        _, micro = self.batcher.micro_batches(batch, rows, mbs, "batching.mini_batch_size")
         scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp
         need_entropy = loss_cfg.entropy_coef > 0
         replay_mode = self._replay_mode(batch, training=True)
