@@ -39,9 +39,10 @@ from ..algorithms.loss_registry import POLICY_LOSSES
 from ..bridge.layout import ParallelLayout
 from ..bridge.model import ModelOptions
 from ..common import comm
-from .base import EngineBase, accumulate_metrics, device, factor_scales, reduce_metrics
+from .base import EngineBase, accumulate_metrics, device, reduce_metrics
 from .config import BatchingConfig, OptimConfig
 from .offload import resident
+from .optimizer import factor_scales
 from .rl_batch import BatchError, RLBatch, validate_batch
 from .vocab_parallel import next_token_targets, vocab_parallel_logprobs_entropy
 
@@ -381,13 +382,13 @@ class PolicyEngine(EngineBase):
 
         buffers = [b for c in self.model.chunks for b in c.buffers + c.expert_parallel_buffers]
         saved = [b.grad_data.clone() for b in buffers]  # the loss gradient, DP-reduced
-        self._zero_grads()
+        self.stepper.zero_grads()
         replay_stats = self._replay_stats  # routing/* report the loss pass over every micro-batch, not this subset
         self._run(chosen, surrogate_fn, forward_only=False, replay_mode=replay_mode)
         self._replay_stats = replay_stats
         self.optimizer.prepare_grads()
         norm = float(self.optimizer.get_grad_norm())
-        self._zero_grads()
+        self.stepper.zero_grads()
         for b, g in zip(buffers, saved):
             b.grad_data.copy_(g)
         return norm
@@ -403,7 +404,7 @@ class PolicyEngine(EngineBase):
         mode = loss_cfg.clip_bias.mode
         step_metrics: dict[str, float] = {}
 
-        self._zero_grads()
+        self.stepper.zero_grads()
         # ||C|| in parameter space: the param_grad mode's factor, or a diagnostic for any loss
         measure_c = (spec.clip_normalized and mode == "param_grad") or loss_cfg.clip_bias.diagnostics
         acc: dict[str, list[float]] = {}

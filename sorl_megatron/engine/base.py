@@ -1,10 +1,11 @@
 """Shared machinery of the Megatron RL engines (policy and value).
 
-What lives here: typed configs, model + Megatron DDP + Megatron optimizer + LR schedule
-construction, the micro-batched pass through ``get_forward_backward_func`` (any TP/PP/VPP/EP,
-``forward_only`` for inference passes), and the cross-rank reductions of outputs and metrics.
-How a pass is cut into this data-parallel rank's micro-batches is the engine's
-:class:`~.micro_batching.MicroBatcher` (``engine.batcher``).
+What lives here: model + Megatron DDP construction, the micro-batched pass through
+``get_forward_backward_func`` (any TP/PP/VPP/EP, ``forward_only`` for inference passes), and the
+cross-rank reductions of outputs and metrics. How a pass is cut into this data-parallel rank's
+micro-batches is the engine's :class:`~.micro_batching.MicroBatcher` (``engine.batcher``); the
+Megatron optimizer, its LR schedule and the step are its :class:`~.optimizer.OptimizerStep`
+(``engine.stepper``).
 
 Gradient bookkeeping. Per micro-batch the loss functions compute their share of the
 *mini-batch* loss (aggregation denominators are mini-batch totals), so the sum over the
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import warnings
 from typing import Any, Callable, Optional
 
@@ -36,6 +36,7 @@ from ..common import comm
 from .config import BatchingConfig, OptimConfig, check
 from .micro_batching import MicroBatcher, rank_info
 from .offload import Offloadable, device
+from .optimizer import OptimizerStep
 from .rl_batch import BatchError, RLBatch
 from .routing_replay import RoutingReplay
 from .vocab_parallel import shift_to_token_positions
@@ -57,23 +58,6 @@ def quiet_megatron_collective_deprecations() -> None:
     """Ignore exactly the FutureWarnings of :data:`MEGATRON_DEPRECATED_COLLECTIVES` (idempotent:
     ``filterwarnings`` replaces an equal filter)."""
     warnings.filterwarnings("ignore", message=MEGATRON_DEPRECATED_COLLECTIVES, category=FutureWarning)
-
-
-def factor_scales(factor: float, apply_to: str, grad_norm: float, clip: float) -> dict[str, float]:
-    """What a clip-bias ``factor`` placed at ``apply_to`` leaves on the step: ``grad_scale`` on
-    the gradient Adam receives (with ``grad``, global clipping to ``clip`` takes back whatever
-    pushed the norm over it; ``grad_norm`` is the norm clipping saw) and ``lr_scale`` on the
-    step size. Under Adam only ``lr_scale`` scales the parameter update itself."""
-
-    def clip_coef(norm: float) -> float:  # megatron's clip_grad_by_total_norm_fp32
-        return min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
-
-    grad_scale = 1.0
-    if apply_to == "clipped_grad":
-        grad_scale = factor
-    elif apply_to == "grad" and factor != 1.0 and math.isfinite(grad_norm) and grad_norm > 0:
-        grad_scale = factor * clip_coef(grad_norm) / clip_coef(grad_norm / factor)
-    return {"clip_bias/grad_scale": grad_scale, "clip_bias/lr_scale": factor if apply_to == "lr" else 1.0}
 
 
 def recompute_overrides(mode: str) -> dict[str, Any]:
@@ -170,8 +154,8 @@ def gather_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple, dt
 
 
 class EngineBase(Offloadable):
-    """Model, optimizer, scheduler and the micro-batched pass (cut by ``self.batcher``);
-    subclasses add the losses."""
+    """Model and the micro-batched pass (cut by ``self.batcher``), stepped by ``self.stepper``
+    (None when frozen); subclasses add the losses."""
 
     value_head = False
 
@@ -226,11 +210,8 @@ class EngineBase(Offloadable):
         self.config = self.model.config
         self._chunk_index = {id(c): i for i, c in enumerate(self.model.chunks)}
         self.batcher = MicroBatcher(batching, self.layout, interleaved=len(self.model.chunks) > 1)
-        self.optimizer = None
-        self.scheduler = None
         self._init_extra_params()
-        if trainable:
-            self._build_optimizer()
+        self.stepper = OptimizerStep(self.optim, self.model) if trainable else None
         self.replay = RoutingReplay(self.model.unwrapped(), self.layout.use_sequence_parallel) if self.is_moe else None
         self._init_placement(device())
 
@@ -239,48 +220,15 @@ class EngineBase(Offloadable):
     def _init_extra_params(self) -> None:
         """Initialize parameters the HF checkpoint does not have (before the optimizer copies them)."""
 
-    def _build_optimizer(self) -> None:
-        import megatron.core.optimizer as mopt
-        from megatron.core.distributed import finalize_model_grads
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    @property
+    def optimizer(self) -> Any:
+        """Megatron's optimizer (None when frozen): what checkpoints save and offloading moves."""
+        return self.stepper.optimizer if self.stepper is not None else None
 
-        o = self.optim
-        dtype = self.model.dtype
-        oc = mopt.OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            params_dtype=dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer,
-        )
-        self.optimizer = mopt.get_megatron_optimizer(oc, self.model.chunks)
-        self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.grad_scale_func = self.optimizer.scale_loss
-        check(
-            o.lr_schedule == "constant" or o.decay_steps is not None,
-            f"optim.decay_steps is required for lr_schedule={o.lr_schedule!r}",
-        )
-        decay_steps = o.decay_steps if o.decay_steps is not None else o.warmup_steps + 1
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0,
-            max_lr=o.lr,
-            min_lr=o.min_lr,
-            lr_warmup_steps=o.warmup_steps,
-            lr_decay_steps=decay_steps,
-            lr_decay_style=o.lr_schedule,
-            start_wd=o.weight_decay,
-            end_wd=o.weight_decay,
-            wd_incr_steps=1,
-            wd_incr_style="constant",
-        )
+    @property
+    def scheduler(self) -> Any:
+        """The LR schedule (None when frozen), checkpointed with the optimizer."""
+        return self.stepper.scheduler if self.stepper is not None else None
 
     # -- batch geometry -----------------------------------------------------------------
 
@@ -411,45 +359,11 @@ class EngineBase(Offloadable):
 
     # -- optimizer step -------------------------------------------------------------------
 
-    def _zero_grads(self) -> None:
-        for c in self.model.chunks:
-            c.zero_grad_buffer()
-        self.optimizer.zero_grad()
-
     def _optimizer_step(self, factor: float = 1.0, apply_to: str = "lr") -> dict[str, float]:
-        """Advance the LR schedule, clip the accumulated (DP-reduced) gradient and step, with
-        ``factor`` applied to the gradient before clipping (``grad``), after it (``clipped_grad``)
-        or to this step's learning rate (``lr``).
-
-        Megatron's ``optimizer.step()`` is unrolled (prepare, norm/clip, step) so the factor can
-        sit after clipping and the pre-clip norm is known for every loss.
-        """
-        opt = self.optimizer
-        if factor != 1.0 and apply_to == "grad":
-            for c in self.model.chunks:
-                c.scale_gradients(factor)
-        self.scheduler.step(1)
-        groups = opt.param_groups
-        saved = [g["lr"] for g in groups]
-        lr_scale = factor if apply_to == "lr" else 1.0
-        for g in groups:
-            g["lr"] = g["lr"] * lr_scale
-        try:
-            if opt.prepare_grads():  # inf/nan in the gradient (loss scaling): skip the step
-                ok, grad_norm = False, float("nan")
-            else:
-                grad_norm = float(opt.get_grad_norm())
-                self._clip_and_scale(grad_norm, factor if apply_to == "clipped_grad" else 1.0)
-                ok = bool(opt.step_with_ready_grads())
-        finally:
-            for g, lr in zip(groups, saved):
-                g["lr"] = lr
+        """One step of the optimizer (:meth:`.OptimizerStep.step`), counted in ``self.step``."""
+        metrics = self.stepper.step(factor, apply_to)
         self.step += 1
-        return {
-            "grad_norm": grad_norm,  # before clipping (and after a `grad` factor)
-            "lr": float(saved[0]) * lr_scale if saved else 0.0,
-            "update_ok": float(ok),
-        }
+        return metrics
 
     def extra_state(self) -> dict[str, Any]:
         """JSON-serializable engine state beyond weights, optimizer and schedule (checkpointed)."""
@@ -457,28 +371,6 @@ class EngineBase(Offloadable):
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`extra_state` returned."""
-
-    def _clip_and_scale(self, grad_norm: float, factor: float) -> None:
-        """Megatron's global clipping of the main gradients to ``clip_grad`` (as its
-        ``step()`` does it, for a single or a chained dense + expert optimizer), then
-        ``factor`` on the clipped gradients."""
-        from megatron.core.optimizer import clip_grads
-
-        clip = self.optim.clip_grad
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
-            if not params:
-                continue
-            decoupled = bool(getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
-            if clip > 0:
-                clip_grads.clip_grad_by_total_norm_fp32(
-                    params, max_norm=clip, total_norm=grad_norm, use_decoupled_grad=decoupled
-                )
-            if factor != 1.0:
-                for p in params:
-                    grad = p.decoupled_grad if decoupled else p.grad
-                    if grad is not None:
-                        grad.mul_(factor)
 
     def _optimize(self, batch: RLBatch, train_mini_batch) -> dict[str, float]:
         """``epochs`` x mini-batches of ``train_mini_batch(batch, rows, micro_batch_size)``."""
@@ -512,7 +404,7 @@ class EngineBase(Offloadable):
             accumulate_metrics(acc, metrics, weight=weight)
             return loss * scale, {}
 
-        self._zero_grads()
+        self.stepper.zero_grads()
         self._run(micro, loss_fn, forward_only=False)
         metrics = reduce_metrics(acc, self.contributes)
         metrics.update(self._optimizer_step())
