@@ -38,9 +38,10 @@ from aiohttp import web
 from ..common.protocol import GenRequest, ProtocolError, SamplingParams, check_text, short
 from ..common.serving import BodyError, MiB, OffLoop, api_key_middlewares, parse_json, read_body
 from ..weight_sync.group import BucketSpec, GroupSpec, WeightGroupError, parse_group_name
-from .engine import PAUSE_MODES, RolloutEngine
+from .engine import RolloutEngine
 from .options import ServerOptions
 from .parse import parse_generate
+from .scheduler import PAUSE_MODES
 from .weight_groups import JoinsBusy
 from .weights import WeightError, deserialize_named_tensors
 
@@ -400,7 +401,7 @@ class Handlers:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
-            msg = await self._urgent(self.engine.flush_cache, "/flush_cache")
+            msg = await self._urgent(self.engine.scheduler.flush_cache, "/flush_cache")
             if msg is not None:
                 return web.Response(text=f"Cache flushed.\n({msg})\n")
             if loop.time() >= deadline:
@@ -417,11 +418,11 @@ class Handlers:
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise ProtocolError(f"mode must be one of {list(PAUSE_MODES)}, got {short(mode)}")
-        return respond(RESULT, await self._urgent(lambda: self.engine.pause(mode), "/pause_generation"))
+        return respond(RESULT, await self._urgent(lambda: self.engine.scheduler.pause(mode), "/pause_generation"))
 
     @endpoint(RESULT, "/continue_generation")
     async def continue_generation(self, _: web.Request) -> web.Response:
-        return respond(RESULT, await self._urgent(self.engine.resume, "/continue_generation"))
+        return respond(RESULT, await self._urgent(self.engine.scheduler.resume, "/continue_generation"))
 
     @endpoint(RESULT, "memory occupation")
     async def memory_noop(self, _: web.Request) -> web.Response:
