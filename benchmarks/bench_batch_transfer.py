@@ -12,7 +12,7 @@ reported as ratios with the machine load.
 Computed: the Qwen3-30B-A3B R3 recipe (recipes/gpu/minirl_qwen3_30b_a3b_r3.yaml: 256 prompts x
 16 = 4,096 trajectories of at most 8,192 tokens, packed micro-batches of 4 x 8,192 tokens,
 mini-batch 1,024, one epoch, TP 2 x PP 2 x DP 8; 48 layers, top-8 of 128 experts), from the
-same row plans (``EngineBase.dp_rows``) at full length and at lengths uniform in [1k, 8k].
+same row plans (``MicroBatcher.dp_rows``) at full length and at lengths uniform in [1k, 8k].
 
     .venv/bin/python benchmarks/bench_batch_transfer.py [--repeats 5]
 """
@@ -34,27 +34,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import interleaved, load, report  # noqa: E402
 
 from sorl_megatron.common import comm  # noqa: E402
-from sorl_megatron.engine.base import EngineBase  # noqa: E402
 from sorl_megatron.engine.batch_transfer import share_batch  # noqa: E402
 from sorl_megatron.engine.config import BatchingConfig  # noqa: E402
+from sorl_megatron.engine.micro_batching import MicroBatcher  # noqa: E402
 from sorl_megatron.engine.rl_batch import RLBatch  # noqa: E402
 
 GB = 1e9
 
 
-class PlanOnly(EngineBase):
-    """The engine's row planning (``dp_rows``) without a model: the batching, DP size and the
-    layout facts the plans read."""
+class PlanOnly:
+    """The engine's row planning (``dp_rows`` at optimizer step 0) without a model: its
+    :class:`MicroBatcher` over the batching, the DP size and the layout facts the plans read."""
 
     def __init__(self, batching: BatchingConfig, dp: int, dp_rank: int = 0, seq_multiple: int = 1):
-        self.batching, self.step, self.config_prefix = batching, 0, "schedule"
-        self._dp, self._dp_rank = dp, dp_rank
-        self.layout = SimpleNamespace(tp=seq_multiple, pp=1, use_sequence_parallel=seq_multiple > 1)
-        self.model = SimpleNamespace(chunks=[None])
+        layout = SimpleNamespace(tp=seq_multiple, pp=1, use_sequence_parallel=seq_multiple > 1)
+        ranks = {"dp": dp, "dp_rank": dp_rank, "tp": 1, "tp_rank": 0, "pp": 1, "last_stage": 1}
+        self.batcher = MicroBatcher(batching, layout, interleaved=False, ranks=lambda: ranks)
+        self.batcher.config_prefix = "schedule"
 
-    @property
-    def ranks(self) -> dict[str, int]:
-        return {"dp": self._dp, "dp_rank": self._dp_rank, "tp": 1, "tp_rank": 0, "pp": 1, "last_stage": 1}
+    def dp_rows(self, batch: RLBatch) -> list[torch.Tensor]:
+        return self.batcher.dp_rows(batch, step=0)
 
 
 def rollout_batch(rows: int, seq: int, layers: int, topk: int, experts: int, lengths: torch.Tensor,

@@ -38,10 +38,12 @@ from ..algorithms.diagnostics import (
 from ..bridge.layout import ParallelLayout
 from ..bridge.model import ModelOptions
 from ..common import comm
-from .base import EngineBase, accumulate_metrics, device, factor_scales, reduce_metrics
+from .base import EngineBase, accumulate_metrics, device, reduce_metrics
 from .config import BatchingConfig, OptimConfig
 from .offload import resident
-from .rl_batch import BatchError, RLBatch, validate_batch
+from .old_from_forward import OldFromForward
+from .optimizer import factor_scales
+from .rl_batch import RLBatch, validate_batch
 from .vocab_parallel import next_token_targets, vocab_parallel_logprobs_entropy
 
 RoutingReplayMode = Literal["off", "r2", "r3"]
@@ -111,12 +113,8 @@ class PolicyEngine(EngineBase):
         # distributions of the last update, for TensorBoard histograms (every rank holds the same)
         self.histograms: dict[str, Histogram] = {}
         self._abs_log_ratio: Optional[Histogram] = None  # merged over the update's forwards
-        # during an update with old_from_forward: its flags, padded by a False for the plans' dummy
-        # row id (the batch size); the rows' forward log-probs (the first mini-batch's loss pass)
-        # before that mini-batch's optimizer step, and their gathered values after it
-        self._old_rows: Optional[torch.Tensor] = None
-        self._old_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._old_values: Optional[torch.Tensor] = None
+        # during an update: where its old log-probs come from (the batch, or its own forward)
+        self._forward_old = OldFromForward()
         # the old log-probs the last update took from its own forward ([B, S], 0 on other rows)
         self.forward_old_logprobs: Optional[torch.Tensor] = None
 
@@ -178,7 +176,7 @@ class PolicyEngine(EngineBase):
         """
         batch = self._validate(batch, ("routed_experts",) if replay else ())
         b0, s0 = batch.batch_size, batch.seq_len
-        batch, micro = self._forward_micro_batches(batch, rows)
+        batch, micro = self.batcher.forward_micro_batches(batch, rows)
         mode = self._replay_mode(batch, training=False) if replay is None else ("replay" if replay else None)
         record = None
         if record_routing:
@@ -273,11 +271,12 @@ class PolicyEngine(EngineBase):
         batch = self._validate(batch, self._need())
         seq_len = batch.seq_len
         self._abs_log_ratio = Histogram.empty(ABS_LOG_RATIO_EDGES)
-        self._begin_old_from_forward(batch, old_from_forward)
+        self.forward_old_logprobs = None
+        self._forward_old = OldFromForward.of(old_from_forward, batch.batch_size, self.first_mini_batch_rows)
         try:
             out = self._optimize(batch, self._train_mini_batch)
         finally:
-            self._old_rows, self._old_parts, self._old_values = None, [], None
+            self.forward_old_logprobs, self._forward_old = self._forward_old.logprobs, OldFromForward()
         if self.forward_old_logprobs is not None:  # without the sequence padding of the passes
             self.forward_old_logprobs = self.forward_old_logprobs[:, :seq_len]
         out.update(advantage_stats(batch.advantages, batch.loss_mask))
@@ -298,45 +297,8 @@ class PolicyEngine(EngineBase):
         optimizer step trains on: the weights a forward pass would read now, so its update
         forward is that pass (:meth:`update`'s ``old_from_forward``)."""
         first = torch.zeros(n, dtype=torch.bool)
-        first[self._update_rows(n)[0]] = True
+        first[self.batcher.update_rows(n, self.step)[0]] = True
         return first
-
-    def _begin_old_from_forward(self, batch: RLBatch, old_from_forward: Optional[torch.Tensor]) -> None:
-        self._old_rows, self._old_parts, self._old_values, self.forward_old_logprobs = None, [], None, None
-        if old_from_forward is None:
-            return
-        n = batch.batch_size
-        flags = torch.as_tensor(old_from_forward).cpu()
-        if flags.dtype != torch.bool or tuple(flags.shape) != (n,):
-            raise BatchError(f"old_from_forward must be a bool tensor of shape ({n},), got {flags.dtype} "
-                             f"{tuple(flags.shape)}")
-        outside = flags & ~self.first_mini_batch_rows(n)
-        if outside.any():
-            raise BatchError(f"old_from_forward: rows {outside.nonzero().flatten()[:8].tolist()} are not in the "
-                             "update's first mini-batch (first_mini_batch_rows): later mini-batches train on "
-                             "weights the old log-probs must not see")
-        self._old_rows = torch.cat([flags, torch.zeros(1, dtype=torch.bool)])
-
-    def _old_logprobs(self, mb: dict, lp: torch.Tensor) -> torch.Tensor:
-        """pi_old of a micro-batch: ``old_logprobs``, except on the rows of ``old_from_forward``:
-        there, in the first mini-batch's passes, this forward's ``lp`` (detached), and in later
-        epochs the values that forward gave (:meth:`_keep_forward_old`)."""
-        if self._old_rows is None:
-            return mb["old_logprobs"]
-        own = self._old_rows[mb["rows"]]
-        if not own.any():
-            return mb["old_logprobs"]
-        mine = lp.detach() if self._old_values is None else self._old_values[mb["rows"]].to(lp.device)
-        return torch.where(own.to(lp.device)[:, None], mine, mb["old_logprobs"])
-
-    def _keep_forward_old(self, shape: tuple[int, int]) -> None:
-        """After the first mini-batch's passes, before its optimizer step: its rows' forward
-        log-probs on every rank, read by later epochs and left in ``forward_old_logprobs``."""
-        if self._old_rows is None or self._old_values is not None:
-            return
-        parts, self._old_parts = self._old_parts, []
-        self._old_values = self._gather_rows(parts, (shape[0] + 1, shape[1]), torch.float32)  # + the dummy row
-        self.forward_old_logprobs = self._old_values[: shape[0]]
 
     @resident
     def sft_update(self, batch: RLBatch) -> dict[str, float]:
@@ -374,19 +336,20 @@ class PolicyEngine(EngineBase):
 
         def surrogate_fn(mb, logits):
             lp, ent = self._token_outputs(mb, logits, need_entropy)
-            s = clip_bias_surrogate(lp, self._old_logprobs(mb, lp), mb["advantages"], mb["loss_mask"], loss_cfg,
+            old = self._forward_old.old_logprobs(mb, lp)
+            s = clip_bias_surrogate(lp, old, mb["advantages"], mb["loss_mask"], loss_cfg,
                                     **self._loss_kwargs(mb, denominator, ent))
             return s * scale, {"clip_bias/surrogate": s.detach()}
 
         buffers = [b for c in self.model.chunks for b in c.buffers + c.expert_parallel_buffers]
         saved = [b.grad_data.clone() for b in buffers]  # the loss gradient, DP-reduced
-        self._zero_grads()
+        self.stepper.zero_grads()
         replay_stats = self._replay_stats  # routing/* report the loss pass over every micro-batch, not this subset
         self._run(chosen, surrogate_fn, forward_only=False, replay_mode=replay_mode)
         self._replay_stats = replay_stats
         self.optimizer.prepare_grads()
         norm = float(self.optimizer.get_grad_norm())
-        self._zero_grads()
+        self.stepper.zero_grads()
         for b, g in zip(buffers, saved):
             b.grad_data.copy_(g)
         return norm
@@ -395,14 +358,14 @@ class PolicyEngine(EngineBase):
         loss_cfg = self.cfg.loss
         spec = loss_cfg.spec
         denominator = loss_denominators(batch.loss_mask[rows], batch.advantages[rows], loss_cfg).to(device())
-        _, micro = self._micro_batches(batch, rows, mbs, "batching.mini_batch_size")
+        _, micro = self.batcher.micro_batches(batch, rows, mbs, "batching.mini_batch_size")
         scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp
         need_entropy = loss_cfg.entropy_coef > 0
         replay_mode = self._replay_mode(batch, training=True)
         mode = loss_cfg.clip_bias.mode
         step_metrics: dict[str, float] = {}
 
-        self._zero_grads()
+        self.stepper.zero_grads()
         # ||C|| in parameter space: the param_grad mode's factor, or a diagnostic for any loss
         measure_c = (spec.clip_normalized and mode == "param_grad") or loss_cfg.clip_bias.diagnostics
         acc: dict[str, list[float]] = {}
@@ -411,9 +374,8 @@ class PolicyEngine(EngineBase):
 
         def loss_fn(mb, logits):
             lp, ent = self._token_outputs(mb, logits, True)  # entropy comes with the log-probs: always logged
-            old = self._old_logprobs(mb, lp)
-            if old is not mb["old_logprobs"] and self._old_values is None:
-                self._old_parts.append((mb["rows"], old))
+            old = self._forward_old.old_logprobs(mb, lp)
+            self._forward_old.collect(mb, old)
             loss, metrics = compute_policy_loss(
                 lp, old, mb["advantages"], mb["loss_mask"], loss_cfg, normalize=False,
                 **self._loss_kwargs(mb, denominator, ent),
@@ -447,7 +409,7 @@ class PolicyEngine(EngineBase):
                 step_metrics["clip_bias/running_norm"] = norm.running
         step_metrics["clip_bias/factor"] = factor
         step_metrics.update(self._replay_metrics())
-        self._keep_forward_old((batch.batch_size, batch.seq_len))
+        self._forward_old.keep(self._gather_rows, (batch.batch_size, batch.seq_len))
         apply_to = loss_cfg.clip_bias.apply_to
         step_metrics.update(self._optimizer_step(factor, apply_to))
         step_metrics.update(factor_scales(factor, apply_to, step_metrics["grad_norm"], self.optim.clip_grad))

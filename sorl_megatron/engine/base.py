@@ -1,9 +1,11 @@
 """Shared machinery of the Megatron RL engines (policy and value).
 
-What lives here: typed configs, model + Megatron DDP + Megatron optimizer + LR schedule
-construction, the micro-batched pass through ``get_forward_backward_func`` (any TP/PP/VPP/EP,
-``forward_only`` for inference passes), row sharding over data-parallel ranks, and the
-cross-rank reductions of outputs and metrics.
+What lives here: model + Megatron DDP construction, the micro-batched pass through
+``get_forward_backward_func`` (any TP/PP/VPP/EP, ``forward_only`` for inference passes), and the
+cross-rank reductions of outputs and metrics. How a pass is cut into this data-parallel rank's
+micro-batches is the engine's :class:`~.micro_batching.MicroBatcher` (``engine.batcher``); the
+Megatron optimizer, its LR schedule and the step are its :class:`~.optimizer.OptimizerStep`
+(``engine.stepper``).
 
 Gradient bookkeeping. Per micro-batch the loss functions compute their share of the
 *mini-batch* loss (aggregation denominators are mini-batch totals), so the sum over the
@@ -18,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import warnings
 from typing import Any, Callable, Optional
 
@@ -33,8 +34,9 @@ from ..bridge.model import MegatronModel, ModelOptions
 from ..bridge.te_fp8 import forward_only_fp8
 from ..common import comm
 from .config import BatchingConfig, OptimConfig, check
-from .offload import Offloadable
-from .packing import DUMMY, MicroBatchPlan, PackedRow, make_plan, rows_by_rank, update_rows
+from .micro_batching import MicroBatcher, rank_info
+from .offload import Offloadable, device
+from .optimizer import OptimizerStep
 from .rl_batch import BatchError, RLBatch
 from .routing_replay import RoutingReplay
 from .vocab_parallel import shift_to_token_positions
@@ -56,40 +58,6 @@ def quiet_megatron_collective_deprecations() -> None:
     """Ignore exactly the FutureWarnings of :data:`MEGATRON_DEPRECATED_COLLECTIVES` (idempotent:
     ``filterwarnings`` replaces an equal filter)."""
     warnings.filterwarnings("ignore", message=MEGATRON_DEPRECATED_COLLECTIVES, category=FutureWarning)
-
-
-def factor_scales(factor: float, apply_to: str, grad_norm: float, clip: float) -> dict[str, float]:
-    """What a clip-bias ``factor`` placed at ``apply_to`` leaves on the step: ``grad_scale`` on
-    the gradient Adam receives (with ``grad``, global clipping to ``clip`` takes back whatever
-    pushed the norm over it; ``grad_norm`` is the norm clipping saw) and ``lr_scale`` on the
-    step size. Under Adam only ``lr_scale`` scales the parameter update itself."""
-
-    def clip_coef(norm: float) -> float:  # megatron's clip_grad_by_total_norm_fp32
-        return min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
-
-    grad_scale = 1.0
-    if apply_to == "clipped_grad":
-        grad_scale = factor
-    elif apply_to == "grad" and factor != 1.0 and math.isfinite(grad_norm) and grad_norm > 0:
-        grad_scale = factor * clip_coef(grad_norm) / clip_coef(grad_norm / factor)
-    return {"clip_bias/grad_scale": grad_scale, "clip_bias/lr_scale": factor if apply_to == "lr" else 1.0}
-
-
-def _rank_info() -> dict[str, int]:
-    from megatron.core import parallel_state as mpu
-
-    return {
-        "dp": mpu.get_data_parallel_world_size(),
-        "dp_rank": mpu.get_data_parallel_rank(),
-        "tp": mpu.get_tensor_model_parallel_world_size(),
-        "tp_rank": mpu.get_tensor_model_parallel_rank(),
-        "pp": mpu.get_pipeline_model_parallel_world_size(),
-        "last_stage": int(mpu.is_pipeline_last_stage(ignore_virtual=True)),
-    }
-
-
-def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def recompute_overrides(mode: str) -> dict[str, Any]:
@@ -186,7 +154,8 @@ def gather_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple, dt
 
 
 class EngineBase(Offloadable):
-    """Model, optimizer, scheduler and the micro-batched pass; subclasses add the losses."""
+    """Model and the micro-batched pass (cut by ``self.batcher``), stepped by ``self.stepper``
+    (None when frozen); subclasses add the losses."""
 
     value_head = False
 
@@ -210,8 +179,6 @@ class EngineBase(Offloadable):
         self.trainable = trainable
         self.temperature = float(temperature)
         self.step = 0  # optimizer steps taken
-        self.config_prefix = "batching"  # what errors call this engine's batching settings
-        self._begin_pass_stats()
         options = model_options or ModelOptions()
         overrides = dict(options.config_overrides)
         hf_config = load_hf_config(hf)
@@ -242,11 +209,9 @@ class EngineBase(Offloadable):
         self.layout = self.model.layout
         self.config = self.model.config
         self._chunk_index = {id(c): i for i, c in enumerate(self.model.chunks)}
-        self.optimizer = None
-        self.scheduler = None
+        self.batcher = MicroBatcher(batching, self.layout, interleaved=len(self.model.chunks) > 1)
         self._init_extra_params()
-        if trainable:
-            self._build_optimizer()
+        self.stepper = OptimizerStep(self.optim, self.model) if trainable else None
         self.replay = RoutingReplay(self.model.unwrapped(), self.layout.use_sequence_parallel) if self.is_moe else None
         self._init_placement(device())
 
@@ -255,54 +220,21 @@ class EngineBase(Offloadable):
     def _init_extra_params(self) -> None:
         """Initialize parameters the HF checkpoint does not have (before the optimizer copies them)."""
 
-    def _build_optimizer(self) -> None:
-        import megatron.core.optimizer as mopt
-        from megatron.core.distributed import finalize_model_grads
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    @property
+    def optimizer(self) -> Any:
+        """Megatron's optimizer (None when frozen): what checkpoints save and offloading moves."""
+        return self.stepper.optimizer if self.stepper is not None else None
 
-        o = self.optim
-        dtype = self.model.dtype
-        oc = mopt.OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            params_dtype=dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer,
-        )
-        self.optimizer = mopt.get_megatron_optimizer(oc, self.model.chunks)
-        self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.grad_scale_func = self.optimizer.scale_loss
-        check(
-            o.lr_schedule == "constant" or o.decay_steps is not None,
-            f"optim.decay_steps is required for lr_schedule={o.lr_schedule!r}",
-        )
-        decay_steps = o.decay_steps if o.decay_steps is not None else o.warmup_steps + 1
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0,
-            max_lr=o.lr,
-            min_lr=o.min_lr,
-            lr_warmup_steps=o.warmup_steps,
-            lr_decay_steps=decay_steps,
-            lr_decay_style=o.lr_schedule,
-            start_wd=o.weight_decay,
-            end_wd=o.weight_decay,
-            wd_incr_steps=1,
-            wd_incr_style="constant",
-        )
+    @property
+    def scheduler(self) -> Any:
+        """The LR schedule (None when frozen), checkpointed with the optimizer."""
+        return self.stepper.scheduler if self.stepper is not None else None
 
     # -- batch geometry -----------------------------------------------------------------
 
     @property
     def ranks(self) -> dict[str, int]:
-        return _rank_info()
+        return rank_info()
 
     @property
     def contributes(self) -> bool:
@@ -310,80 +242,26 @@ class EngineBase(Offloadable):
         r = self.ranks
         return bool(r["last_stage"]) and r["tp_rank"] == 0
 
-    def _seq_multiple(self) -> int:
-        return self.layout.tp if self.layout.use_sequence_parallel else 1
+    @property
+    def config_prefix(self) -> str:
+        """What errors call this engine's batching settings (the trainer sets ``schedule``)."""
+        return self.batcher.config_prefix
+
+    @config_prefix.setter
+    def config_prefix(self, prefix: str) -> None:
+        self.batcher.config_prefix = prefix
+
+    def batching_metrics(self) -> dict[str, float]:
+        """How the last call (an update or a forward pass) was cut (:meth:`.MicroBatcher.metrics`)."""
+        return self.batcher.metrics()
+
+    def dp_rows(self, batch: RLBatch, *, forward: bool = True, update: bool = True) -> list[torch.Tensor]:
+        """Per data-parallel rank, the rows its passes over ``batch`` read at this engine's
+        optimizer step (:meth:`.MicroBatcher.dp_rows`): what the batch transfer sends it."""
+        return self.batcher.dp_rows(batch, self.step, forward=forward, update=update)
 
     def _mask(self, s: int) -> torch.Tensor:
         return causal_attention_mask(s, device())
-
-    def _plan(self, batch: RLBatch, rows: torch.Tensor, mbs: int, what: str) -> MicroBatchPlan:
-        """How the pass over ``rows`` (global ids into ``batch``) is cut (``engine/packing.py``)."""
-        b = self.batching
-        return make_plan(
-            rows, batch.attention_mask[rows].sum(1), dp=self.ranks["dp"], micro_batch_size=mbs,
-            seq_len=batch.seq_len, pack=b.pack_sequences, max_tokens=b.max_tokens_per_micro_batch,
-            multiple=self._seq_multiple(), key=f"{self.config_prefix}.max_tokens_per_micro_batch", what=what,
-            micro_multiple=self.layout.pp if len(self.model.chunks) > 1 else 1,
-        )
-
-    def _micro_batches(self, batch: RLBatch, rows: torch.Tensor, mbs: int, what: str) -> tuple[RLBatch, list[dict]]:
-        """This DP rank's micro-batches of the pass over ``rows``, as dicts of the rows' tensors
-        (``[n, S]``, what the losses read) plus, when packed, ``packed`` (a :class:`PackedRow`) and
-        ``model`` (the packed ``[1, T]`` model inputs). Returns the batch the dicts index: with a
-        dummy row appended when the plan needs one (row id ``batch_size``)."""
-        plan = self._plan(batch, rows, mbs, what)
-        dummy = batch.batch_size
-        if plan.has_dummy:
-            batch, _ = batch.padded_rows(dummy + 1)
-        self._pass_stats += torch.tensor([plan.real_tokens, plan.token_slots, plan.micro_batches_per_rank],
-                                         dtype=torch.float64)
-        tensors = {k: v for k, v in batch.tensors().items() if k != "group_ids"}
-        lengths = batch.attention_mask.sum(1)
-        dev = device()
-        out = []
-        for ids in plan.micro[self.ranks["dp_rank"]]:
-            ids = torch.where(ids == DUMMY, torch.full_like(ids, dummy), ids)
-            mb = {k: v[ids].to(dev) for k, v in tensors.items()}
-            mb["rows"] = ids
-            if plan.packed:
-                mb["packed"] = self._packed_inputs(batch, ids, lengths[ids], plan.seq_len, mb)
-            out.append(mb)
-        return batch, out
-
-    def _packed_inputs(self, batch: RLBatch, ids: torch.Tensor, lengths: torch.Tensor, seq_len: int, mb: dict):
-        """Pack the rows ``ids`` into one ``[1, T]`` row: the model's inputs go to ``mb['model']``."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        dev = device()
-        p = PackedRow.build(ids, lengths, seq_len)
-        model = {
-            "input_ids": p.pack(batch.input_ids).to(dev),
-            "position_ids": p.pack_positions().to(dev),
-            "packed_seq_params": PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=p.cu_seqlens.to(dev), cu_seqlens_kv=p.cu_seqlens.to(dev),
-                max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen,
-            ),
-        }
-        if "routed_experts" in mb:  # the rows' routes, already gathered in the order of ids
-            local = PackedRow.build(torch.arange(len(ids)), lengths, seq_len)
-            model["routed_experts"] = local.pack(mb["routed_experts"], fill=-1).to(dev)
-        mb["model"] = model
-        return p.to(dev)
-
-    def _begin_pass_stats(self) -> None:
-        self._pass_stats = torch.zeros(3, dtype=torch.float64)  # real tokens, token slots, micro-batches per rank
-
-    def batching_metrics(self) -> dict[str, float]:
-        """How the last call (an update or a forward pass) was cut: ``batching/padding_frac``
-        (padding among the token positions the model computed, all ranks), ``batching/micro_batches``
-        (forward passes each DP rank ran, over all mini-batches and epochs; the ``param_grad``
-        pass repeats them) and ``batching/tokens`` (real tokens processed, all ranks)."""
-        real, slots, micro = self._pass_stats.tolist()
-        return {
-            "batching/padding_frac": 1.0 - real / slots if slots else 0.0,
-            "batching/micro_batches": micro,
-            "batching/tokens": real,
-        }
 
     def _model_tokens(self, mb: dict) -> torch.Tensor:
         """The token ids the model saw for ``mb`` (``[1, T]`` packed, else the rows ``[b, S]``)."""
@@ -481,86 +359,11 @@ class EngineBase(Offloadable):
 
     # -- optimizer step -------------------------------------------------------------------
 
-    def _zero_grads(self) -> None:
-        for c in self.model.chunks:
-            c.zero_grad_buffer()
-        self.optimizer.zero_grad()
-
     def _optimizer_step(self, factor: float = 1.0, apply_to: str = "lr") -> dict[str, float]:
-        """Advance the LR schedule, clip the accumulated (DP-reduced) gradient and step, with
-        ``factor`` applied to the gradient before clipping (``grad``), after it (``clipped_grad``)
-        or to this step's learning rate (``lr``).
-
-        Megatron's ``optimizer.step()`` is unrolled (prepare, norm/clip, step) so the factor can
-        sit after clipping and the pre-clip norm is known for every loss.
-        """
-        opt = self.optimizer
-        if factor != 1.0 and apply_to == "grad":
-            for c in self.model.chunks:
-                c.scale_gradients(factor)
-        self.scheduler.step(1)
-        groups = opt.param_groups
-        saved = [g["lr"] for g in groups]
-        lr_scale = factor if apply_to == "lr" else 1.0
-        for g in groups:
-            g["lr"] = g["lr"] * lr_scale
-        try:
-            if opt.prepare_grads():  # inf/nan in the gradient (loss scaling): skip the step
-                ok, grad_norm = False, float("nan")
-            else:
-                grad_norm = float(opt.get_grad_norm())
-                self._clip_and_scale(grad_norm, factor if apply_to == "clipped_grad" else 1.0)
-                ok = bool(opt.step_with_ready_grads())
-        finally:
-            for g, lr in zip(groups, saved):
-                g["lr"] = lr
+        """One step of the optimizer (:meth:`.OptimizerStep.step`), counted in ``self.step``."""
+        metrics = self.stepper.step(factor, apply_to)
         self.step += 1
-        return {
-            "grad_norm": grad_norm,  # before clipping (and after a `grad` factor)
-            "lr": float(saved[0]) * lr_scale if saved else 0.0,
-            "update_ok": float(ok),
-        }
-
-    def _forward_batch(self, batch: RLBatch, rows: Optional[torch.Tensor] = None) -> tuple[RLBatch, torch.Tensor, int]:
-        """``batch`` padded for a forward-only pass over ``rows`` (global ids, None = every row),
-        the rows the pass plans over, and its micro-batch size. Padding: the sequence multiple;
-        over every row with fixed-size micro-batches, rows to a multiple of DP x micro-batch;
-        else (packing, a token budget, or some rows) a dummy row where the plan needs one."""
-        mbs = self.batching.forward_micro_batch_size or self.batching.micro_batch_size
-        batch = batch.padded_seq(self._seq_multiple())
-        if rows is not None:
-            return batch, rows, mbs
-        if not (self.batching.pack_sequences or self.batching.max_tokens_per_micro_batch):
-            batch, _ = batch.padded_rows(self.ranks["dp"] * mbs)
-        return batch, torch.arange(batch.batch_size), mbs
-
-    def _forward_micro_batches(self, batch: RLBatch, rows: Optional[torch.Tensor] = None) -> tuple[RLBatch, list[dict]]:
-        """The padded batch of a forward-only pass over ``rows`` (:meth:`_forward_batch`) and this
-        rank's micro-batches of it."""
-        self._begin_pass_stats()
-        batch, rows, mbs = self._forward_batch(batch, rows)
-        return self._micro_batches(batch, rows, mbs, "batching.forward_micro_batch_size")
-
-    def dp_rows(self, batch: RLBatch, *, forward: bool = True, update: bool = True) -> list[torch.Tensor]:
-        """Sorted global ids of the rows each data-parallel rank's micro-batches read in a
-        forward-only pass over every row (``forward``) and then an update (``update``) of
-        ``batch``, at this engine's optimizer step: the plans those passes make, from the rows'
-        lengths alone (every rank computes the same). What the batch transfer sends each rank
-        (``batch_transfer.py``)."""
-        batch = batch.filled()
-        b0 = batch.batch_size
-        plans = []
-        if forward:
-            fb, rows, mbs = self._forward_batch(batch)
-            plans.append(self._plan(fb, rows, mbs, "batching.forward_micro_batch_size"))
-        if update:
-            ub = batch.padded_seq(self._seq_multiple())
-            mbs = self.batching.micro_batch_size
-            plans += [self._plan(ub, rows, mbs, "batching.mini_batch_size") for rows in self._update_rows(b0)]
-        return rows_by_rank(plans, self.ranks["dp"], b0)
-
-    def _update_rows(self, n: int) -> list[torch.Tensor]:
-        return update_rows(n, self.batching, self.step)
+        return metrics
 
     def extra_state(self) -> dict[str, Any]:
         """JSON-serializable engine state beyond weights, optimizer and schedule (checkpointed)."""
@@ -569,38 +372,17 @@ class EngineBase(Offloadable):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`extra_state` returned."""
 
-    def _clip_and_scale(self, grad_norm: float, factor: float) -> None:
-        """Megatron's global clipping of the main gradients to ``clip_grad`` (as its
-        ``step()`` does it, for a single or a chained dense + expert optimizer), then
-        ``factor`` on the clipped gradients."""
-        from megatron.core.optimizer import clip_grads
-
-        clip = self.optim.clip_grad
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
-            if not params:
-                continue
-            decoupled = bool(getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
-            if clip > 0:
-                clip_grads.clip_grad_by_total_norm_fp32(
-                    params, max_norm=clip, total_norm=grad_norm, use_decoupled_grad=decoupled
-                )
-            if factor != 1.0:
-                for p in params:
-                    grad = p.decoupled_grad if decoupled else p.grad
-                    if grad is not None:
-                        grad.mul_(factor)
-
     def _optimize(self, batch: RLBatch, train_mini_batch) -> dict[str, float]:
         """``epochs`` x mini-batches of ``train_mini_batch(batch, rows, micro_batch_size)``."""
-        self._begin_pass_stats()
-        batch = batch.padded_seq(self._seq_multiple())
+        self.batcher.begin_pass()
+        batch = batch.padded_seq(self.batcher.seq_multiple())
         mbs = self.batching.micro_batch_size
-        per_step = [train_mini_batch(batch, rows, mbs) for rows in self._update_rows(batch.batch_size)]
+        mini_batches = self.batcher.update_rows(batch.batch_size, self.step)
+        per_step = [train_mini_batch(batch, rows, mbs) for rows in mini_batches]
         out = mean_over_steps(per_step)
         out["steps"] = float(len(per_step))
         out["lr"] = per_step[-1]["lr"]
-        out.update(self.batching_metrics())
+        out.update(self.batcher.metrics())
         return out
 
     def _fit_mini_batch(
@@ -613,7 +395,7 @@ class EngineBase(Offloadable):
         count); the policy update has its own step because of the clip-bias normalization.
         """
         denominator = aggregation_denominator(batch.loss_mask[rows], loss_agg).to(device())
-        _, micro = self._micro_batches(batch, rows, mbs, "batching.mini_batch_size")
+        _, micro = self.batcher.micro_batches(batch, rows, mbs, "batching.mini_batch_size")
         scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp
         acc: dict[str, list[float]] = {}
 
@@ -622,7 +404,7 @@ class EngineBase(Offloadable):
             accumulate_metrics(acc, metrics, weight=weight)
             return loss * scale, {}
 
-        self._zero_grads()
+        self.stepper.zero_grads()
         self._run(micro, loss_fn, forward_only=False)
         metrics = reduce_metrics(acc, self.contributes)
         metrics.update(self._optimizer_step())

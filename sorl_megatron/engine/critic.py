@@ -105,7 +105,7 @@ class ValueEngine(EngineBase):
         """[B, S] values (CPU) for GAE, aligned to token positions."""
         batch = self._validate(batch)
         b0, s0 = batch.batch_size, batch.seq_len
-        batch, micro = self._forward_micro_batches(batch)
+        batch, micro = self.batcher.forward_micro_batches(batch)
 
         def loss_fn(mb, out):
             v = self._values(mb, out)

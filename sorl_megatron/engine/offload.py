@@ -16,6 +16,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 
+def device() -> torch.device:
+    """Where an engine computes: this rank's current GPU, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def idle_device(offload_idle: bool, compute: torch.device) -> torch.device:
     """Where an engine's model waits between its passes: the CPU when it offloads, else where it computes."""
     return torch.device("cpu") if offload_idle else compute

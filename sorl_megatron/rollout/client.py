@@ -7,7 +7,8 @@ when every server is down the error lists them all. With ``failover_retries``, a
 times out or fails with 5xx is sent again (at most that many times) after the ``on_failure``
 hook has had its say (the trainer's fleet health-checks the servers, takes a dead or hung one
 out and restarts it). Control calls (weight updates, cache flush) go to every server, never
-through the router.
+through the router. Which server takes a call, and what happens when one fails it, is
+``failover.py``'s.
 
 Which servers take generation can change while a client lives (the async producer's client
 lives for the whole run): with ``serving`` (the trainer passes its fleet's ``urls``) each call
@@ -21,7 +22,6 @@ the call with its HTTP re-sends, not each attempt.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -32,12 +32,10 @@ import aiohttp
 
 from ..common.clock import ActiveClock
 from ..common.http import (
-    BadResponseError,
     RequestRejectedError,
     RetryPolicy,
     ServerError,
     ServerTimeoutError,
-    ServerUnavailableError,
     check_health,
     request,
 )
@@ -49,6 +47,7 @@ from ..common.protocol import (
     bearer_headers,
     parse_generate_output,
 )
+from .failover import ControlSet, FailureHook, GenerationServers
 from .server_facts import ServerFacts, ServerMismatchError, same_protocol
 
 log = logging.getLogger("sorl_megatron.rollout.client")
@@ -130,10 +129,32 @@ class PauseClock(ActiveClock):
     def paused(self) -> bool:
         return self.active
 
-
-# What the fleet is told when a /generate call failed on ``url`` (None: through the router,
-# server unknown); it answers the URLs of the servers still serving (empty: none is left).
-FailureHook = Callable[[str | None, ServerError], Awaitable[Sequence[str]]]
+    async def bounded(self, send: Callable[[RetryPolicy], Awaitable[Any]], policy: RetryPolicy, what: str) -> Any:
+        """``send(longest)``'s answer within ``policy.timeout_s`` plus the paused seconds that
+        overlap the call, at most ``max_credit_s`` (``longest``: ``policy`` with the largest
+        timeout, aiohttp's own bound); past that a :class:`ServerTimeoutError` naming ``what``."""
+        t0 = time.monotonic()
+        paused0 = self.seconds()
+        longest = replace(policy, timeout_s=policy.timeout_s + self.max_credit_s)  # aiohttp's own bound
+        call = asyncio.ensure_future(send(longest))
+        try:
+            while True:
+                credit = min(self.seconds() - paused0, self.max_credit_s)
+                left = t0 + policy.timeout_s + credit - time.monotonic()
+                if left <= 0 and not (self.paused and credit < self.max_credit_s):
+                    raise ServerTimeoutError(
+                        f"{what} did not answer within {policy.timeout_s:g} s (rollout.timeout_s) "
+                        f"plus {credit:.1f} s paused for weight syncs (at most {self.max_credit_s:g} s: "
+                        f"rollout.weight_sync_timeout_s)")
+                # credit only grows: unpaused, wake at the deadline and look again; paused, poll
+                wait = max(left, 0.05)
+                done, _ = await asyncio.wait({call}, timeout=min(wait, 1.0) if self.paused else wait)
+                if done:
+                    return call.result()
+        finally:
+            if not call.done():
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
 
 
 class RolloutClient:
@@ -149,18 +170,14 @@ class RolloutClient:
         if not isinstance(cfg, RolloutClientConfig):
             cfg = RolloutClientConfig(urls=(cfg,) if isinstance(cfg, str) else tuple(cfg))
         self.cfg = cfg
-        self.on_failure = on_failure
-        self.serving = serving
         self.pauses = pauses
         self.retries = 0  # /generate calls sent again after a server failed them (HTTP retries and failover)
         self.on_retry = on_retry
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
-        self._inflight = {u: 0 for u in cfg.urls}
-        self._usable: set[str] | None = None  # the servers the fleet still lists (None: all)
-        self._control = list(cfg.urls)  # where control calls go: a server the fleet dropped mid-sync leaves
-        self._down_until = {u: 0.0 for u in cfg.urls}
-        self._rr = itertools.count()
+        self._generation = GenerationServers(cfg.urls, cfg.routing, cfg.down_cooldown_s, cfg.router_url,
+                                             cfg.failover_retries, serving, on_failure, self._count_retry)
+        self._control = ControlSet(cfg.urls, on_failure)  # a server the fleet dropped mid-sync leaves
         self._routing_shape = cfg.routing_shape
         self._version_counter = 0
         self._pause_supported: bool | None = None  # /pause_generation: unknown until asked
@@ -193,27 +210,9 @@ class RolloutClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _pick(self, exclude: set[str]) -> str | None:
-        now = time.monotonic()
-        if self.serving is not None:
-            known = [u.rstrip("/") for u in self.serving()]
-        else:
-            known = [u for u in self.cfg.urls if self._usable is None or u in self._usable]
-        urls = [u for u in known if u not in exclude]
-        up = [u for u in urls if self._down_until.get(u, 0.0) <= now]
-        if not up:
-            up = urls  # all cooling down: try anyway
-        if not up:
-            return None
-        start = next(self._rr) % len(known)  # rotate over the known list: ties move on
-        ordered = sorted(up, key=lambda u: (known.index(u) - start) % len(known))
-        if self.cfg.routing == "round_robin":
-            return ordered[0]
-        return min(ordered, key=lambda u: self._inflight.get(u, 0))
-
     @property
     def inflight(self) -> dict[str, int]:
-        return dict(self._inflight)
+        return self._generation.inflight
 
     # ----- generation -----
 
@@ -287,70 +286,20 @@ class RolloutClient:
     async def _post_generate(self, body: dict[str, Any]) -> tuple[Any, str]:
         self._sess()
         assert self._sem is not None
-        tried: set[str] = set()
-        errors: list[str] = []
-        failovers = 0
         async with self._sem:
-            while True:
-                url = self.cfg.router_url or self._pick(tried)
-                if url is None:
-                    raise ServerUnavailableError("no rollout server reachable: " + "; ".join(errors))
-                self._inflight[url] = self._inflight.get(url, 0) + 1
-                try:
-                    return await self._generate_on(url, body), url
-                except (ServerUnavailableError, ServerTimeoutError, BadResponseError) as exc:
-                    errors.append(str(exc))
-                    failed = exc
-                finally:
-                    self._inflight[url] -= 1
-                unavailable = isinstance(failed, ServerUnavailableError)
-                if not unavailable and failovers >= self.cfg.failover_retries:
-                    raise failed  # timeouts and 5xx: not sent again without failover_retries
-                if self.cfg.router_url is None:
-                    if unavailable or self.on_failure is None:
-                        tried.add(url)  # without a fleet to ask, a hung server is not asked again
-                    if unavailable:
-                        self._down_until[url] = time.monotonic() + self.cfg.down_cooldown_s
-                elif unavailable and failovers >= self.cfg.failover_retries:
-                    raise failed  # the router itself is unreachable
-                if self.on_failure is not None:
-                    left = await self.on_failure(None if self.cfg.router_url else url, failed)
-                    if not left:
-                        raise ServerUnavailableError("no rollout server reachable: " + "; ".join(errors))
-                    self._usable = set(left)
-                failovers += 1
-                self._count_retry()
+            return await self._generation.post(lambda url: self._generate_on(url, body))
 
     async def _generate_on(self, url: str, body: dict[str, Any]) -> Any:
         """One ``/generate`` call on ``url`` (or the router) under ``generate_retry``; with a
         :class:`PauseClock`, paused seconds overlapping the call extend its timeout (capped)."""
-        policy = self.cfg.generate_retry
-        # a re-send after a 5xx or a refused connection is a retry of the call too
+
+        def send(policy: RetryPolicy) -> Awaitable[Any]:
+            # a re-send after a 5xx or a refused connection is a retry of the call too
+            return request(self._sess(), "POST", f"{url}/generate", body, policy, on_retry=self._count_retry)
+
         if self.pauses is None:
-            return await request(self._sess(), "POST", f"{url}/generate", body, policy, on_retry=self._count_retry)
-        clock, t0 = self.pauses, time.monotonic()
-        paused0 = clock.seconds()
-        longest = replace(policy, timeout_s=policy.timeout_s + clock.max_credit_s)  # aiohttp's own bound
-        call = asyncio.ensure_future(request(self._sess(), "POST", f"{url}/generate", body, longest,
-                                             on_retry=self._count_retry))
-        try:
-            while True:
-                credit = min(clock.seconds() - paused0, clock.max_credit_s)
-                left = t0 + policy.timeout_s + credit - time.monotonic()
-                if left <= 0 and not (clock.paused and credit < clock.max_credit_s):
-                    raise ServerTimeoutError(
-                        f"POST {url}/generate did not answer within {policy.timeout_s:g} s (rollout.timeout_s) "
-                        f"plus {credit:.1f} s paused for weight syncs (at most {clock.max_credit_s:g} s: "
-                        f"rollout.weight_sync_timeout_s)")
-                # credit only grows: unpaused, wake at the deadline and look again; paused, poll
-                wait = max(left, 0.05)
-                done, _ = await asyncio.wait({call}, timeout=min(wait, 1.0) if clock.paused else wait)
-                if done:
-                    return call.result()
-        finally:
-            if not call.done():
-                call.cancel()
-                await asyncio.gather(call, return_exceptions=True)
+            return await send(self.cfg.generate_retry)
+        return await self.pauses.bounded(send, self.cfg.generate_retry, f"POST {url}/generate")
 
     def _count_retry(self) -> None:
         self.retries += 1
@@ -362,50 +311,14 @@ class RolloutClient:
     async def _all(
         self, method: str, path: str, body: Any = None, expect_json: bool = True, policy: RetryPolicy | None = None
     ) -> dict[str, Any]:
-        """``path`` on every server still in this client's control set; all must succeed.
-
-        With an ``on_failure`` hook (the trainer's fleet), servers that failed the call
-        (unreachable, timed out, 5xx) and that the hook then drops (they fail ``/health``) leave
-        the control set and the call stands on the others: a server that dies during a weight
-        sync does not end the run while one is left. A refusal (4xx) always raises.
-        """
+        """``path`` on every server still in this client's control set; all must succeed
+        (:meth:`.ControlSet.call`: a server the ``on_failure`` hook drops leaves the set)."""
         policy = policy or self.cfg.control_retry
-        urls = list(self._control)
 
         async def one(url: str):
             return await request(self._sess(), method, f"{url}{path}", body, policy, expect_json)
 
-        results = await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
-        failed = {u: r for u, r in zip(urls, results) if isinstance(r, BaseException)}
-        if failed and self.on_failure is not None and urls and not any(
-            isinstance(r, RequestRejectedError) or not isinstance(r, ServerError) for r in failed.values()
-        ):
-            left: Sequence[str] = urls
-            for u, err in failed.items():
-                left = await self.on_failure(u, err)
-            gone = [u for u in failed if u not in left]
-            if len(gone) == len(failed) and len(gone) < len(urls):
-                self._control = [u for u in self._control if u not in gone]
-                urls, results = zip(*[(u, r) for u, r in zip(urls, results) if u not in gone])
-                failed = {}
-        failures = list(failed.values())
-        errors = [f"{u}: {r}" for u, r in failed.items()]
-        if errors:
-            rejected = [r for r in failures if isinstance(r, RequestRejectedError)]
-            if rejected:
-                raise RequestRejectedError(
-                    f"{path} rejected by {len(rejected)}/{len(urls)} rollout server(s): " + "; ".join(errors),
-                    rejected[0].status,
-                )
-            # keep the kind (timeout, unreachable) when every server failed the same way
-            kind = type(failures[0])
-            if not (issubclass(kind, ServerError) and all(type(r) is kind for r in failures)):
-                kind = ServerError
-            raise kind(f"{path} failed on {len(errors)}/{len(urls)} rollout server(s): " + "; ".join(errors))
-        for u, r in zip(urls, results):
-            if isinstance(r, dict) and r.get("success") is False:
-                raise RequestRejectedError(f"{u}{path}: {r.get('message')}", 400)
-        return dict(zip(urls, results))
+        return await self._control.call(one, path)
 
     def _next_version(self, weight_version: str | None) -> str:
         if weight_version is not None:

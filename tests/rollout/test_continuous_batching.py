@@ -183,7 +183,7 @@ def test_pause_abort_mode_ends_requests_and_update_without_pause_waits(moe_dir, 
         assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 3000
         assert call(url, "GET", "/server_info")[1]["paused"] == "abort"
         queued_t, queued = in_background(generate, url, PROMPT, 5)  # waits while paused ...
-        wait_for(lambda: len(eng._pending) == 1)
+        wait_for(lambda: len(eng.scheduler._pending) == 1)
         assert call(url, "POST", "/pause_generation", {"mode": "abort"})[1]["success"]
         queued_t.join(60)  # ... and a second abort-mode pause ends it too, with no tokens
         assert queued["r"]["meta_info"]["finish_reason"]["type"] == "abort" and queued["r"]["output_ids"] == []
@@ -191,7 +191,7 @@ def test_pause_abort_mode_ends_requests_and_update_without_pause_waits(moe_dir, 
         assert call(url, "POST", "/continue_generation")[1]["success"]
         # Without a pause an update drains the running requests: each answer has one version.
         t, box = in_background(generate, url, PROMPT, 200, seed=5)
-        wait_for(lambda: len(eng._batch) == 1)
+        wait_for(lambda: len(eng.scheduler._batch) == 1)
         status, obj = call(url, "POST", "/update_weights_from_disk", {"model_path": str(path), "weight_version": "v1"})
         assert status == 200 and obj["success"]
         t.join(60)
