@@ -11,24 +11,19 @@ from pathlib import Path
 import pytest
 
 from sorl_megatron.study.indicators import (
-    KL_RULE,
     ROC_SCORES,
     Indicator,
     Sample,
     Score,
-    alarm_samples,
     auc,
     collapse_step,
     event_step,
     indicator_report,
-    kl_crossings,
     leave_one_seed_out,
-    pool_runs,
     rates,
     reward_fall_step,
     run_seed,
     run_warnings,
-    samples_for,
     separating,
     series,
     usable,
@@ -36,6 +31,13 @@ from sorl_megatron.study.indicators import (
     youden_threshold,
 )
 from sorl_megatron.study.runner import load_study
+from sorl_megatron.study.warning_report import (
+    KL_RULE,
+    alarm_samples,
+    kl_crossings,
+    pool_runs,
+    samples_for,
+)
 
 
 def _run(em: dict[int, float], **metrics: dict[int, float]) -> list[dict]:

@@ -18,19 +18,21 @@ from typing import Any, Optional, Sequence
 
 from .indicators import (
     FIRST_SCORED_STEP,
-    POOLS,
     REWARD_WINDOW,
     USABLE_AUC,
     USABLE_FPR,
     USABLE_TPR,
     collapse_step,
-    kl_alarm_table,
-    kl_rule_section,
     load_record,
     reward_fall_step,
-    roc_tables,
     run_seed,
     series,
+)
+from .warning_report import (
+    POOLS,
+    kl_alarm_table,
+    kl_rule_section,
+    roc_tables,
     step1_kl_section,
 )
 
