@@ -16,7 +16,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from .common.run_lock import RunLockedError, acquire_run_lock
+from .common.run_lock import RunLockedError, RunLockError, acquire_run_lock
 from .common.typed_config import ConfigError
 from .trainer.recipe.config import CONFIG_GROUPS
 from .trainer.recipe.inputs import InputError
@@ -100,6 +100,9 @@ def _run(args: argparse.Namespace) -> int:
             metrics = RLTrainer(cfg).run()  # checks the input files first (data rows, corpus, resume directory)
     except RunLockedError as err:
         print(f"run directory in use: {err}", file=sys.stderr)
+        return 2
+    except RunLockError as err:  # not a directory, a link or a FIFO at run.lock: left as it is
+        print(f"run directory error: {err}", file=sys.stderr)
         return 2
     except InputError as err:
         print(f"input error: {err}", file=sys.stderr)
