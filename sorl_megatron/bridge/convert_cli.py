@@ -102,9 +102,17 @@ def _layout(text: str):
     return ParallelLayout.from_string(text or "")
 
 
+def _check_hf_sizes(hf_dir: str) -> None:
+    """config.json's sizes against the safetensors headers, before anything is built from them."""
+    from .hf_checkpoint import check_config_against_weights
+
+    check_config_against_weights(hf_dir)
+
+
 def cmd_hf_to_megatron(args: argparse.Namespace) -> int:
     from . import ModelOptions, build_model, save_megatron_checkpoint
 
+    _check_hf_sizes(args.hf)
     t = time.time()
     model = build_model(args.hf, _layout(args.layout), ModelOptions(dtype=_dtype(args.dtype)))
     _say_skipped_mtp(model)
@@ -122,6 +130,7 @@ def cmd_megatron_to_hf(args: argparse.Namespace) -> int:
     if args.ckpt:
         model = load_megatron_checkpoint(args.ckpt, _layout(args.layout))
     else:
+        _check_hf_sizes(args.hf)
         model = build_model(args.hf, _layout(args.layout), ModelOptions())
     _say_skipped_mtp(model)
     save_hf_checkpoint(
@@ -212,6 +221,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from . import ModelOptions, build_model, forward_logits, load_megatron_checkpoint
 
+    _check_hf_sizes(args.hf)  # transformers builds the reference from it in any case
     if args.ckpt:  # an LM's (a critic's is refused by the loader, naming it: no HF logits to compare with)
         model = load_megatron_checkpoint(args.ckpt, _layout(args.layout), ModelOptions(local_attention=args.attention))
     else:
@@ -282,6 +292,40 @@ def _output_overlap(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _unwritable_output(args: argparse.Namespace) -> Optional[str]:
+    """Why ``--out`` cannot be written, found before any work (a conversion that ran for an hour
+    must not fail at its last step): it is a file, or a directory cannot be made there or a file
+    written in it (``/proc/x``). One process leaves nothing behind; under torchrun the directory
+    stays (the conversion writes it anyway)."""
+    out = getattr(args, "out", None)
+    if not out:
+        return None
+    if os.path.lexists(out) and not os.path.isdir(out):
+        return f"--out {out} exists and is not a directory"
+    made: list[str] = []
+    path = os.path.abspath(out)
+    while not os.path.lexists(path):
+        made.append(path)
+        path = os.path.dirname(path)
+    try:
+        os.makedirs(out, exist_ok=True)
+        import tempfile
+
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return f"--out {out} cannot be written: {err.strerror or err}"
+    finally:
+        # under torchrun every rank probes at once: one removing the directory would fail another's probe
+        for directory in made if int(os.environ.get("WORLD_SIZE", "1")) <= 1 else []:  # the deepest first
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="convert.py",
@@ -334,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    overlap = _output_overlap(args)
+    overlap = _output_overlap(args) or _unwritable_output(args)
     if overlap:
         print(f"error: {overlap}", file=sys.stderr, flush=True)
         return 2
