@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from ..algorithms import AdvantageInputs, compute_advantages
 from ..bridge.parallel import init_distributed
 from ..common import comm
+from ..common.http import ServerError, ServerUnavailableError
 from ..common.typed_config import to_dict
 from ..data.qa import QARow
 from ..engine.actor import PolicyEngine
@@ -58,6 +59,12 @@ from .sources.modes import RolloutSource, make_rollout_source, source_class
 from .stages.drivers import PVPOStage, sft_resume_point, sft_stage
 
 log = logging.getLogger("sorl_megatron.trainer")
+
+CATCH_UP_SYNCS = 2  # per phase: weight syncs that bring a restarted server back before the phase gives up
+
+
+class _NoServer:
+    """Rank 0's answer to a phase no rollout server could serve (a restarted one waits for a sync)."""
 
 
 def start_message(cfg: TrainConfig, resume: Optional[Path], step: int) -> tuple[bool, str]:
@@ -247,7 +254,7 @@ class RLTrainer:
                 return injected, res.rewards, batch_metrics
 
             phase = f"the rollout phase of step {step + 1}"
-            injected, rewards, rollout_metrics_ = self._on_rank0(rollout, phase)
+            injected, rewards, rollout_metrics_ = self._served(rollout, phase, step)
             batch = self._share_batch(held.get("batch"))
         metrics.update(rollout_metrics_)
         metrics["rollout/injected_ground_truth"] = float(injected.sum())
@@ -319,8 +326,9 @@ class RLTrainer:
         }))
         return metrics
 
-    def validate(self) -> dict[str, float]:
-        """Exact match of greedy episodes on the validation split (rank 0 rolls out), timed."""
+    def validate(self, version: int) -> dict[str, float]:
+        """Exact match of greedy episodes on the validation split (rank 0 rolls out), timed;
+        ``version``: the weights the actor holds (the last sync's)."""
         if not self.val_rows:
             return {}
         timer = StepTimer()
@@ -334,8 +342,36 @@ class RLTrainer:
             return payload
 
         with timer("validate"):
-            payload = self._on_rank0(play, "validation")
+            payload = self._served(play, "validation", version)
         return {**payload, **timer.times}
+
+    def _served(self, fn, phase: str, version: int):
+        """``_on_rank0(fn, phase)`` for a phase the rollout servers serve. When none serves (the
+        only one died; the fleet restarted it, and a restarted server waits for a weight sync
+        before it serves: ``FleetRejoining``), every rank runs a weight sync of the weights the
+        actor holds, ``version`` (the servers' own: nothing trained since the last sync), and
+        the phase runs again; at most ``CATCH_UP_SYNCS`` times."""
+
+        def or_no_server():
+            try:
+                return fn()
+            except ServerError:
+                if self.conn is None or not self.conn.fleet_rejoining():
+                    raise
+                return _NoServer()
+
+        for attempt in range(CATCH_UP_SYNCS + 1):
+            out = self._on_rank0(or_no_server, phase)
+            if not isinstance(out, _NoServer):
+                return out
+            if attempt == CATCH_UP_SYNCS:
+                break
+            if comm.rank() == 0:
+                log.warning("no rollout server serves %s: the restarted server gets the weights of version step_%d "
+                            "first", phase, version)
+            self.sync_weights(version)
+        raise ServerUnavailableError(f"no rollout server served {phase} after {CATCH_UP_SYNCS} weight syncs that "
+                                     f"were to bring a restarted one back (see {self.run_dir / 'servers'})")
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -420,7 +456,7 @@ class RLTrainer:
             last: dict[str, float] = {}
             if start == 0:
                 self._set_phase("the validation before RL step 1")
-                logger.log(0, {**first, **self.validate()})
+                logger.log(0, {**first, **self.validate(start)})
             for step in range(start, cfg.schedule.total_steps):
                 last = {}
                 done = step + 1
@@ -430,7 +466,7 @@ class RLTrainer:
                 last.update(self.step(step))
                 if (cfg.schedule.val_every and done % cfg.schedule.val_every == 0) or done == cfg.schedule.total_steps:
                     self._set_phase(f"the validation after RL step {done}")
-                    last.update(self.validate())
+                    last.update(self.validate(done))
                 if (
                     cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0
                 ) or done == cfg.schedule.total_steps:
