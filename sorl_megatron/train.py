@@ -97,6 +97,9 @@ def _run(args: argparse.Namespace) -> int:
         with ExitStack() as stack:
             if int(os.environ.get("RANK", "0")) == 0:
                 stack.enter_context(acquire_run_lock(Path(cfg.logging.dir) / cfg.logging.run_name))
+                # checkpoint.dir may lie elsewhere (or in another run's directory): one writer there too
+                stack.enter_context(acquire_run_lock(cfg.checkpoint.dir, what="checkpoint.dir",
+                                                     kind="checkpoint directory"))
             metrics = RLTrainer(cfg).run()  # checks the input files first (data rows, corpus, resume directory)
     except RunLockedError as err:
         print(f"run directory in use: {err}", file=sys.stderr)

@@ -74,7 +74,7 @@ def _refuse_lock_file(path: Path, st: os.stat_result) -> None:
                        "followed or written through); remove it and run again")
 
 
-def _make_run_dir(run_dir: Path, what: str) -> list[Path]:
+def _make_run_dir(run_dir: Path, what: str, kind_of_dir: str = "run directory") -> list[Path]:
     """Create ``run_dir`` (and its missing parents); returns those it created, itself first.
     A path on the way that is not a directory: :class:`RunLockError`."""
     created, missing = [], run_dir
@@ -83,13 +83,14 @@ def _make_run_dir(run_dir: Path, what: str) -> list[Path]:
         missing = missing.parent
     if not missing.is_dir():
         kind = "a file" if missing.is_file() else "not a directory"
-        where = "the run directory" if missing == run_dir else f"on the way to the run directory {run_dir}"
-        raise RunLockError(f"{missing} ({where}) is {kind}: pick another directory ({what}=..., logging.dir=...) "
+        where = f"the {kind_of_dir}" if missing == run_dir else f"on the way to the {kind_of_dir} {run_dir}"
+        hint = f"{what}=..., logging.dir=..." if what == "logging.run_name" else f"{what}=..."
+        raise RunLockError(f"{missing} ({where}) is {kind}: pick another directory ({hint}) "
                            "or move it away")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise RunLockError(f"cannot create the run directory {run_dir}: {err.strerror or err}") from None
+        raise RunLockError(f"cannot create the {kind_of_dir} {run_dir}: {err.strerror or err}") from None
     return created
 
 
@@ -185,17 +186,19 @@ def _open_lock_file(path: Path) -> int:
     return fd
 
 
-def acquire_run_lock(run_dir: str | os.PathLike, what: str = "logging.run_name") -> RunLock:
+def acquire_run_lock(run_dir: str | os.PathLike, what: str = "logging.run_name",
+                     kind: str = "run directory") -> RunLock:
     """Lock ``run_dir`` (created if missing) for this process, or raise :class:`RunLockedError`
-    naming the holder. ``what`` names the setting that picks another directory (in the message)."""
+    naming the holder. ``what`` names the setting that picks another directory, ``kind`` the
+    directory (in the messages: a run's checkpoint directory is locked too)."""
     run_dir = Path(run_dir)
-    created = _make_run_dir(run_dir, what)
+    created = _make_run_dir(run_dir, what, kind)
     path = run_dir / LOCK_NAME
     fd = _inherited(path)
     if fd is not None:
         return RunLock(path, fd, inherited=True, created=[])
     while True:
-        _make_run_dir(run_dir, what)  # a releasing holder may have just removed an empty one
+        _make_run_dir(run_dir, what, kind)  # a releasing holder may have just removed an empty one
         fd = _open_lock_file(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -205,7 +208,7 @@ def acquire_run_lock(run_dir: str | os.PathLike, what: str = "logging.run_name")
             if holder is None:
                 raise
             raise RunLockedError(
-                f"run directory {run_dir} is in use: {describe_holder(holder)} holds its lock ({path}). "
+                f"{kind} {run_dir} is in use: {describe_holder(holder)} holds its lock ({path}). "
                 f"Wait for that run to end (or stop it), or write to another directory ({what}=...)"
             ) from None
         try:

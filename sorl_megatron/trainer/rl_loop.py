@@ -51,6 +51,7 @@ from .recipe.config import TrainConfig
 from .recipe.inputs import check_resume_dir, load_tokenizer, validate_inputs
 from .recipe.loader import dump_config
 from .recipe.model_options import model_options
+from .recipe.run_settings import SETTINGS_ENTRY, defining_settings, write_checkpoint_dir_record
 from .rerun import interrupted
 from .serving.connections import Connections
 from .serving.servers import EmbeddedServers
@@ -168,7 +169,7 @@ class RLTrainer:
     # -- checkpoints -------------------------------------------------------------------
 
     def save(self, step: int) -> None:
-        extra = {"step": step, "producer": self.source.state_json()}
+        extra = {"step": step, "producer": self.source.state_json(), SETTINGS_ENTRY: defining_settings(self.cfg)}
         if self.pvpo is not None and self.pvpo.state is not None:
             extra["pvpo"] = self.pvpo.to_json()
         files = self.source.checkpoint_files() if comm.rank() == 0 else {}
@@ -416,6 +417,7 @@ class RLTrainer:
             if rank0:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+                write_checkpoint_dir_record(cfg)  # checkpoint.dir is this run's, with these settings
                 self.wandb_run = open_wandb(cfg.logging.wandb, self.run_dir, cfg.logging.run_name, to_dict(cfg),
                                             resume=resume is not None or sft_resume is not None)
                 if self.wandb_run is not None:
