@@ -107,6 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     # the engines, transformers and the clients load only once the recipe is known to be good
+    from .trainer.checkpoints import CheckpointWriteError
     from .trainer.metrics.logger import show_trainer_log
     from .trainer.rl_loop import RLTrainer
 
@@ -129,6 +130,9 @@ def _run(args: argparse.Namespace) -> int:
     except InputError as err:
         print(f"input error: {err}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as err:  # a full disk: one line naming the directory (earlier checkpoints intact)
+        print(f"checkpoint error: {err.strerror}", file=sys.stderr)
+        return 1
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         shown = {k: round(v, 4) for k, v in metrics.items() if k in ("rollout/reward", "val/em")}
         print(f"done: {shown}")
