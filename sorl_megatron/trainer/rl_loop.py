@@ -145,6 +145,7 @@ class RLTrainer:
         self.pvpo: Optional[PVPOStage] = None  # only with the pvpo estimator
         self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
         self.weights = WeightPush(cfg.rollout, self.run_dir)  # rollout.weight_sync's transport
+        self.synced = 0  # the weight version the servers hold: the last sync's (a catch-up sync repeats it)
         self.phase = "the set-up"  # what the run is doing now: an interrupt's message names it
 
     # -- set-up ------------------------------------------------------------------------
@@ -196,6 +197,7 @@ class RLTrainer:
     def sync_weights(self, step: int) -> None:
         """Push the actor's weights after ``step`` RL steps to the rollout servers."""
         self.weights.sync(self.actor, self.conn, step)
+        self.synced = step
 
     # -- the step ----------------------------------------------------------------------
 
@@ -255,7 +257,7 @@ class RLTrainer:
                 return injected, res.rewards, batch_metrics
 
             phase = f"the rollout phase of step {step + 1}"
-            injected, rewards, rollout_metrics_ = self._served(rollout, phase, step)
+            injected, rewards, rollout_metrics_ = self._served(rollout, phase)
             batch = self._share_batch(held.get("batch"))
         metrics.update(rollout_metrics_)
         metrics["rollout/injected_ground_truth"] = float(injected.sum())
@@ -327,9 +329,8 @@ class RLTrainer:
         }))
         return metrics
 
-    def validate(self, version: int) -> dict[str, float]:
-        """Exact match of greedy episodes on the validation split (rank 0 rolls out), timed;
-        ``version``: the weights the actor holds (the last sync's)."""
+    def validate(self) -> dict[str, float]:
+        """Exact match of greedy episodes on the validation split (rank 0 rolls out), timed."""
         if not self.val_rows:
             return {}
         timer = StepTimer()
@@ -343,15 +344,15 @@ class RLTrainer:
             return payload
 
         with timer("validate"):
-            payload = self._served(play, "validation", version)
+            payload = self._served(play, "validation")
         return {**payload, **timer.times}
 
-    def _served(self, fn, phase: str, version: int):
+    def _served(self, fn, phase: str):
         """``_on_rank0(fn, phase)`` for a phase the rollout servers serve. When none serves (the
         only one died; the fleet restarted it, and a restarted server waits for a weight sync
         before it serves: ``FleetRejoining``), every rank runs a weight sync of the weights the
-        actor holds, ``version`` (the servers' own: nothing trained since the last sync), and
-        the phase runs again; at most ``CATCH_UP_SYNCS`` times."""
+        actor holds, version ``self.synced`` (the servers' own: such a phase comes before the
+        next update), and the phase runs again; at most ``CATCH_UP_SYNCS`` times."""
 
         def or_no_server():
             try:
@@ -369,8 +370,8 @@ class RLTrainer:
                 break
             if comm.rank() == 0:
                 log.warning("no rollout server serves %s: the restarted server gets the weights of version step_%d "
-                            "first", phase, version)
-            self.sync_weights(version)
+                            "first", phase, self.synced)
+            self.sync_weights(self.synced)
         raise ServerUnavailableError(f"no rollout server served {phase} after {CATCH_UP_SYNCS} weight syncs that "
                                      f"were to bring a restarted one back (see {self.run_dir / 'servers'})")
 
@@ -458,7 +459,7 @@ class RLTrainer:
             last: dict[str, float] = {}
             if start == 0:
                 self._set_phase("the validation before RL step 1")
-                logger.log(0, {**first, **self.validate(start)})
+                logger.log(0, {**first, **self.validate()})
             for step in range(start, cfg.schedule.total_steps):
                 last = {}
                 done = step + 1
@@ -468,7 +469,7 @@ class RLTrainer:
                 last.update(self.step(step))
                 if (cfg.schedule.val_every and done % cfg.schedule.val_every == 0) or done == cfg.schedule.total_steps:
                     self._set_phase(f"the validation after RL step {done}")
-                    last.update(self.validate(done))
+                    last.update(self.validate())
                 if (
                     cfg.checkpoint.save_every and done % cfg.checkpoint.save_every == 0
                 ) or done == cfg.schedule.total_steps:
