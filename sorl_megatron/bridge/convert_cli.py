@@ -41,6 +41,28 @@ def _size(text: str) -> int:
     return int(t)
 
 
+# the verify command's counts: a run of random tokens, not a benchmark (the caps stop a typo's
+# allocation: --batch 1e9 x --seq-len 1e9 logits)
+COUNT_BOUNDS = {"batch": (1, 4096), "seq_len": (1, 1 << 20), "seed": (0, 2**63 - 1)}
+
+
+def _bad_count(args: argparse.Namespace) -> Optional[str]:
+    """Why a count flag is out of range, or None (checked before any work)."""
+    for key, (low, high) in COUNT_BOUNDS.items():
+        value = getattr(args, key, None)
+        if value is not None and not low <= value <= high:
+            return f"--{key.replace('_', '-')} must be in [{low}, {high}], got {value}"
+    shard = getattr(args, "max_shard_size", None)
+    if shard is not None:
+        try:
+            size = _size(shard)
+        except (ValueError, OverflowError):
+            size = None
+        if size is None or not 1 <= size <= 1 << 50:
+            return f"--max-shard-size must be a size like 4GB or 500MB (1 byte to 1 PiB), got {shard!r}"
+    return None
+
+
 def _rank0() -> bool:
     from ..common import comm  # torch loads after --help
 
@@ -386,6 +408,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                if (v := getattr(args, k, None)) is not None and not 0 <= v < float("inf")]
     if bad_tol:
         print(f"error: {bad_tol[0]} must be a finite number >= 0", file=sys.stderr, flush=True)
+        return 2
+    bad = _bad_count(args)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr, flush=True)
         return 2
     if getattr(args, "json", False):
         _json_only_stdout()

@@ -488,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                              "DIR/runs; summarize it with --summarize out=DIR")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the study recipe, e.g. seeds=[1]")
     args = parser.parse_args(argv)
+    if args.parallel is not None and not 1 <= args.parallel <= 1024:
+        parser.error(f"--parallel must be in [1, 1024], got {args.parallel}")
     try:
         cfg = load_study(args.config, args.overrides)
         if args.export is not None:
