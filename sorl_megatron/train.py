@@ -15,8 +15,9 @@ import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Optional
 
-from .common.run_lock import RunLockedError, acquire_run_lock
+from .common.run_lock import RunLockedError, RunLockError, acquire_run_lock
 from .common.typed_config import ConfigError
 from .trainer.recipe.config import CONFIG_GROUPS
 from .trainer.recipe.inputs import InputError
@@ -50,10 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def env_int(name: str, default: Optional[int] = None, minimum: int = 0) -> Optional[int]:
+    """``$name`` as an integer >= ``minimum`` (torchrun sets WORLD_SIZE, RANK ...); ConfigError
+    naming it otherwise; ``default`` when it is not set."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError(f"${name}={text!r} must be an integer >= {minimum} (torchrun sets it; unset it to run "
+                          "one process)")
+    return value
+
+
 def _print_memory(cfg, model_config: str | None) -> int:
     """The memory plan as a report (a GPU run's estimate, whatever this machine has)."""
     c, critic, source = model_config_for(cfg, model_config)
-    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    world = env_int("WORLD_SIZE", minimum=1)
     plan = plan_memory(cfg, c, critic, world, on_gpu=True)
     print(f"{plan.report()}\n  (model config: {source})")
     return 0 if plan.fits else 1
@@ -71,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        env_int("WORLD_SIZE", minimum=1)  # a bad one is one line here, not a traceback later
+        env_int("RANK")
         cfg = load_recipe(args.config, args.overrides)
         if args.print_config:
             # the schema only: the layout checks need the world size and model.path's config.json
@@ -78,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         if args.print_memory:
             return _print_memory(cfg, args.model_config)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = env_int("WORLD_SIZE", 1, minimum=1)
         validate_layout_for_launch(cfg, world_size)
         # a GPU run whose estimate exceeds parallelism.gpu_memory_gib stops here (CPU runs: no check)
         import torch
@@ -88,6 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     # the engines, transformers and the clients load only once the recipe is known to be good
+    from .trainer.checkpoints import CheckpointWriteError
     from .trainer.metrics.logger import show_trainer_log
     from .trainer.rl_loop import RLTrainer
 
@@ -97,13 +117,22 @@ def _run(args: argparse.Namespace) -> int:
         with ExitStack() as stack:
             if int(os.environ.get("RANK", "0")) == 0:
                 stack.enter_context(acquire_run_lock(Path(cfg.logging.dir) / cfg.logging.run_name))
+                # checkpoint.dir may lie elsewhere (or in another run's directory): one writer there too
+                stack.enter_context(acquire_run_lock(cfg.checkpoint.dir, what="checkpoint.dir",
+                                                     kind="checkpoint directory"))
             metrics = RLTrainer(cfg).run()  # checks the input files first (data rows, corpus, resume directory)
     except RunLockedError as err:
         print(f"run directory in use: {err}", file=sys.stderr)
         return 2
+    except RunLockError as err:  # not a directory, a link or a FIFO at run.lock: left as it is
+        print(f"run directory error: {err}", file=sys.stderr)
+        return 2
     except InputError as err:
         print(f"input error: {err}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as err:  # a full disk: one line naming the directory (earlier checkpoints intact)
+        print(f"checkpoint error: {err.strerror}", file=sys.stderr)
+        return 1
     if metrics and int(os.environ.get("RANK", "0")) == 0:
         shown = {k: round(v, 4) for k, v in metrics.items() if k in ("rollout/reward", "val/em")}
         print(f"done: {shown}")

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     require_environment("tools/demo.py")  # before the heavy imports
 
-    from sorl_megatron.common.run_lock import RunLockedError, acquire_run_lock
+    from sorl_megatron.common.run_lock import RunLockedError, RunLockError, acquire_run_lock
     from sorl_megatron.data.synthetic import main as make_data
     from sorl_megatron.trainer.metrics.logger import read_metrics, show_trainer_log
     from sorl_megatron.trainer.metrics.plots import plot_runs
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             written = plot_runs([run_dir], run_dir / "plots")
     except RunLockedError as err:
         print(f"run directory in use: {err}", file=sys.stderr)
+        return 2
+    except RunLockError as err:  # not a directory, a link or a FIFO at run.lock: left as it is
+        print(f"run directory error: {err}", file=sys.stderr)
         return 2
     except InputError as err:
         print(f"input error: {err}", file=sys.stderr)

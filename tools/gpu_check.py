@@ -643,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="print a failed check's traceback")
     parser.add_argument("--child", choices=sorted(CHECKS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for flag, low, high in (("timeout", 0, 86_400), ("reps", 0, 10_000), ("jobs", 1, 64)):
+        if not low <= getattr(args, flag) <= high:
+            parser.error(f"--{flag} must be in [{low}, {high}], got {getattr(args, flag)}")
     args.reps = args.reps or (1 if args.quick or args.device == "cpu" else 10)
     if args.child:
         return run_child(args)

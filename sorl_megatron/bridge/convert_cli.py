@@ -41,6 +41,28 @@ def _size(text: str) -> int:
     return int(t)
 
 
+# the verify command's counts: a run of random tokens, not a benchmark (the caps stop a typo's
+# allocation: --batch 1e9 x --seq-len 1e9 logits)
+COUNT_BOUNDS = {"batch": (1, 4096), "seq_len": (1, 1 << 20), "seed": (0, 2**63 - 1)}
+
+
+def _bad_count(args: argparse.Namespace) -> Optional[str]:
+    """Why a count flag is out of range, or None (checked before any work)."""
+    for key, (low, high) in COUNT_BOUNDS.items():
+        value = getattr(args, key, None)
+        if value is not None and not low <= value <= high:
+            return f"--{key.replace('_', '-')} must be in [{low}, {high}], got {value}"
+    shard = getattr(args, "max_shard_size", None)
+    if shard is not None:
+        try:
+            size = _size(shard)
+        except (ValueError, OverflowError):
+            size = None
+        if size is None or not 1 <= size <= 1 << 50:
+            return f"--max-shard-size must be a size like 4GB or 500MB (1 byte to 1 PiB), got {shard!r}"
+    return None
+
+
 def _rank0() -> bool:
     from ..common import comm  # torch loads after --help
 
@@ -102,9 +124,17 @@ def _layout(text: str):
     return ParallelLayout.from_string(text or "")
 
 
+def _check_hf_sizes(hf_dir: str) -> None:
+    """config.json's sizes against the safetensors headers, before anything is built from them."""
+    from .hf_checkpoint import check_config_against_weights
+
+    check_config_against_weights(hf_dir)
+
+
 def cmd_hf_to_megatron(args: argparse.Namespace) -> int:
     from . import ModelOptions, build_model, save_megatron_checkpoint
 
+    _check_hf_sizes(args.hf)
     t = time.time()
     model = build_model(args.hf, _layout(args.layout), ModelOptions(dtype=_dtype(args.dtype)))
     _say_skipped_mtp(model)
@@ -122,6 +152,7 @@ def cmd_megatron_to_hf(args: argparse.Namespace) -> int:
     if args.ckpt:
         model = load_megatron_checkpoint(args.ckpt, _layout(args.layout))
     else:
+        _check_hf_sizes(args.hf)
         model = build_model(args.hf, _layout(args.layout), ModelOptions())
     _say_skipped_mtp(model)
     save_hf_checkpoint(
@@ -212,6 +243,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from . import ModelOptions, build_model, forward_logits, load_megatron_checkpoint
 
+    _check_hf_sizes(args.hf)  # transformers builds the reference from it in any case
     if args.ckpt:  # an LM's (a critic's is refused by the loader, naming it: no HF logits to compare with)
         model = load_megatron_checkpoint(args.ckpt, _layout(args.layout), ModelOptions(local_attention=args.attention))
     else:
@@ -282,6 +314,40 @@ def _output_overlap(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _unwritable_output(args: argparse.Namespace) -> Optional[str]:
+    """Why ``--out`` cannot be written, found before any work (a conversion that ran for an hour
+    must not fail at its last step): it is a file, or a directory cannot be made there or a file
+    written in it (``/proc/x``). One process leaves nothing behind; under torchrun the directory
+    stays (the conversion writes it anyway)."""
+    out = getattr(args, "out", None)
+    if not out:
+        return None
+    if os.path.lexists(out) and not os.path.isdir(out):
+        return f"--out {out} exists and is not a directory"
+    made: list[str] = []
+    path = os.path.abspath(out)
+    while not os.path.lexists(path):
+        made.append(path)
+        path = os.path.dirname(path)
+    try:
+        os.makedirs(out, exist_ok=True)
+        import tempfile
+
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return f"--out {out} cannot be written: {err.strerror or err}"
+    finally:
+        # under torchrun every rank probes at once: one removing the directory would fail another's probe
+        for directory in made if int(os.environ.get("WORLD_SIZE", "1")) <= 1 else []:  # the deepest first
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="convert.py",
@@ -334,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    overlap = _output_overlap(args)
+    overlap = _output_overlap(args) or _unwritable_output(args)
     if overlap:
         print(f"error: {overlap}", file=sys.stderr, flush=True)
         return 2
@@ -342,6 +408,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                if (v := getattr(args, k, None)) is not None and not 0 <= v < float("inf")]
     if bad_tol:
         print(f"error: {bad_tol[0]} must be a finite number >= 0", file=sys.stderr, flush=True)
+        return 2
+    bad = _bad_count(args)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr, flush=True)
         return 2
     if getattr(args, "json", False):
         _json_only_stdout()

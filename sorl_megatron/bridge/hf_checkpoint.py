@@ -11,6 +11,11 @@ dtypes, shapes: no tensor data) and refuses, naming the file and the tensor:
   (a truncated download);
 - a tensor that is not floating point, one stored twice, one in a file but not in the index.
 
+``check_config_against_weights`` compares config.json's sizes (hidden, vocabulary, layers,
+heads, MLP and expert sizes) with those headers before a model is built from them: a config
+that claims a larger model than its weights (hidden_size 2^20 over a 64-wide checkpoint) would
+otherwise allocate it first (tools/convert.py grew to 16.7 GB before failing).
+
 ``check_against_model`` then compares the checkpoint with the tensors the bridge will ask
 for (every tensor used, each fits its parameter's shape), and ``FiniteIO`` checks each
 tensor's values as mbridge loads it. Both are collective: every rank raises the same error.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -177,6 +183,75 @@ def read_checkpoint(hf_dir: str) -> dict[str, TensorEntry]:
                     )
                 tensors[tensor] = entry
     return tensors
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.gate_proj\.weight")
+
+
+def check_config_against_weights(hf_dir: str, tensors: Optional[dict[str, TensorEntry]] = None) -> None:
+    """config.json's sizes against the safetensors headers (no tensor data read), before a model
+    is built from them; CheckpointContentError naming config.json, the size and the tensor that
+    disagrees. Tensors a family names otherwise are not compared (the bridge's own check after
+    the build still is)."""
+    from .hf_config import load_hf_config
+
+    c = load_hf_config(hf_dir)  # its sizes bounded (check_config_sizes)
+    tensors = read_checkpoint(hf_dir) if tensors is None else tensors
+    where = os.path.join(os.fspath(hf_dir), "config.json")
+    hidden, vocab, layers = int(c.hidden_size), int(c.vocab_size), int(c.num_hidden_layers)
+    heads = int(c.num_attention_heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
+
+    def shape(name: str) -> Optional[tuple[int, ...]]:
+        entry = tensors.get(name)
+        return tuple(entry.shape) if entry is not None else None
+
+    expected: list[tuple[str, Optional[tuple[int, ...]], tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", shape("model.embed_tokens.weight"), (vocab, hidden), "vocab_size, hidden_size"),
+        ("model.layers.0.input_layernorm.weight", shape("model.layers.0.input_layernorm.weight"), (hidden,),
+         "hidden_size"),
+    ]
+    if getattr(c, "kv_lora_rank", None) is None:  # not multi-latent attention: heads x head_dim projections
+        for proj, n, key in (("q_proj", heads, "num_attention_heads"), ("k_proj", kv, "num_key_value_heads"),
+                             ("v_proj", kv, "num_key_value_heads")):
+            name = f"model.layers.0.self_attn.{proj}.weight"
+            expected.append((name, shape(name), (n * head_dim, hidden), f"{key} x head_dim, hidden_size"))
+    dense = sorted((int(m.group(1)), n) for n in tensors if (m := re.fullmatch(
+        r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", n)))
+    if dense and getattr(c, "intermediate_size", None):
+        name = dense[0][1]
+        expected.append((name, shape(name), (int(c.intermediate_size), hidden), "intermediate_size, hidden_size"))
+    experts: dict[int, set[int]] = {}
+    for n in tensors:
+        if (m := _EXPERT.fullmatch(n)):
+            experts.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    if experts:
+        layer = min(experts)
+        moe = getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
+        name = f"model.layers.{layer}.mlp.experts.0.gate_proj.weight"
+        if moe and name in tensors:
+            expected.append((name, shape(name), (int(moe), hidden), "moe_intermediate_size, hidden_size"))
+    for name, got, want, keys in expected:
+        if got is not None and got != want:
+            raise CheckpointContentError(
+                f"{where}: {keys} say {name} is {list(want)}, but the safetensors header ({tensors[name].file}) "
+                f"has {list(got)}: config.json and the weights disagree (nothing was built from them)")
+    held = {int(m.group(1)) for n in tensors if (m := _LAYER.match(n))}
+    if held and layers > max(held) + 1:
+        raise CheckpointContentError(
+            f"{where}: num_hidden_layers is {layers}, but the safetensors hold layers 0..{max(held)} only: config.json "
+            "and the weights disagree (nothing was built from them)")
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        count = getattr(c, key, None)
+        if count and experts:
+            layer = min(experts)
+            if max(experts[layer]) + 1 != int(count):
+                raise CheckpointContentError(
+                    f"{where}: {key} is {count}, but the safetensors hold {max(experts[layer]) + 1} experts in layer "
+                    f"{layer}: config.json and the weights disagree (nothing was built from them)")
+            break
 
 
 def unused_allowed(hf_config: Any, name: str, requested: set[str], value_head: bool) -> bool:

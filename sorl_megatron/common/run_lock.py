@@ -15,6 +15,12 @@ in the file (pid, host, since, command) only says who holds it, or held it:
 
 flock works across processes of one host and, on Linux, on NFS (emulated with byte-range
 locks); a run directory on a file system without locking raises the OS error at once.
+
+The lock file is only ever a regular file of its own: it is opened with ``O_NOFOLLOW`` (a
+symbolic link is never followed) and ``O_NONBLOCK`` (a FIFO cannot hang the open), and checked
+with ``fstat`` before anything is read or written: a link (symbolic or hard: another name of a
+file elsewhere), a directory, a FIFO or a device at ``run.lock`` is refused with
+:class:`RunLockError` and left as it was, as is a run directory that is not a directory.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import fcntl
 import logging
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -35,8 +42,56 @@ LOCK_NAME = "run.lock"
 FD_ENV = "SORL_MEGATRON_RUN_LOCK_FD"  # a descriptor of the parent's locked file, inherited by a child
 
 
-class RunLockedError(RuntimeError):
+class RunLockError(RuntimeError):
+    """The run directory or its lock file cannot be used (not a directory, a link, a FIFO ...);
+    one line naming the path and what to do."""
+
+
+class RunLockedError(RunLockError):
     """Another live process holds the run directory's lock; the message names it."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _refuse_lock_file(path: Path, st: os.stat_result) -> None:
+    """Raise :class:`RunLockError` unless ``st`` (not following links) is a regular file with one name."""
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        what = f"a symbolic link (to {os.readlink(path)})"
+    elif stat.S_ISREG(st.st_mode):
+        what = f"a hard link (one of {st.st_nlink} names of one file)"
+    else:
+        what = _kind(st.st_mode)
+    raise RunLockError(f"the run lock {path} is {what}: it must be a regular file of its own (a link is never "
+                       "followed or written through); remove it and run again")
+
+
+def _make_run_dir(run_dir: Path, what: str, kind_of_dir: str = "run directory") -> list[Path]:
+    """Create ``run_dir`` (and its missing parents); returns those it created, itself first.
+    A path on the way that is not a directory: :class:`RunLockError`."""
+    created, missing = [], run_dir
+    while not os.path.lexists(missing):
+        created.append(missing)
+        missing = missing.parent
+    if not missing.is_dir():
+        kind = "a file" if missing.is_file() else "not a directory"
+        where = f"the {kind_of_dir}" if missing == run_dir else f"on the way to the {kind_of_dir} {run_dir}"
+        hint = f"{what}=..., logging.dir=..." if what == "logging.run_name" else f"{what}=..."
+        raise RunLockError(f"{missing} ({where}) is {kind}: pick another directory ({hint}) "
+                           "or move it away")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunLockError(f"cannot create the {kind_of_dir} {run_dir}: {err.strerror or err}") from None
+    return created
 
 
 def _holder_text(fd: int) -> str:
@@ -100,28 +155,51 @@ def _inherited(path: Path) -> Optional[int]:
         return None
     fd = int(value)
     try:
-        mine, theirs = os.fstat(fd), os.stat(path)
+        mine, theirs = os.fstat(fd), os.lstat(path)
     except OSError:
         return None
     return fd if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino) else None
 
 
-def acquire_run_lock(run_dir: str | os.PathLike, what: str = "logging.run_name") -> RunLock:
+def _open_lock_file(path: Path) -> int:
+    """``path`` opened read-write (created if missing), never through a link, never blocking on
+    a FIFO, and checked to be a regular file with one name before anything reads or writes it."""
+    try:
+        _refuse_lock_file(path, os.lstat(path))
+    except FileNotFoundError:
+        pass
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as err:  # a link or directory put there since the check (ELOOP, EISDIR ...)
+        try:
+            _refuse_lock_file(path, os.lstat(path))
+        except FileNotFoundError:
+            pass
+        raise RunLockError(f"cannot open the run lock {path}: {err.strerror or err}") from None
+    try:
+        _refuse_lock_file(path, os.fstat(fd))
+    except RunLockError:
+        os.close(fd)
+        raise
+    os.set_blocking(fd, True)
+    return fd
+
+
+def acquire_run_lock(run_dir: str | os.PathLike, what: str = "logging.run_name",
+                     kind: str = "run directory") -> RunLock:
     """Lock ``run_dir`` (created if missing) for this process, or raise :class:`RunLockedError`
-    naming the holder. ``what`` names the setting that picks another directory (in the message)."""
+    naming the holder. ``what`` names the setting that picks another directory, ``kind`` the
+    directory (in the messages: a run's checkpoint directory is locked too)."""
     run_dir = Path(run_dir)
-    created, missing = [], run_dir
-    while not missing.exists():
-        created.append(missing)
-        missing = missing.parent
-    run_dir.mkdir(parents=True, exist_ok=True)
+    created = _make_run_dir(run_dir, what, kind)
     path = run_dir / LOCK_NAME
     fd = _inherited(path)
     if fd is not None:
         return RunLock(path, fd, inherited=True, created=[])
     while True:
-        run_dir.mkdir(parents=True, exist_ok=True)  # a releasing holder may have just removed an empty one
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        _make_run_dir(run_dir, what, kind)  # a releasing holder may have just removed an empty one
+        fd = _open_lock_file(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -130,7 +208,7 @@ def acquire_run_lock(run_dir: str | os.PathLike, what: str = "logging.run_name")
             if holder is None:
                 raise
             raise RunLockedError(
-                f"run directory {run_dir} is in use: {describe_holder(holder)} holds its lock ({path}). "
+                f"{kind} {run_dir} is in use: {describe_holder(holder)} holds its lock ({path}). "
                 f"Wait for that run to end (or stop it), or write to another directory ({what}=...)"
             ) from None
         try:

@@ -22,6 +22,17 @@ class ConfigError(ValueError):
     """A configuration value or key that cannot be used; the message names the key."""
 
 
+
+MAX_KEYS_SHOWN = 10  # unknown keys named in one error
+MAX_KEY_CHARS = 40  # of each: a key is not a place for a file's content (a mis-read file's lines)
+
+
+def _shown(name: str) -> str:
+    """A key as an error names it: one line, at most MAX_KEY_CHARS characters."""
+    text = repr(name)[1:-1] if not name.isprintable() else name
+    return text if len(text) <= MAX_KEY_CHARS else text[:MAX_KEY_CHARS] + "..."
+
+
 def build_dataclass(cls: type[T], values: Mapping[str, Any] | None, prefix: str = "") -> T:
     """Instantiate ``cls`` from ``values`` (missing keys take the dataclass defaults)."""
     if values is None:
@@ -37,11 +48,12 @@ def build_dataclass(cls: type[T], values: Mapping[str, Any] | None, prefix: str 
     unknown = [k for k in values if k not in fields]
     if unknown:
         hints_txt = []
-        for key in unknown:
+        for key in unknown[:MAX_KEYS_SHOWN]:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
-            name = _join(prefix, key)
+            name = _shown(_join(prefix, key))
             hints_txt.append(name + (f" (did you mean {_join(prefix, close[0])}?)" if close else ""))
-        raise ConfigError(f"unknown config key(s): {', '.join(hints_txt)}; valid keys: {', '.join(fields)}")
+        more = f" and {len(unknown) - MAX_KEYS_SHOWN} more" if len(unknown) > MAX_KEYS_SHOWN else ""
+        raise ConfigError(f"unknown config key(s): {', '.join(hints_txt)}{more}; valid keys: {', '.join(fields)}")
     kwargs = {key: _coerce(hints[key], value, _join(prefix, key)) for key, value in values.items()}
     try:
         return cls(**kwargs)

@@ -91,6 +91,10 @@ def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--inject-route-flip-fraction must be in [0, 1], got {args.inject_route_flip_fraction}")
     if not 0 <= args.inject_route_flip_seed < 2**31:
         p.error(f"--inject-route-flip-seed must be in [0, 2^31), got {args.inject_route_flip_seed}")
+    from ..rollout.server_facts import parse_version
+
+    if parse_version(args.sglang_version) is None:
+        p.error(f"--sglang-version must be a release like 0.5.21, got {args.sglang_version!r}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -6,9 +6,15 @@ group members) while the scheduler keeps generating; a received bucket is applie
 ``ServedModel.update_from_tensors`` on the scheduler thread, so the weights are untouched
 until the whole bucket is here. The group itself is ``sorl_megatron/weight_sync/group.py``.
 
-Joins run in a pool of their own, at most ``max_joins`` at once (one more is refused at once,
-:class:`JoinsBusy`), each bounded by its join timeout: joins that hang (a master that never
-comes) hold neither ``/generate`` nor a valid join behind them.
+Joins run on threads of their own, at most ``max_joins`` at once (one more is refused at once,
+:class:`JoinsBusy`), each bounded as a whole by its join timeout: joins that hang (a master
+that never comes) hold neither ``/generate`` nor a valid join behind them. torch's TCPStore
+client bounds its connection by that timeout but not its first exchange with the master: a
+master that accepts the connection and never answers held a join (and its slot) for a minute
+or more. So a watchdog ends a join at its bound (:func:`_unblock`: the join's connections to
+its master are shut down, which fails the exchange at once); a join that still does not return
+is answered as failed, its slot freed, and its thread left behind is counted against
+``max_joins`` stuck ones, beyond which joins are refused too.
 
 A broadcast carries no size: the receiver posts a buffer and gloo fills it with what the
 sender sent. A received bucket is therefore checked against its announcement before it is
@@ -21,8 +27,13 @@ gloo (an ``EnforceNotMet`` in its transport thread, which Python cannot catch): 
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
+import socket
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import Future, InvalidStateError
 
 import torch
 
@@ -30,9 +41,68 @@ from ..weight_sync.group import BucketSpec, GroupSpec, WeightGroup
 from .model import ServedModel
 from .weights import WeightError, check_bucket
 
+log = logging.getLogger(__name__)
+
 # Room beyond each received tensor's announced size, as a fraction of it (gloo): a sender that
 # sends up to this much more is refused (400) instead of aborting the process.
 RECEIVE_HEADROOM = 1.0
+UNBLOCK_GRACE_S = 2.0  # after its bound, how long a join's shut-down connections get to fail it
+
+
+def _sockets_to(address: str, port: int) -> list[int]:
+    """This process's TCP sockets connected to ``address:port`` (Linux ``/proc``; [] elsewhere)."""
+    try:
+        ips = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(address, port, proto=socket.IPPROTO_TCP)}
+    except (OSError, ValueError):
+        return []
+    inodes = set()
+    for table, width in (("/proc/self/net/tcp", 4), ("/proc/self/net/tcp6", 16)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10:
+                continue
+            ip_hex, port_hex = fields[2].rsplit(":", 1)
+            if int(port_hex, 16) != port:
+                continue
+            raw = bytes.fromhex(ip_hex)
+            # /proc prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            ip = ipaddress.ip_address(raw[:width])
+            if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+                ip = ip.ipv4_mapped
+            if ip in ips:
+                inodes.add(fields[9])
+    out = []
+    for fd in os.listdir("/proc/self/fd") if inodes else []:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            out.append(int(fd))
+    return out
+
+
+def _unblock(address: str, port: int) -> int:
+    """Shut down this process's connections to a group's master (a join blocked in a read on one
+    fails at once); returns how many."""
+    count = 0
+    for fd in _sockets_to(address, port):
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+    return count
+
+
+class WeightGroupJoinTimeout(WeightError):
+    """A join that did not return within its bound (answered 400, as a join that failed)."""
 
 
 class JoinsBusy(RuntimeError):
@@ -85,7 +155,8 @@ class WeightGroups:
         self._lock = threading.Lock()
         self.max_joins = max_joins  # the HTTP front sets it (--max-weight-group-joins) before the first join
         self._joins = 0  # in flight
-        self._join_pool: ThreadPoolExecutor | None = None  # made at the first join, max_joins threads
+        self._stuck = 0  # joins answered at their bound whose thread has not returned yet
+        self._joining: dict[threading.Thread, GroupSpec] = {}  # join threads alive, and whom they join
 
     def __len__(self) -> int:
         """Groups joined or forming."""
@@ -99,17 +170,77 @@ class WeightGroups:
         return next(iter(self.served.state.values())).device.type
 
     def start_join(self, spec: GroupSpec, timeout_s: float, join_timeout_s: float) -> Future:
-        """``join`` in the join pool; :class:`JoinsBusy` at once when ``max_joins`` are in flight."""
+        """``join`` on a thread of its own, answered (the future) within ``join_timeout_s`` plus
+        :data:`UNBLOCK_GRACE_S` whatever the master does; :class:`JoinsBusy` at once when
+        ``max_joins`` are in flight, or as many are stuck."""
         with self._lock:
-            if self._joins >= self.max_joins:
-                raise JoinsBusy(f"{self._joins} weight-update group joins are in flight (--max-weight-group-joins "
-                                f"{self.max_joins}); try again later")
+            if self._joins >= self.max_joins or self._stuck >= self.max_joins:
+                what = (f"{self._joins} weight-update group joins are in flight" if self._joins >= self.max_joins
+                        else f"{self._stuck} weight-update group joins never returned from their master")
+                raise JoinsBusy(f"{what} (--max-weight-group-joins {self.max_joins}); try again later")
             self._joins += 1
-            if self._join_pool is None:
-                self._join_pool = ThreadPoolExecutor(self.max_joins, thread_name_prefix="weight-group-join")
-        fut = self._join_pool.submit(self.join, spec, timeout_s, join_timeout_s)
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
         fut.add_done_callback(self._join_done)
+        stuck = threading.Event()  # set by the watchdog: this join's thread counts as stuck
+
+        def run() -> None:
+            try:
+                result = self.join(spec, timeout_s, join_timeout_s)
+            except BaseException as err:  # handed to the HTTP call
+                try:
+                    fut.set_exception(err)
+                except InvalidStateError:  # answered at its bound already
+                    pass
+            else:
+                try:
+                    fut.set_result(result)
+                except InvalidStateError:  # answered as failed at its bound (join() left the late group)
+                    pass
+            finally:
+                with self._lock:
+                    self._joining.pop(thread, None)
+                    if stuck.is_set():
+                        self._stuck -= 1
+
+        # not a daemon: a thread inside torch's C++ when the interpreter exits aborts the process
+        # (every join ends: at its bound, unblocked by the watchdog, or by destroy_all)
+        thread = threading.Thread(target=run, name=f"weight-group-join-{spec.group_name}", daemon=False)
+        with self._lock:
+            self._joining[thread] = spec
+        thread.start()
+        threading.Thread(target=self._watch, args=(fut, thread, stuck, spec, join_timeout_s), daemon=True,
+                         name=f"weight-group-watch-{spec.group_name}").start()
         return fut
+
+    def _watch(self, fut: Future, thread: threading.Thread, stuck: threading.Event, spec: GroupSpec,
+               join_timeout_s: float) -> None:
+        """At the join's bound: unblock it (its connections to the master shut down), and if it
+        still has not returned, answer it as failed, free its slot and count its thread stuck."""
+        thread.join(join_timeout_s)
+        deadline = time.monotonic() + UNBLOCK_GRACE_S
+        while thread.is_alive() and time.monotonic() < deadline:
+            _unblock(spec.master_address, spec.master_port)
+            thread.join(0.2)
+        if not thread.is_alive():
+            return
+        with self._lock:
+            if not thread.is_alive():
+                return
+            stuck.set()
+            self._stuck += 1
+            if self._groups.get(spec.group_name, (True, None))[0] is None:
+                self._groups.pop(spec.group_name, None)  # its reservation: the name may be joined again
+        log.warning("weight-update group %r: the join did not return within %g s (the master %s:%s accepted the "
+                    "connection but never answered); answered as failed", spec.group_name, join_timeout_s,
+                    spec.master_address, spec.master_port)
+        try:
+            fut.set_exception(WeightGroupJoinTimeout(
+                f"weight-update group {spec.group_name!r} (rank {spec.rank_offset} of {spec.world_size}, "
+                f"{spec.backend}) could not be formed within {join_timeout_s:g} s: the master "
+                f"{spec.master_address}:{spec.master_port} accepted the connection but never answered"))
+        except InvalidStateError:
+            pass
 
     def _join_done(self, _: Future) -> None:
         with self._lock:
@@ -124,15 +255,21 @@ class WeightGroups:
             if spec.backend == "nccl" and self.device != "cuda":
                 raise WeightError(f"this server holds its weights on {self.device}, where NCCL cannot receive "
                                   "them: initialize the group with backend 'gloo'")
-            self._groups[spec.group_name] = (None, threading.Lock())  # reserved while it forms
+            reservation = self._groups[spec.group_name] = (None, threading.Lock())  # reserved while it forms
         try:
             group = WeightGroup(spec, spec.rank_offset, timeout_s, join_timeout_s=join_timeout_s)
         except BaseException:
             with self._lock:
-                self._groups.pop(spec.group_name, None)
+                if self._groups.get(spec.group_name) is reservation:
+                    self._groups.pop(spec.group_name)
             raise
         with self._lock:
-            self._groups[spec.group_name] = (group, self._groups[spec.group_name][1])
+            late = self._groups.get(spec.group_name) is not reservation  # the watchdog gave the name up
+            if not late:
+                self._groups[spec.group_name] = (group, reservation[1])
+        if late:  # answered as failed at its bound: nobody will use this group
+            group.destroy()
+            raise WeightGroupJoinTimeout(f"weight-update group {spec.group_name!r} formed after its join's bound")
         return f"joined weight-update group {spec.group_name!r} as rank {spec.rank_offset} of {spec.world_size}"
 
     def _get(self, name: str) -> tuple[WeightGroup, threading.Lock]:
@@ -179,11 +316,12 @@ class WeightGroups:
         return f"destroyed weight-update group {name!r}"
 
     def destroy_all(self) -> None:
-        """Leave every joined group (the engine stops)."""
+        """Leave every joined group and end the joins in flight (the engine stops)."""
         with self._lock:
             groups = [g for g, _ in self._groups.values() if g is not None]
             self._groups.clear()
+            joining = list(self._joining.values())
+        for spec in joining:
+            _unblock(spec.master_address, spec.master_port)
         for g in groups:
             g.destroy()
-        if self._join_pool is not None:
-            self._join_pool.shutdown(wait=False, cancel_futures=True)

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from ..common.run_lock import RunLockedError, acquire_run_lock
+from ..common.run_lock import RunLockError, acquire_run_lock
 from ..common.typed_config import ConfigError, build_dataclass
 from ..trainer.metrics.logger import read_metrics
 from ..trainer.metrics.plots import METRIC_AXES, identical_curves, identical_note, line_style, style_axis, symbol_notes
@@ -217,7 +217,7 @@ def run_cell(cfg: StudyConfig, cell: Cell, out: Path, procs: Optional[_Cells] = 
         return cell, 0, "done before"
     try:
         lock = acquire_run_lock(run_dir, what="out")
-    except RunLockedError as err:  # another study (or a trainer) is running this cell
+    except RunLockError as err:  # another study (or a trainer) is running this cell, or run.lock is unusable
         return cell, 2, f"refused: {err}"
     procs = procs or _Cells()
     with lock:
@@ -489,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                              "DIR/runs; summarize it with --summarize out=DIR")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the study recipe, e.g. seeds=[1]")
     args = parser.parse_args(argv)
+    if args.parallel is not None and not 1 <= args.parallel <= 1024:
+        parser.error(f"--parallel must be in [1, 1024], got {args.parallel}")
     try:
         cfg = load_study(args.config, args.overrides)
         if args.export is not None:

@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from ..algorithms import AdvantageInputs, compute_advantages
 from ..bridge.parallel import init_distributed
 from ..common import comm
+from ..common.http import ServerError, ServerUnavailableError
 from ..common.typed_config import to_dict
 from ..data.qa import QARow
 from ..engine.actor import PolicyEngine
@@ -50,6 +51,7 @@ from .recipe.config import TrainConfig
 from .recipe.inputs import check_resume_dir, load_tokenizer, validate_inputs
 from .recipe.loader import dump_config
 from .recipe.model_options import model_options
+from .recipe.run_settings import SETTINGS_ENTRY, defining_settings, write_checkpoint_dir_record
 from .rerun import interrupted
 from .serving.connections import Connections
 from .serving.servers import EmbeddedServers
@@ -58,6 +60,12 @@ from .sources.modes import RolloutSource, make_rollout_source, source_class
 from .stages.drivers import PVPOStage, sft_resume_point, sft_stage
 
 log = logging.getLogger("sorl_megatron.trainer")
+
+CATCH_UP_SYNCS = 2  # per phase: weight syncs that bring a restarted server back before the phase gives up
+
+
+class _NoServer:
+    """Rank 0's answer to a phase no rollout server could serve (a restarted one waits for a sync)."""
 
 
 def start_message(cfg: TrainConfig, resume: Optional[Path], step: int) -> tuple[bool, str]:
@@ -137,6 +145,7 @@ class RLTrainer:
         self.pvpo: Optional[PVPOStage] = None  # only with the pvpo estimator
         self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
         self.weights = WeightPush(cfg.rollout, self.run_dir)  # rollout.weight_sync's transport
+        self.synced = 0  # the weight version the servers hold: the last sync's (a catch-up sync repeats it)
         self.phase = "the set-up"  # what the run is doing now: an interrupt's message names it
 
     # -- set-up ------------------------------------------------------------------------
@@ -161,7 +170,7 @@ class RLTrainer:
     # -- checkpoints -------------------------------------------------------------------
 
     def save(self, step: int) -> None:
-        extra = {"step": step, "producer": self.source.state_json()}
+        extra = {"step": step, "producer": self.source.state_json(), SETTINGS_ENTRY: defining_settings(self.cfg)}
         if self.pvpo is not None and self.pvpo.state is not None:
             extra["pvpo"] = self.pvpo.to_json()
         files = self.source.checkpoint_files() if comm.rank() == 0 else {}
@@ -188,6 +197,7 @@ class RLTrainer:
     def sync_weights(self, step: int) -> None:
         """Push the actor's weights after ``step`` RL steps to the rollout servers."""
         self.weights.sync(self.actor, self.conn, step)
+        self.synced = step
 
     # -- the step ----------------------------------------------------------------------
 
@@ -247,7 +257,7 @@ class RLTrainer:
                 return injected, res.rewards, batch_metrics
 
             phase = f"the rollout phase of step {step + 1}"
-            injected, rewards, rollout_metrics_ = self._on_rank0(rollout, phase)
+            injected, rewards, rollout_metrics_ = self._served(rollout, phase)
             batch = self._share_batch(held.get("batch"))
         metrics.update(rollout_metrics_)
         metrics["rollout/injected_ground_truth"] = float(injected.sum())
@@ -334,8 +344,36 @@ class RLTrainer:
             return payload
 
         with timer("validate"):
-            payload = self._on_rank0(play, "validation")
+            payload = self._served(play, "validation")
         return {**payload, **timer.times}
+
+    def _served(self, fn, phase: str):
+        """``_on_rank0(fn, phase)`` for a phase the rollout servers serve. When none serves (the
+        only one died; the fleet restarted it, and a restarted server waits for a weight sync
+        before it serves: ``FleetRejoining``), every rank runs a weight sync of the weights the
+        actor holds, version ``self.synced`` (the servers' own: such a phase comes before the
+        next update), and the phase runs again; at most ``CATCH_UP_SYNCS`` times."""
+
+        def or_no_server():
+            try:
+                return fn()
+            except ServerError:
+                if self.conn is None or not self.conn.fleet_rejoining():
+                    raise
+                return _NoServer()
+
+        for attempt in range(CATCH_UP_SYNCS + 1):
+            out = self._on_rank0(or_no_server, phase)
+            if not isinstance(out, _NoServer):
+                return out
+            if attempt == CATCH_UP_SYNCS:
+                break
+            if comm.rank() == 0:
+                log.warning("no rollout server serves %s: the restarted server gets the weights of version step_%d "
+                            "first", phase, self.synced)
+            self.sync_weights(self.synced)
+        raise ServerUnavailableError(f"no rollout server served {phase} after {CATCH_UP_SYNCS} weight syncs that "
+                                     f"were to bring a restarted one back (see {self.run_dir / 'servers'})")
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -380,6 +418,7 @@ class RLTrainer:
             if rank0:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+                write_checkpoint_dir_record(cfg)  # checkpoint.dir is this run's, with these settings
                 self.wandb_run = open_wandb(cfg.logging.wandb, self.run_dir, cfg.logging.run_name, to_dict(cfg),
                                             resume=resume is not None or sft_resume is not None)
                 if self.wandb_run is not None:

@@ -205,3 +205,60 @@ def test_verify_reports_weights_apart_from_logits(large_logits, tmp_path):
     assert (w["num_differ"], w["differ"], w["equal"], w["compared"]) == (1, [name], 26, 27)
     assert 0 < w["max_abs_diff"] < 1e-6
     assert "weights: 1 of 27 tensors differ" in proc.stderr and name in proc.stderr
+
+
+def _fake_model(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    return model
+
+
+@pytest.mark.parametrize("out,why", [("/proc/x", "cannot be written"), ("{file}", "exists and is not a directory")])
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, out, why):
+    """issue 49, item 8: `convert --out /proc/x` failed only once the conversion had run."""
+    from sorl_megatron.bridge import convert_cli
+
+    model = _fake_model(tmp_path)
+    (tmp_path / "file").write_text("x")
+    out = out.format(file=tmp_path / "file")
+    for argv in (["hf-to-megatron", "--hf", str(model), "--out", out],
+                 ["megatron-to-hf", "--hf", str(model), "--out", out]):
+        assert convert_cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --out {out} {why}"), err
+    # a writable one is probed without a trace
+    before = _dir_state(tmp_path)
+    assert convert_cli._unwritable_output(type("A", (), {"out": str(tmp_path / "new" / "ckpt")})()) is None
+    assert _dir_state(tmp_path) == before
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ({"hidden_size": 2**20}, "vocab_size, hidden_size say model.embed_tokens.weight is [128, 1048576]"),
+    ({"num_hidden_layers": 4096}, "num_hidden_layers is 4096, but the safetensors hold layers 0..1 only"),
+    ({"moe_intermediate_size": 2**20}, "moe_intermediate_size, hidden_size say model.layers.0.mlp.experts.0"),
+    ({"num_experts": 4096, "num_local_experts": 4096}, "is 4096, but the safetensors hold 4 experts in layer 0"),
+])
+def test_config_sizes_that_disagree_with_the_weights_are_refused_before_a_model_is_built(
+        models_dir, tmp_path, monkeypatch, capsys, edit, needle):
+    """issue 49, item 7: hidden_size 2^20 over a 64-wide checkpoint grew the converter to 16.7 GB
+    before anything compared the sizes with the safetensors headers."""
+    import sorl_megatron.bridge as bridge
+    from sorl_megatron.bridge import convert_cli
+
+    def built(*a, **kw):
+        raise AssertionError("a model was built from the hostile config.json")
+
+    monkeypatch.setattr(bridge, "build_model", built)
+    src = tmp_path / "hostile"
+    shutil.copytree(models_dir / "qwen3_moe", src)
+    config = json.loads((src / "config.json").read_text())
+    config.update(edit)
+    (src / "config.json").write_text(json.dumps(config))
+    for argv in (["hf-to-megatron", "--hf", str(src), "--out", str(tmp_path / "ckpt")],
+                 ["megatron-to-hf", "--hf", str(src), "--out", str(tmp_path / "hf")],
+                 ["verify", "--hf", str(src)]):
+        assert convert_cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {src / 'config.json'}: ") and needle in err[0], err

@@ -149,3 +149,71 @@ def test_joins_that_hang_block_neither_generate_nor_a_valid_join(moe_dir):
         assert status == 400 and "could not be formed within 15 s" in body["message"], body
     assert total < 90, total
     assert len(srv.engine.groups) == 0
+
+
+class SilentMaster:
+    """A group master that accepts every connection and never answers (issue 49, item 5)."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)  # held open, never read nor answered
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_a_master_that_accepts_and_never_answers_holds_a_join_no_longer_than_its_bound(moe_dir):
+    """Before, torch's TCPStore client waited for the master's first answer without a bound: two
+    such joins held both slots for a minute (--weight-group-join-timeout-s 8) and every valid
+    join got 503 meanwhile. Now each is answered 400 at its bound, the slots are free again and
+    a valid join goes through."""
+    master = SilentMaster()
+    srv = start_rollout_server(EngineConfig(model_path=str(moe_dir)), options=ServerOptions(
+        weight_group_timeout_s=600, weight_group_join_timeout_s=3, max_weight_group_joins=2))
+    silent = {"master_address": "127.0.0.1", "master_port": master.port, "rank_offset": 1, "world_size": 2,
+              "backend": "gloo"}
+
+    async def go():
+        t0 = time.monotonic()
+        hung = [asyncio.ensure_future(post(srv.url, "/init_weights_update_group", {**silent, "group_name": f"s{i}"},
+                                           timeout_s=60)) for i in range(2)]
+        while srv.engine.groups._joins < 2:
+            assert time.monotonic() - t0 < 30, "the joins never started"
+            await asyncio.sleep(0.05)
+        busy = await post(srv.url, "/init_weights_update_group", {**silent, "group_name": "s2"})  # the cap
+        answers = await asyncio.gather(*hung)
+        answered = time.monotonic() - t0
+        t = time.monotonic()
+        async with RolloutClient(RolloutClientConfig(urls=(srv.url,))) as c:  # the slots are free: a valid join
+            sender = DistributedSender(c, "g_valid", init_timeout_s=20)
+            await sender.connect()
+            await sender.close()
+        return busy, answers, answered, time.monotonic() - t
+
+    try:
+        busy, answers, answered, valid = asyncio.run(go())
+    finally:
+        srv.stop()
+        master.close()
+    assert busy[0] == 503, busy
+    for status, body in answers:
+        assert status == 400 and "could not be formed within 3 s" in body["message"], body
+    assert answered < 3 + 2 + 10, answered  # the bound, the unblocking grace, a loaded machine's slack
+    assert valid < 10, valid
+    assert srv.engine.groups._joins == 0 and len(srv.engine.groups) == 0

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ...common import aio
+from ...common.http import ServerError, ServerUnavailableError
 from ...rollout.trajectory import Trajectory
 
 log = logging.getLogger("sorl_megatron.trainer")
@@ -163,6 +164,12 @@ class AsyncProducer:
     taken group no longer needs its slot (after the weight sync that follows its step, or when
     it is dropped), and :meth:`close` at the end; an error in the producer is raised by the
     next :meth:`take`.
+
+    ``rejoining()`` (the fleet's: no server serves, a restarted one waits for a weight sync):
+    a group that failed while it holds is not an error but is started again, from its first
+    episode, once it no longer holds; meanwhile nothing new starts, and a :meth:`take` that
+    finds nothing finished raises ``ServerUnavailableError`` at once, so that the trainer runs
+    the weight sync that brings a server back (it would wait for nothing otherwise).
     """
 
     def __init__(
@@ -170,6 +177,7 @@ class AsyncProducer:
         open_loop: Callable[[], Awaitable[tuple[Callable[[int], Awaitable[Group]], Callable[[], Awaitable[None]]]]],
         gids: Iterable[int],
         window: int,
+        rejoining: Optional[Callable[[], bool]] = None,
     ):
         self._open_loop = open_loop
         self._gids = iter(gids)
@@ -180,6 +188,8 @@ class AsyncProducer:
         self._held: set[int] = set()  # taken, slot not released yet
         self._stop = False
         self._error: Optional[BaseException] = None
+        self._rejoining = rejoining
+        self._retry: list[int] = []  # in flight, failed while no server served: started again later
         self.started = 0
         self._thread = threading.Thread(target=self._main, name="rollout-producer", daemon=True)
 
@@ -203,9 +213,13 @@ class AsyncProducer:
                 with self._cv:
                     if self._stop:
                         return
-                    room = self.window - len(self._inflight) - len(self._finished) - len(self._held)
-                    new = [next(self._gids) for _ in range(max(room, 0))]
-                    self._inflight.update(new)
+                    if self._retry:  # nothing new until no server is missing: then these first
+                        new = [] if self._waiting() else sorted(self._retry)
+                        self._retry = [] if new else self._retry
+                    else:
+                        room = self.window - len(self._inflight) - len(self._finished) - len(self._held)
+                        new = [next(self._gids) for _ in range(max(room, 0))]
+                        self._inflight.update(new)
                 for gid in new:
                     tasks[asyncio.ensure_future(run_group(gid))] = gid
                     self.started += 1
@@ -215,7 +229,15 @@ class AsyncProducer:
                 done, _ = await asyncio.wait(tasks, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     gid = tasks.pop(task)
-                    group = task.result()  # an episode's error ends the producer (take raises it)
+                    try:
+                        group = task.result()  # an episode's error ends the producer (take raises it) ...
+                    except ServerError:
+                        if not self._waiting():
+                            raise
+                        with self._cv:  # ... unless no server served: then it starts again later
+                            self._retry.append(gid)
+                            self._cv.notify_all()
+                        continue
                     group.finished_at = time.perf_counter()
                     with self._cv:
                         self._inflight.discard(gid)
@@ -228,6 +250,9 @@ class AsyncProducer:
                 await asyncio.gather(*tasks, return_exceptions=True)
             await close()
 
+    def _waiting(self) -> bool:
+        return self._rejoining is not None and self._rejoining()
+
     def take(self, timeout_s: float) -> Group:
         """The finished group with the lowest id; waits at most ``timeout_s`` for one."""
         deadline = time.monotonic() + timeout_s
@@ -235,6 +260,10 @@ class AsyncProducer:
             while not self._finished:
                 if self._error is not None:
                     raise self._error
+                if self._retry and self._waiting():
+                    raise ServerUnavailableError(
+                        f"no rollout server serves: {len(self._retry)} rollout group(s) wait for a restarted "
+                        "server to get the current weights (rollout.mode=async)")
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._thread.is_alive():
                     raise TimeoutError(f"no rollout group finished within {timeout_s:.0f} s (rollout.mode=async)")

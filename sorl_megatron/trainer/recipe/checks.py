@@ -37,6 +37,8 @@ def _check_parallelism(p: ParallelLayout, prefix: str = "parallelism") -> None:
     _check_finite(p, prefix)
     for key in ("collective_timeout_s", "rank0_phase_timeout_s"):
         _positive_seconds(f"{prefix}.{key}", getattr(p, key))
+        if getattr(p, key) > MAX_WAIT_S:  # torch takes it as a timedelta: 1e30 s overflowed at launch
+            raise RecipeError(f"{prefix}.{key} must be at most {MAX_WAIT_S} seconds (7 days), got {getattr(p, key)}")
     if not p.gpu_memory_gib > 0:
         raise RecipeError(f"{prefix}.gpu_memory_gib must be > 0, got {p.gpu_memory_gib}")
     if p.planned_world_size is not None:
@@ -47,6 +49,21 @@ def _check_parallelism(p: ParallelLayout, prefix: str = "parallelism") -> None:
             if p.pp == 1:
                 raise RecipeError(f"{prefix}.{key}={getattr(p, key)} needs {prefix}.pp > 1 "
                                   "(it sizes the first / last pipeline stage)")
+
+
+MAX_WAIT_S = 7 * 24 * 3600  # the longest collective or rank-0 phase wait a recipe may ask for
+MAX_RUN_NAME_BYTES = 200  # a file name holds 255 bytes; the rest is for suffixes (run_settings.settings_suffix)
+
+
+def _check_run_name(name: str, prefix: str = "logging") -> None:
+    """``logging.run_name`` names one directory: one path component that fits a file name."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or not name.isprintable():
+        raise RecipeError(f"{prefix}.run_name must be one path component (no '/', not '.' or '..'), got "
+                          f"{name!r}: the run directory is {prefix}.dir/<run_name>")
+    if len(name.encode()) > MAX_RUN_NAME_BYTES:
+        raise RecipeError(f"{prefix}.run_name is {len(name.encode())} bytes long: it names a directory, whose "
+                          f"name a file system holds in 255 bytes, with room for the suffixes added to it (a "
+                          f"variant's settings, a study cell's seed): at most {MAX_RUN_NAME_BYTES} bytes")
 
 
 def _positive_int(name: str, value: int, minimum: int = 1) -> None:

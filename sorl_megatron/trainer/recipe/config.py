@@ -30,6 +30,7 @@ from .checks import (
     RecipeError,
     _check_finite,
     _check_parallelism,
+    _check_run_name,
     _check_url,
     _in_range,
     _positive_int,
@@ -579,10 +580,7 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self, prefix: str = "logging") -> None:
-        name = self.run_name
-        if not name or name in (".", "..") or "/" in name or "\\" in name or not name.isprintable():
-            raise RecipeError(f"{prefix}.run_name must be one path component (no '/', not '.' or '..'), got "
-                              f"{name!r}: the run directory is {prefix}.dir/<run_name>")
+        _check_run_name(self.run_name, prefix)
         self.wandb.validate(f"{prefix}.wandb")
 
 

@@ -110,7 +110,12 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...]):
     for item in defaults:
         if not isinstance(item, str) or not item.strip():
             raise RecipeError(f"{path}: defaults entries must be recipe paths (non-empty strings), got {item!r}")
-        merged = OmegaConf.merge(merged, _load_with_defaults(path.parent / item, seen + (path,)))
+        parent = path.parent / item
+        yaml = parent.suffix in (".yaml", ".yml") or (parent.name and parent.with_name(parent.name + ".yaml").is_file())
+        if not yaml and parent.exists() and not parent.is_dir():
+            # a recipe is a YAML file: any other file is not read (its lines would end up in the error)
+            raise RecipeError(f"{path}: defaults entry {item!r} is not a recipe (a .yaml or .yml file)")
+        merged = OmegaConf.merge(merged, _load_with_defaults(parent, seen + (path,)))
     return OmegaConf.merge(merged, node)
 
 

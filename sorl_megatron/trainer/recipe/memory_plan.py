@@ -48,6 +48,12 @@ def read_model_config(path: str) -> SimpleNamespace:
         raise RecipeError(f"cannot read the model config {file} for the memory plan ({err})") from None
     if not isinstance(data, dict) or "hidden_size" not in data:
         raise RecipeError(f"{file} is not an HF config.json (no hidden_size)")
+    from ...bridge.hf_config import CheckpointContentError, check_config_sizes
+
+    try:
+        check_config_sizes(data, str(file))  # a zero or absurd size would divide by zero or overflow the plan
+    except CheckpointContentError as err:
+        raise RecipeError(f"the memory plan cannot use it: {err}") from None
     return SimpleNamespace(**data)
 
 

@@ -92,6 +92,11 @@ class Connections:
             self.fleet.workers = [Worker(u) for u in self.rollout_urls]
         return self.fleet
 
+    def fleet_rejoining(self) -> bool:
+        """No rollout server serves now, and a restarted one waits for a weight sync before it
+        serves (``RolloutFleet.rejoining``); any thread."""
+        return self.fleet is not None and self.fleet.rejoining()
+
     # -- clients -----------------------------------------------------------------------
 
     def agent_config(self, greedy: bool = False, routed_experts: Optional[bool] = None) -> AgentConfig:

@@ -21,7 +21,11 @@ an external one gets the operator's ``rollout.restart_command`` (run with
 the restarted embedded servers (bounded by ``rollout.start_timeout_s``) and asks the failed
 external ones for ``/health`` once; those that answer get the sync with the others, so they
 hold the current weights, and only then go back into the router and the worker list. The
-step fails only when no server is left. Metrics per step: ``rollout/retries``,
+step fails only when no server is left and none is coming back. A fleet with no server serving
+but some restarted (one server, the default, that died) raises :class:`FleetRejoining` from
+:meth:`RolloutFleet.check`: the trainer then runs a weight sync of the weights it holds before
+the phase goes on (``rl_loop.RLTrainer._served``), so a restarted server never serves its
+start-up weights. Metrics per step: ``rollout/retries``,
 ``rollout/server_failures``, ``rollout/server_restarts``, ``rollout/servers_rejoined``,
 ``rollout/servers_up``.
 
@@ -58,6 +62,11 @@ from .servers import EmbeddedServers, ServerSpec, router_spec
 log = logging.getLogger("sorl_megatron.trainer.serving.fleet")
 
 FAILED_SERVER_ENV = "SORL_FAILED_SERVER_URL"
+
+
+class FleetRejoining(ServerUnavailableError):
+    """No rollout server serves now, but some were restarted (or answer again): they serve once
+    a weight sync has given them the trainer's current weights."""
 
 
 @dataclass
@@ -103,6 +112,17 @@ class RolloutFleet:
             if w.state in states:
                 out.append(url)
         return out
+
+    def rejoining(self) -> bool:
+        """Whether no worker serves and some are coming back: an embedded one being restarted
+        (down, ``rollout.restart_servers``) or one healthy again (joining). A weight sync makes
+        them serve (:meth:`prepare_sync`, :meth:`finish_sync`). Any thread, no lock."""
+        workers = list(self.workers)
+        if any(w.state == "up" for w in workers):
+            return False
+        restarting = self.servers is not None and self.restart_embedded
+        return any(w.state == "joining" or (w.state == "down" and w.name is not None and restarting)
+                   for w in workers)
 
     def generations(self, urls: list[str]) -> tuple[int, ...]:
         """Each URL's count of failures handled: it changes when a server failed and came back,
@@ -179,6 +199,10 @@ class RolloutFleet:
             self._last_check = started
         if self.urls():
             return
+        if self.rejoining():
+            raise FleetRejoining(f"no rollout server serves {when}: " + ", ".join(
+                f"{w.url} {w.state}" for w in self.workers) + " (restarted: it serves once a weight sync has "
+                "given it the current weights)")
         failed = [e for e in errors.values() if e is not None]
         if len(failed) == 1:
             raise failed[0]

@@ -8,27 +8,38 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from ...common.http import ServerUnavailableError
 from ...weight_sync.base import SyncTargets
 from ...weight_sync.factory import make_weight_sync
 from ..recipe.config import RolloutConfig
 from .connections import Connections
+from .fleet import FleetRejoining
 
 
 class WeightPush:
     def __init__(self, rollout: RolloutConfig, run_dir: Path):
         self.transport = make_weight_sync(rollout, run_dir)
+        self.run_dir = Path(run_dir)
         self.bytes_sent = 0  # by this rank in the last sync
 
     def sync(self, actor: Any, conn: Optional[Connections], step: int) -> None:
         """Push the actor engine's weights after ``step`` RL steps (HF names, bucketed), labelled
         weight version ``step_<step>``; ``conn`` is rank 0's connections (None on the other ranks).
-        The servers' health is checked before the engine is touched."""
+        The servers' health is checked before the engine is touched; servers restarted since the
+        last sync get this one before they serve (with none serving, it is what brings one back)."""
         version = f"step_{step}"
         if conn is None:
             self._push(actor, None, version)
             return
-        conn.check_servers(f"the weight sync to version {version}", retrieval=False)
+        try:
+            conn.check_servers(f"the weight sync to version {version}", retrieval=False)
+        except FleetRejoining:
+            pass  # the restarted servers are what this sync is for: prepare_sync waits for them
         conn.prepare_sync()
+        if not conn.rollout_urls:
+            states = ", ".join(f"{w.url} {w.state}" for w in conn.get_fleet().workers)
+            raise ServerUnavailableError(f"no rollout server left for the weight sync to version {version}: {states} "
+                                         f"(see {self.run_dir / 'servers'})")
         paused = conn.pause()
         try:
             self._push(actor, conn, version)

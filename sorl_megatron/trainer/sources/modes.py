@@ -34,6 +34,7 @@ import torch
 
 from ...common import aio
 from ...common.clock import ActiveClock
+from ...common.http import ServerError
 from ...data.qa import QARow, encode_prompt
 from ...rewards.registry import RewardRegistry
 from ...rollout.trajectory import Trajectory
@@ -42,12 +43,22 @@ from ..groups.prompts import DataStream
 from ..groups.rollouts import RolloutResult, check_prompt_length, rollout_metrics, score_trajectories
 from ..recipe.config import RolloutConfig, TrainConfig
 from ..serving.connections import Connections
+from ..serving.fleet import FleetRejoining
 from ..stages.drivers import PVPOStage
 from . import pending_batches
 
 log = logging.getLogger("sorl_megatron.trainer")
 
 Batch = tuple[RolloutResult, torch.Tensor, dict[str, float]]  # episodes, PVPO injection marks, metrics
+
+
+class BatchAwaitsServers(FleetRejoining):
+    """A batch that could not be generated: no rollout server served (the restarted ones serve
+    after the next weight sync). Its draws are undone: it starts again from group ``start_gid``."""
+
+    def __init__(self, message: str, start_gid: int):
+        super().__init__(message)
+        self.start_gid = start_gid
 
 
 def _turn_versions(t: Trajectory) -> list[int]:
@@ -186,7 +197,7 @@ class RolloutSource:
         return touched
 
     def collect(
-        self, version: int, draw, slots: Optional[AsyncProducer] = None
+        self, version: int, draw, slots: Optional[AsyncProducer] = None, state: Optional[dict] = None
     ) -> tuple[list[Group], list[tuple[Group, str]], dict[str, float]]:
         """A batch of ``schedule.batch_size`` groups for a trainer at weight ``version``:
         ``draw(k)`` gives the next k generated groups. A group whose oldest token is more than
@@ -195,16 +206,23 @@ class RolloutSource:
         most ``dynamic_sampling_max_groups`` drawn, then dropped ones fill the batch. Returns
         the batch, every group drawn but not trained on with why, and the counts. ``slots`` (async:
         the producer) gets a dropped group's window slot back at once, and takes back the slots
-        of dropped groups that fill the batch after all (they train: the window bound holds)."""
+        of dropped groups that fill the batch after all (they train: the window bound holds).
+        ``state`` (a dict, empty at first) keeps the groups handled so far: a collect that ``draw``
+        interrupted goes on from there when called again with it."""
         r, b = self.cfg.rollout, self.cfg.schedule.batch_size
         limit = (r.dynamic_sampling_max_groups or 4 * b) if r.dynamic_sampling else None
-        accepted: list[Group] = []
-        dropped: list[tuple[Group, str]] = []
-        counts = {"rollout/groups_drawn": 0.0, "rollout/groups_dropped_stale": 0.0,
-                  "rollout/episodes_dropped_stale": 0.0, "rollout/groups_kept_stale": 0.0,
-                  "rollout/overlong_episodes": 0.0}
-        if r.dynamic_sampling:
-            counts.update({"rollout/groups_dropped_equal_reward": 0.0, "rollout/groups_refilled_equal_reward": 0.0})
+        state = {} if state is None else state
+        if not state:
+            counts = {"rollout/groups_drawn": 0.0, "rollout/groups_dropped_stale": 0.0,
+                      "rollout/episodes_dropped_stale": 0.0, "rollout/groups_kept_stale": 0.0,
+                      "rollout/overlong_episodes": 0.0}
+            if r.dynamic_sampling:
+                counts.update({"rollout/groups_dropped_equal_reward": 0.0,
+                               "rollout/groups_refilled_equal_reward": 0.0})
+            state.update(accepted=[], dropped=[], counts=counts)
+        accepted: list[Group] = state["accepted"]
+        dropped: list[tuple[Group, str]] = state["dropped"]
+        counts: dict[str, float] = state["counts"]
         while len(accepted) < b:
             want = b - len(accepted)
             if limit is not None:
@@ -275,9 +293,19 @@ class SyncSource(RolloutSource):
     name, lagged = "sync", False
 
     def _generate(self, version: int):
-        """A batch generated now, from ``next_gid`` on (one_step_off: on its thread)."""
-        self.conn.check_servers(f"the rollout phase of step {version + 1}")
-        return self.collect(version, self.draw_groups)
+        """A batch generated now, from ``next_gid`` on (one_step_off: on its thread). With no
+        rollout server serving (the only one died and was restarted) its draws are undone and
+        it raises :class:`BatchAwaitsServers`: generated again once a weight sync brought a
+        server back."""
+        start = self.next_gid
+        try:
+            self.conn.check_servers(f"the rollout phase of step {version + 1}")
+            return self.collect(version, self.draw_groups)
+        except ServerError as err:
+            if not self.conn.fleet_rejoining():
+                raise
+            self.next_gid = start
+            raise BatchAwaitsServers(f"the batch of step {version + 1} was not generated: {err}", start) from err
 
     def _groups(self, step: int):
         return self._generate(step)
@@ -303,6 +331,9 @@ class LaggedSource(SyncSource):
         return self.cfg.rollout.lag
 
     def _groups(self, step: int):
+        if self._pending and isinstance(self._pending[0].exception(), BatchAwaitsServers):
+            # generated ahead while no server served: that batch and those after it start again now
+            self._discard_pending(self._pending[0].exception().start_gid)
         out = self._pending.popleft().result() if self._pending else self._generate(step)
         # batches are drawn in step order on one thread: the groups of step j are always the same
         ahead = min(step + self.depth, self.cfg.schedule.total_steps - 1)
@@ -311,6 +342,17 @@ class LaggedSource(SyncSource):
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-rollout")
             self._pending.append(self._executor.submit(self._generate, target))
         return out
+
+    def _discard_pending(self, start_gid: int) -> None:
+        """Drop every batch generated ahead (waiting for those running: they draw groups) and
+        draw again from group ``start_gid``."""
+        for f in self._pending:
+            f.cancel()
+        concurrent.futures.wait(list(self._pending))
+        self._pending.clear()
+        self.next_gid = start_gid
+        log.warning("the batches generated ahead found no rollout server serving: generated again from group %d",
+                    start_gid)
 
     def before_sync(self) -> dict[str, float]:
         if not self._pending:
@@ -373,6 +415,7 @@ class AsyncSource(RolloutSource):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._producer: Optional[AsyncProducer] = None
+        self._partial: Optional[dict] = None  # the collect of a step that no server could finish yet
 
     @classmethod
     def pauses(cls, rollout: RolloutConfig) -> bool:
@@ -383,9 +426,17 @@ class AsyncSource(RolloutSource):
         if self._producer is None:
             self.conn.check_servers("the asynchronous rollouts")
             self._producer = AsyncProducer(self.open_groups, self.settled.unsettled_from(self.settled.frontier),
-                                           window=(r.max_staleness + 1) * self.cfg.schedule.batch_size).start()
+                                           window=(r.max_staleness + 1) * self.cfg.schedule.batch_size,
+                                           rejoining=self.conn.fleet_rejoining).start()
         timeout = r.timeout_s * (r.max_turns + 1)
-        return self.collect(step, lambda k: [self._producer.take(timeout) for _ in range(k)], slots=self._producer)
+        # taken one at a time: a take that raises (no server serving; the trainer syncs and calls
+        # again) leaves every group taken before it in the collect's state
+        if self._partial is None:
+            self._partial = {}
+        out = self.collect(step, lambda k: (self._producer.take(timeout) for _ in range(k)), slots=self._producer,
+                           state=self._partial)
+        self._partial = None
+        return out
 
     def after_sync(self, version: int) -> None:
         if self._producer is not None:  # this step's groups free their slots for the new weights

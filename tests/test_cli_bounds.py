@@ -1,0 +1,56 @@
+"""The counts of the tools' command lines are bounded and refused in one line before any work
+(issue 49, "Deliver 2", the part for tools/gpu_check.py, tools/convert.py and the study
+runner): a 0 or negative count, or one a typo made huge, is argparse's error (exit 2) or
+convert's own ``error:`` line, never a traceback or an allocation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--jobs", "0"], "--jobs must be in [1, 64], got 0"),
+    (["--reps", "-1"], "--reps must be in [0, 10000], got -1"),
+    (["--timeout", "99999999"], "--timeout must be in [0, 86400], got 99999999"),
+])
+def test_gpu_check_counts(flags, needle):
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu", *flags],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("parallel", ["0", "-3", "100000"])
+def test_study_parallel(parallel, capsys):
+    from sorl_megatron.study.runner import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", "nowhere.yaml", "--parallel", parallel])
+    assert exit_.value.code == 2
+    assert f"--parallel must be in [1, 1024], got {parallel}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["verify", "--hf", "{model}", "--batch", "0"], "--batch must be in [1, 4096], got 0"),
+    (["verify", "--hf", "{model}", "--seq-len", "1000000000"], "--seq-len must be in [1, 1048576], got 1000000000"),
+    (["verify", "--hf", "{model}", "--seed", "-1"], "--seed must be in [0, 9223372036854775807], got -1"),
+    (["megatron-to-hf", "--hf", "{model}", "--out", "{out}", "--max-shard-size", "garbage"],
+     "--max-shard-size must be a size like 4GB or 500MB"),
+    (["megatron-to-hf", "--hf", "{model}", "--out", "{out}", "--max-shard-size", "nanGB"],
+     "--max-shard-size must be a size like 4GB or 500MB"),
+])
+def test_convert_counts(tmp_path, capsys, argv, needle):
+    from sorl_megatron.bridge import convert_cli
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    fill = {"model": str(model), "out": str(tmp_path / "out")}
+    assert convert_cli.main([a.format(**fill) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
