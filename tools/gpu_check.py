@@ -512,7 +512,7 @@ def run_rl_steps(args, transport: str, hidden_size: int | None = None, extra: tu
     name = f"{name}_{transport}_{device}" + ("" if hidden_size is None else f"_h{hidden_size}")
     cmd = [sys.executable, "-m", "sorl_megatron.train", "--config", str(ROOT / "recipes" / "tiny_search_base.yaml"),
            f"model.path={data / 'model'}", f"retrieval.corpus={data / 'corpus.jsonl'}",
-           f"data.train={data / 'train.parquet'}", *TINY_RUN, f"rollout.weight_sync={transport}",
+           f"data.train={data / 'train.parquet'}", *TINY_RUN, f"rollout.weight_sync.transport={transport}",
            f"logging.dir={out}", f"logging.run_name={name}", f"checkpoint.dir={out / name / 'ckpt'}"]
     if args.quick:  # one short turn per trajectory
         cmd += ["rollout.max_turns=1", "rollout.max_turn_tokens=8"]

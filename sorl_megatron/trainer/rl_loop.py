@@ -144,7 +144,7 @@ class RLTrainer:
         self.source: Optional[RolloutSource] = None
         self.pvpo: Optional[PVPOStage] = None  # only with the pvpo estimator
         self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
-        self._wsync = make_weight_sync(cfg.rollout, self.run_dir)  # rollout.weight_sync's transport
+        self._wsync = make_weight_sync(cfg.rollout, self.run_dir)  # the transport rollout.weight_sync.transport names
         self.weight_sync_bytes = 0  # sent by this rank in the last sync
         self.phase = "the set-up"  # what the run is doing now: an interrupt's message names it
 

@@ -28,18 +28,24 @@ from ..rollout.server_facts import WeightFormat, served_weight_format
 log = logging.getLogger("sorl_megatron.weight_sync")
 
 
+class TransportSettings(Protocol):
+    """``rollout.weight_sync``: the transport and its settings."""
+
+    transport: str  # the transport's name: read by the factory only
+    timeout_s: float
+    init_timeout_s: float
+    bucket_mb: int
+    master_address: Optional[str]
+
+
 class SyncSettings(Protocol):
     """The ``rollout.*`` settings the transports read (the recipe's rollout section has them)."""
 
-    weight_sync: str  # the transport's name: read by the factory only
+    weight_sync: TransportSettings
     precision: str
     urls: list[str]  # external servers (none: the trainer's embedded ones)
     retries: int
     health_timeout_s: float
-    weight_sync_timeout_s: float
-    weight_sync_init_timeout_s: float
-    weight_sync_bucket_mb: int
-    weight_sync_master_address: Optional[str]
     flush_idle_timeout_s: float
 
 
@@ -89,11 +95,11 @@ class WeightSync(ABC):
 
 def control_client(settings: SyncSettings, urls: Iterable[str], api_key: Optional[str],
                    on_failure: Optional[FailureHook] = None) -> RolloutClient:
-    """A client for the sync's control calls: each bounded by ``rollout.weight_sync_timeout_s``,
+    """A client for the sync's control calls: each bounded by ``rollout.weight_sync.timeout_s``,
     the close of a failed sync by ``rollout.health_timeout_s``."""
     s = settings
     return RolloutClient(RolloutClientConfig(
-        urls=tuple(urls), control_retry=RetryPolicy(timeout_s=s.weight_sync_timeout_s, retries=s.retries),
+        urls=tuple(urls), control_retry=RetryPolicy(timeout_s=s.weight_sync.timeout_s, retries=s.retries),
         health_retry=RetryPolicy(timeout_s=s.health_timeout_s, retries=s.retries), api_key=api_key),
         on_failure=on_failure)
 

@@ -1,4 +1,4 @@
-"""The disk transport (``rollout.weight_sync: disk``): a checkpoint the servers reload.
+"""The disk transport (``rollout.weight_sync.transport: disk``): a checkpoint the servers reload.
 
 Every rank joins writing an HF checkpoint to ``<run dir>/weights_sync`` (rank 0 writes; FP8
 pairs for external FP8 servers), then rank 0 asks every server to reload it with

@@ -1,4 +1,4 @@
-"""The distributed transport (``rollout.weight_sync: distributed``): SGLang's own update, a
+"""The distributed transport (``rollout.weight_sync.transport: distributed``): SGLang's own update, a
 torch.distributed broadcast from the trainer's sending ranks to every server rank: NCCL when
 the trainer and every server hold CUDA tensors, gloo otherwise (:func:`group_backend`; a
 server's device comes from its ``/server_info``).
@@ -346,17 +346,17 @@ class DistributedWeightSync(WeightSync):
         client = self._client(urls, api_key)
         try:
             if self.sender is None:
-                self.sender = DistributedSender(client, f"sorl_wsync_r{comm.rank()}", s.weight_sync_init_timeout_s,
-                                                master_address=s.weight_sync_master_address)
+                self.sender = DistributedSender(client, f"sorl_wsync_r{comm.rank()}", s.weight_sync.init_timeout_s,
+                                                master_address=s.weight_sync.master_address)
             self.sender.bind(client)
             self.sender.generations = generations
             kw = {}
             if comm.world_size() > 1:
-                kw["lock"] = StoreMutex(comm.store(), "sorl_wsync_lock", s.weight_sync_init_timeout_s)
+                kw["lock"] = StoreMutex(comm.store(), "sorl_wsync_lock", s.weight_sync.init_timeout_s)
             export = iter_owned_hf_weights(model)
             tensors = fp8_pairs(export) if fmt == "block_fp8" else export
             try:
-                return await self.sender.send(tensors, s.weight_sync_bucket_mb * 1024**2, **kw)
+                return await self.sender.send(tensors, s.weight_sync.bucket_mb * 1024**2, **kw)
             except BaseException:
                 for _ in export:  # finish the export: this rank's tensor-parallel peers wait on its gathers
                     pass

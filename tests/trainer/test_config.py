@@ -131,10 +131,11 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["rollout.urls=[http://a:99999]"], r"rollout.urls\[0\]: 'http://a:99999' is not a valid URL"),
         (["retrieval.url=ftp://x"], r"retrieval.url: 'ftp://x' is not an http\(s\) URL"),
         (["retrieval.url=http://"], r"retrieval.url: 'http://' is not an http\(s\) URL with a host"),
-        (["rollout.weight_sync=nccl"], r"rollout.weight_sync.*'nccl'.*distributed"),
-        (["rollout.weight_sync_bucket_mb=0"], r"rollout.weight_sync_bucket_mb"),
-        (["rollout.weight_sync_init_timeout_s=0"], r"rollout.weight_sync_init_timeout_s must be > 0 seconds"),
-        (["rollout.weight_sync_master_address='a b'"], r"rollout.weight_sync_master_address must be a host name"),
+        (["rollout.weight_sync.transport=nccl"], r"rollout.weight_sync.transport: 'nccl' is not one of .*distributed"),
+        (["rollout.weight_sync.timeout_s=0"], r"rollout.weight_sync.timeout_s must be > 0 seconds"),
+        (["rollout.weight_sync.bucket_mb=0"], r"rollout.weight_sync.bucket_mb"),
+        (["rollout.weight_sync.init_timeout_s=0"], r"rollout.weight_sync.init_timeout_s must be > 0 seconds"),
+        (["rollout.weight_sync.master_address='a b'"], r"rollout.weight_sync.master_address must be a host name"),
         (["parallelism.collective_timeout_s=0"], r"parallelism.collective_timeout_s must be > 0 seconds"),
         (["parallelism.rank0_phase_timeout_s=.inf"], r"parallelism.rank0_phase_timeout_s must be a finite number"),
         (["data.val_max_rows=-1"], r"data.val_max_rows must be >= 0, got -1"),
@@ -636,7 +637,7 @@ def test_moonlight_recipe_is_one_node_of_deepseek_v3_architecture(tmp_path):
     model = _hf_config(tmp_path / "model", **MOONLIGHT_16B_A3B)
     cfg = load_recipe(GPU / "minirl_moonlight_16b_a3b_r3.yaml", [f"model.path={model}"])
     assert (cfg.model.dtype, cfg.rollout.precision, cfg.algorithm.routing_replay) == ("bfloat16", "fp8", "r3")
-    assert cfg.rollout.weight_sync == "distributed" and cfg.schedule.pack_sequences
+    assert cfg.rollout.weight_sync.transport == "distributed" and cfg.schedule.pack_sequences
     validate_layout_for_launch(cfg, 8)
     with pytest.raises(RecipeError, match=r"parallelism.ep=8, parallelism.etp=1: .*ETP x EP x PP = 8"):
         validate_layout_for_launch(cfg, 4)  # one node is the least: EP 8 needs 8 ranks
@@ -662,7 +663,7 @@ def test_gpu_recipe_paper_settings():
     for path in GPU.glob("*.yaml"):
         cfg = load_recipe(path)
         # SGLang's distributed update, and packed sequences where trajectories are long-tailed
-        assert cfg.rollout.weight_sync == "distributed" and cfg.schedule.pack_sequences, path
+        assert cfg.rollout.weight_sync.transport == "distributed" and cfg.schedule.pack_sequences, path
 
 
 STUDY_LOSSES = ("ppo", "turn_ppo", "s_ppo", "so_ppo", "grpo", "gspo", "so_grpo", "sapo")
@@ -785,7 +786,9 @@ def test_defaults_may_name_recipes_with_dots(tmp_path):
 
 def test_weight_sync_defaults_to_distributed():
     r = load_recipe(BASE, []).rollout
-    assert (r.weight_sync, r.weight_sync_bucket_mb, r.weight_sync_master_address) == ("distributed", 512, None)
+    w = r.weight_sync
+    assert (w.transport, w.bucket_mb, w.timeout_s, w.init_timeout_s, w.master_address) == (
+        "distributed", 512, 600.0, 120.0, None)
 
 
 def test_process_group_bounds_are_recipe_keys_and_not_the_layout():

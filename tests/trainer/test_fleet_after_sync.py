@@ -1,4 +1,4 @@
-"""Failover after a weight sync with the default transport (``rollout.weight_sync=distributed``;
+"""Failover after a weight sync with the default transport (``rollout.weight_sync.transport=distributed``;
 issue 31, item 1).
 
 The sync after step 1 forms the trainer's weight-update group with both servers; then one

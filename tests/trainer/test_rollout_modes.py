@@ -593,7 +593,7 @@ def test_pause_and_continue_around_updates_or_the_404_fallback():
             finally:
                 await client.close()
 
-        conn = Connections(SimpleNamespace(rollout=SimpleNamespace(weight_sync_timeout_s=60, pause_mode="retract"),
+        conn = Connections(SimpleNamespace(rollout=SimpleNamespace(weight_sync=SimpleNamespace(timeout_s=60), pause_mode="retract"),
                                            retrieval=SimpleNamespace(url=None)), None, [], None, pauses=True)
         conn.with_client = with_client
         seen.clear()
@@ -606,9 +606,9 @@ def test_pause_and_continue_around_updates_or_the_404_fallback():
             s.stop()
 
 
-def test_a_paused_turn_waits_out_the_sync_within_weight_sync_timeout_s():
+def test_a_paused_turn_waits_out_the_sync_within_the_weight_sync_timeout():
     """While the servers are paused for a weight sync, a /generate call's rollout.timeout_s
-    clock stops, for at most rollout.weight_sync_timeout_s (the clock's cap): a turn paused on
+    clock stops, for at most rollout.weight_sync.timeout_s (the clock's cap): a turn paused on
     purpose is not timed out by a slow sync, and the wait stays bounded, the error naming both keys."""
     from aiohttp import web
 
@@ -650,6 +650,6 @@ def test_a_paused_turn_waits_out_the_sync_within_weight_sync_timeout_s():
         assert out.output_ids == [4] and took >= 1.4
         err, took = turn(PauseClock(max_credit_s=0.3))  # a pause longer than the cap: out before the answer
         assert isinstance(err, ServerTimeoutError) and took >= 0.8, took  # 0.6 s plus the 0.3 s credit
-        assert "rollout.timeout_s" in str(err) and "rollout.weight_sync_timeout_s" in str(err)
+        assert "rollout.timeout_s" in str(err) and "rollout.weight_sync.timeout_s" in str(err)
     finally:
         server.stop()

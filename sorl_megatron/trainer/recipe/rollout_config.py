@@ -28,6 +28,33 @@ class RolloutInjectConfig:
 
 
 @dataclass
+class WeightSyncConfig:
+    """``rollout.weight_sync``: how the trainer's weights reach the rollout servers after each
+    step (``weight_sync/``; docs/rollout.md, "Distributed weight sync")."""
+
+    # distributed: SGLang's /update_weights_from_distributed (a gloo/NCCL group with the servers;
+    # each pipeline stage and expert owner sends its own tensors); tensor: HTTP bodies from rank 0
+    # (embedded servers only); disk: an HF checkpoint the servers reload (docs/rollout.md)
+    transport: Literal["distributed", "tensor", "disk"] = "distributed"
+    bucket_mb: int = 512  # tensors per /update_weights_from_distributed (a larger one goes alone)
+    # seconds per weight-sync call (one bucket, begin/end, a reload from disk) and other control call
+    timeout_s: float = 600.0
+    # bound on forming the weight-update group and on each broadcast in it
+    init_timeout_s: float = 120.0
+    # the address the servers reach the sending ranks at (null: the route towards the first server)
+    master_address: Optional[str] = None
+
+    def validate(self, prefix: str = "rollout.weight_sync") -> None:
+        _check_finite(self, prefix)
+        _positive_int(f"{prefix}.bucket_mb", self.bucket_mb)
+        address = self.master_address
+        if address is not None and (not address or any(c.isspace() for c in address)):
+            raise RecipeError(f"{prefix}.master_address must be a host name or IP address, got {address!r}")
+        for key in ("timeout_s", "init_timeout_s"):
+            _positive_seconds(f"{prefix}.{key}", getattr(self, key))
+
+
+@dataclass
 class RolloutConfig:
     """Multi-turn generation. No URLs = start the embedded CPU server."""
 
@@ -48,23 +75,14 @@ class RolloutConfig:
     # gets the same tokens whatever else is in flight, so a run repeats on its machine at any
     # load; costs the batching speed-up (docs/rollout.md). External servers: SGLang's own flag.
     deterministic: bool = False
-    # Every wait on the servers is bounded here (see docs/rollout.md, failure model): seconds
-    # per /generate call (a timed-out call is not retried) ...
+    # Every wait on the servers is bounded (see docs/rollout.md, failure model): seconds per
+    # /generate call here (a timed-out call is not retried) ...
     timeout_s: float = 120.0
-    # ... per weight-sync call (one bucket, begin/end, a reload from disk) and other control call ...
-    weight_sync_timeout_s: float = 600.0
+    # ... per weight-sync call and other control call in weight_sync.timeout_s ...
     # ... per GET /health, asked before each phase (rollout, weight sync, validation, PVPO pass)
     health_timeout_s: float = 10.0
     retries: int = 2  # extra attempts after a refused connection or a 5xx answer (never after a timeout)
-    # distributed: SGLang's /update_weights_from_distributed (a gloo/NCCL group with the servers;
-    # each pipeline stage and expert owner sends its own tensors); tensor: HTTP bodies from rank 0
-    # (embedded servers only); disk: an HF checkpoint the servers reload (docs/rollout.md)
-    weight_sync: Literal["distributed", "tensor", "disk"] = "distributed"
-    weight_sync_bucket_mb: int = 512  # tensors per /update_weights_from_distributed (a larger one goes alone)
-    # bound on forming the weight-update group and on each broadcast in it
-    weight_sync_init_timeout_s: float = 120.0
-    # the address the servers reach the sending ranks at (null: the route towards the first server)
-    weight_sync_master_address: Optional[str] = None
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     # The fleet (docs/rollout.md, "A fleet of servers"): embedded servers to start (no urls) ...
     num_servers: int = 1
     # ... the real sglang-router in front of them (or of `urls`), started by the trainer unless
@@ -118,14 +136,10 @@ class RolloutConfig:
 
     def validate(self, prefix: str = "rollout") -> None:
         _check_finite(self, prefix)
-        for key in ("group_size", "max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "concurrency",
-                    "weight_sync_bucket_mb"):
+        for key in ("group_size", "max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "concurrency"):
             _positive_int(f"{prefix}.{key}", getattr(self, key))
-        address = self.weight_sync_master_address
-        if address is not None and (not address or any(c.isspace() for c in address)):
-            raise RecipeError(f"{prefix}.weight_sync_master_address must be a host name or IP address, got {address!r}")
-        for key in ("timeout_s", "weight_sync_timeout_s", "health_timeout_s", "weight_sync_init_timeout_s",
-                    "start_timeout_s", "flush_idle_timeout_s"):
+        self.weight_sync.validate(f"{prefix}.weight_sync")
+        for key in ("timeout_s", "health_timeout_s", "start_timeout_s", "flush_idle_timeout_s"):
             _positive_seconds(f"{prefix}.{key}", getattr(self, key))
         _positive_int(f"{prefix}.retries", self.retries, minimum=0)
         if not 0 < self.top_p <= 1:

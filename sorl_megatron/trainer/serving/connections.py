@@ -52,8 +52,8 @@ class Connections:
         self.servers: Optional[EmbeddedServers] = None
         self.pauses = pauses
         # paused time does not count against a /generate call's rollout.timeout_s (at most
-        # rollout.weight_sync_timeout_s per call): a turn paused for a slow sync is not timed out
-        self.pause_clock = PauseClock(cfg.rollout.weight_sync_timeout_s)
+        # rollout.weight_sync.timeout_s per call): a turn paused for a slow sync is not timed out
+        self.pause_clock = PauseClock(cfg.rollout.weight_sync.timeout_s)
         self._pause_supported: Optional[bool] = None
         self._routing_shape: Optional[tuple[int, int]] = None
         self._gold_cache: dict[int, Optional[Trajectory]] = {}  # ground truth by prompt index (None: none usable)
@@ -113,7 +113,7 @@ class Connections:
         return RolloutClient(RolloutClientConfig(
             urls=tuple(self.rollout_urls), max_concurrency=r.concurrency,
             generate_retry=RetryPolicy(timeout_s=r.timeout_s, retries=r.retries),
-            control_retry=RetryPolicy(timeout_s=r.weight_sync_timeout_s, retries=r.retries),
+            control_retry=RetryPolicy(timeout_s=r.weight_sync.timeout_s, retries=r.retries),
             health_retry=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
             api_key=self.api_keys.get("rollout"), router_url=fleet.router_url,
             failover_retries=r.failover_retries, routing_shape=self.routing_shape()), on_failure=fleet.on_failure,
