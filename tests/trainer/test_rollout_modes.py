@@ -593,8 +593,9 @@ def test_pause_and_continue_around_updates_or_the_404_fallback():
             finally:
                 await client.close()
 
-        conn = Connections(SimpleNamespace(rollout=SimpleNamespace(weight_sync=SimpleNamespace(timeout_s=60), pause_mode="retract"),
-                                           retrieval=SimpleNamespace(url=None)), None, [], None, pauses=True)
+        rollout = SimpleNamespace(weight_sync=SimpleNamespace(timeout_s=60), pause_mode="retract")
+        conn = Connections(SimpleNamespace(rollout=rollout, retrieval=SimpleNamespace(url=None)), None, [], None,
+                           pauses=True)
         conn.with_client = with_client
         seen.clear()
         with pytest.raises(RequestRejectedError, match="/pause_generation rejected"):
