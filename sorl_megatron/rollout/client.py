@@ -104,7 +104,7 @@ class RolloutClientConfig:
         if self.router_url is not None:
             object.__setattr__(self, "router_url", self.router_url.rstrip("/"))
         if self.failover_retries < 0:
-            raise ValueError(f"rollout.failover_retries must be >= 0, got {self.failover_retries}")
+            raise ValueError(f"rollout.fleet.failover_retries must be >= 0, got {self.failover_retries}")
 
 
 class PauseClock(ActiveClock):

@@ -84,7 +84,7 @@ class DirectKill(threading.Thread):
 def _kill_after_sync(tiny_data: Path, tmp_path: Path, name: str, *extra: str, router: bool = True):  # noqa: F811
     overrides = [*run_overrides(tiny_data, tmp_path, name), *FLEET, *STEPS, *extra]
     if not router:
-        overrides.append("rollout.router=none")
+        overrides.append("rollout.fleet.router=none")
     trainer = RLTrainer(load_recipe(BASE_RECIPE, overrides))
     watch = GroupWatch()
     killer = Saboteur(trainer, signal.SIGKILL, timeout_s=600, when=lambda: watch(trainer)) if router \

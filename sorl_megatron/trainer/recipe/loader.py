@@ -36,6 +36,10 @@ MOVED_KEYS: dict[str, str] = {
     "rollout.weight_sync_timeout_s": "rollout.weight_sync.timeout_s",
     "rollout.weight_sync_init_timeout_s": "rollout.weight_sync.init_timeout_s",
     "rollout.weight_sync_master_address": "rollout.weight_sync.master_address",
+    # rollout.fleet: the servers, the router, failover and restarts
+    **{f"rollout.{key}": f"rollout.fleet.{key}" for key in (
+        "num_servers", "router", "router_url", "router_policy", "router_balance_abs_threshold", "start_timeout_s",
+        "failover_retries", "restart_servers", "restart_command")},
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import shlex
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 from .checks import RecipeError, _check_finite, _check_url, _in_range, _positive_int, _positive_seconds
 
@@ -55,6 +55,67 @@ class WeightSyncConfig:
 
 
 @dataclass
+class FleetConfig:
+    """``rollout.fleet`` (docs/rollout.md, "A fleet of servers"): the servers the rollouts run on
+    besides ``rollout.urls``, the router in front of them, and what a failed server costs."""
+
+    # embedded servers to start (no rollout.urls) ...
+    num_servers: int = 1
+    # ... the real sglang-router in front of them (or of rollout.urls), started by the trainer
+    # unless router_url names one already running in front of rollout.urls ...
+    router: Literal["none", "sglang_router"] = "none"
+    router_url: Optional[str] = None
+    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    # cache_aware balances (shortest queue) when in-flight calls differ by more than this between
+    # servers (and by 1.5x); sglang-router's own default, 64, is for GPU servers: at rollout
+    # concurrencies below it every call would go to one server
+    router_balance_abs_threshold: int = 4
+    # ... the longest wait for an embedded server or router to start (and restart) ...
+    start_timeout_s: float = 300.0
+    # ... and what a server that dies or hangs mid-step costs: each /generate call it failed is sent
+    # again to the others at most this many times; embedded servers are restarted; external ones
+    # get this operator command (run with $SORL_FAILED_SERVER_URL; not waited for)
+    failover_retries: int = 2
+    restart_servers: bool = True
+    restart_command: Optional[str] = None
+
+    def validate(self, prefix: str = "rollout.fleet", urls: Sequence[str] = (), urls_key: str = "rollout.urls") -> None:
+        """The fleet keys (servers, router, restarts) fit together and with ``urls`` (the
+        external servers, the recipe's ``urls_key``)."""
+        _check_finite(self, prefix)
+        _positive_seconds(f"{prefix}.start_timeout_s", self.start_timeout_s)
+        _positive_int(f"{prefix}.num_servers", self.num_servers)
+        _positive_int(f"{prefix}.failover_retries", self.failover_retries, minimum=0)
+        _positive_int(f"{prefix}.router_balance_abs_threshold", self.router_balance_abs_threshold, minimum=0)
+        if urls and self.num_servers != 1:
+            raise RecipeError(f"{prefix}.num_servers={self.num_servers} starts embedded servers, but {urls_key} "
+                              "lists external ones: give one or the other")
+        if self.router_url is not None:
+            _check_url(f"{prefix}.router_url", self.router_url)
+            if self.router != "sglang_router":
+                raise RecipeError(f"{prefix}.router_url is set but {prefix}.router={self.router}: "
+                                  f"set {prefix}.router=sglang_router")
+            if not urls:
+                raise RecipeError(f"{prefix}.router_url needs {urls_key}: the workers behind it, which get the "
+                                  "weight updates, flush_cache and health checks (generation goes through the router)")
+        elif self.router == "sglang_router" and importlib.util.find_spec("sglang_router") is None:
+            raise RecipeError(f"{prefix}.router=sglang_router needs the sglang-router package to start the router: "
+                              f"pip install sglang-router (or give {prefix}.router_url of a running one)")
+        if self.restart_command is not None:
+            if not urls:
+                raise RecipeError(f"{prefix}.restart_command is for external servers ({urls_key}); the trainer "
+                                  f"restarts its embedded servers itself ({prefix}.restart_servers)")
+            try:
+                words = shlex.split(self.restart_command)
+            except ValueError as err:
+                raise RecipeError(
+                    f"{prefix}.restart_command: {self.restart_command!r} is not a command line ({err})"
+                ) from None
+            if not words:
+                raise RecipeError(f"{prefix}.restart_command is empty: give a command or leave it null")
+
+
+@dataclass
 class RolloutConfig:
     """Multi-turn generation. No URLs = start the embedded CPU server."""
 
@@ -83,25 +144,7 @@ class RolloutConfig:
     health_timeout_s: float = 10.0
     retries: int = 2  # extra attempts after a refused connection or a 5xx answer (never after a timeout)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    # The fleet (docs/rollout.md, "A fleet of servers"): embedded servers to start (no urls) ...
-    num_servers: int = 1
-    # ... the real sglang-router in front of them (or of `urls`), started by the trainer unless
-    # router_url names one already running in front of `urls` ...
-    router: Literal["none", "sglang_router"] = "none"
-    router_url: Optional[str] = None
-    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
-    # cache_aware balances (shortest queue) when in-flight calls differ by more than this between
-    # servers (and by 1.5x); sglang-router's own default, 64, is for GPU servers: at rollout
-    # concurrencies below it every call would go to one server
-    router_balance_abs_threshold: int = 4
-    # ... the longest wait for an embedded server or router to start (and restart) ...
-    start_timeout_s: float = 300.0
-    # ... and what a server that dies or hangs mid-step costs: each /generate call it failed is sent
-    # again to the others at most this many times; embedded servers are restarted; external ones
-    # get this operator command (run with $SORL_FAILED_SERVER_URL; not waited for)
-    failover_retries: int = 2
-    restart_servers: bool = True
-    restart_command: Optional[str] = None
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     # Rollout modes (docs/rollout.md, "Rollout modes"): sync generates each step's batch with
     # the step's own weights; one_step_off generates step k+1's batch while step k trains, on
     # the weights step k started from (a lag of exactly one version); async keeps episodes in
@@ -139,7 +182,7 @@ class RolloutConfig:
         for key in ("group_size", "max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "concurrency"):
             _positive_int(f"{prefix}.{key}", getattr(self, key))
         self.weight_sync.validate(f"{prefix}.weight_sync")
-        for key in ("timeout_s", "health_timeout_s", "start_timeout_s", "flush_idle_timeout_s"):
+        for key in ("timeout_s", "health_timeout_s", "flush_idle_timeout_s"):
             _positive_seconds(f"{prefix}.{key}", getattr(self, key))
         _positive_int(f"{prefix}.retries", self.retries, minimum=0)
         if not 0 < self.top_p <= 1:
@@ -155,47 +198,15 @@ class RolloutConfig:
                 )
         for i, url in enumerate(self.urls):
             _check_url(f"{prefix}.urls[{i}]", url)
-        self._check_fleet(prefix)
+        self.fleet.validate(f"{prefix}.fleet", self.urls, f"{prefix}.urls")
+        if self.deterministic and self.urls:
+            raise RecipeError(f"{prefix}.deterministic is for embedded servers; launch external SGLang servers with "
+                              "--enable-deterministic-inference instead")
         self._check_modes(prefix)
         self.inject.validate(f"{prefix}.inject")
         if self.inject.route_flip_fraction > 0 and self.urls:
             raise RecipeError(f"{prefix}.inject.route_flip_fraction is an injector of the embedded servers; "
                               f"{prefix}.urls names external ones")
-
-    def _check_fleet(self, prefix: str) -> None:
-        """The fleet keys (servers, router, restarts) fit together."""
-        _positive_int(f"{prefix}.num_servers", self.num_servers)
-        _positive_int(f"{prefix}.failover_retries", self.failover_retries, minimum=0)
-        _positive_int(f"{prefix}.router_balance_abs_threshold", self.router_balance_abs_threshold, minimum=0)
-        if self.urls and self.num_servers != 1:
-            raise RecipeError(f"{prefix}.num_servers={self.num_servers} starts embedded servers, but {prefix}.urls "
-                              "lists external ones: give one or the other")
-        if self.router_url is not None:
-            _check_url(f"{prefix}.router_url", self.router_url)
-            if self.router != "sglang_router":
-                raise RecipeError(f"{prefix}.router_url is set but {prefix}.router={self.router}: "
-                                  f"set {prefix}.router=sglang_router")
-            if not self.urls:
-                raise RecipeError(f"{prefix}.router_url needs {prefix}.urls: the workers behind it, which get the "
-                                  "weight updates, flush_cache and health checks (generation goes through the router)")
-        elif self.router == "sglang_router" and importlib.util.find_spec("sglang_router") is None:
-            raise RecipeError(f"{prefix}.router=sglang_router needs the sglang-router package to start the router: "
-                              f"pip install sglang-router (or give {prefix}.router_url of a running one)")
-        if self.deterministic and self.urls:
-            raise RecipeError(f"{prefix}.deterministic is for embedded servers; launch external SGLang servers with "
-                              "--enable-deterministic-inference instead")
-        if self.restart_command is not None:
-            if not self.urls:
-                raise RecipeError(f"{prefix}.restart_command is for external servers ({prefix}.urls); the trainer "
-                                  f"restarts its embedded servers itself ({prefix}.restart_servers)")
-            try:
-                words = shlex.split(self.restart_command)
-            except ValueError as err:
-                raise RecipeError(
-                    f"{prefix}.restart_command: {self.restart_command!r} is not a command line ({err})"
-                ) from None
-            if not words:
-                raise RecipeError(f"{prefix}.restart_command is empty: give a command or leave it null")
 
     def _check_modes(self, prefix: str) -> None:
         """The rollout mode, staleness, dynamic sampling and overlong options (those against

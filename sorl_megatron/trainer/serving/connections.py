@@ -72,7 +72,7 @@ class Connections:
         cfg, r = self.cfg, self.cfg.rollout
         self.fleet = start_fleet(r, self.run_dir, self.servers, lambda name: rollout_server_spec(
             policy_path, r.precision, cfg.rollout_routes, cfg.schedule.seed, name=name,
-            health_timeout_s=r.start_timeout_s, deterministic=r.deterministic,
+            health_timeout_s=r.fleet.start_timeout_s, deterministic=r.deterministic,
             route_flip=(r.inject.route_flip_fraction, r.inject.seed)))
         stack.callback(self.fleet.close)
         self.rollout_urls = self.fleet.urls()
@@ -85,8 +85,8 @@ class Connections:
         if self.fleet is None:
             r = self.cfg.rollout
             self.fleet = RolloutFleet(
-                timeout_s=r.start_timeout_s, health=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
-                run_dir=self.run_dir, workers=[], restart_command=r.restart_command,
+                timeout_s=r.fleet.start_timeout_s, health=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
+                run_dir=self.run_dir, workers=[], restart_command=r.fleet.restart_command,
                 api_key=self.api_keys.get("rollout"))
         if not self.fleet.workers:
             self.fleet.workers = [Worker(u) for u in self.rollout_urls]
@@ -116,7 +116,7 @@ class Connections:
             control_retry=RetryPolicy(timeout_s=r.weight_sync.timeout_s, retries=r.retries),
             health_retry=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
             api_key=self.api_keys.get("rollout"), router_url=fleet.router_url,
-            failover_retries=r.failover_retries, routing_shape=self.routing_shape()), on_failure=fleet.on_failure,
+            failover_retries=r.fleet.failover_retries, routing_shape=self.routing_shape()), on_failure=fleet.on_failure,
             serving=fleet.urls,  # a long-lived (async) client follows restarts
             on_retry=lambda: fleet.count("retries"),  # as they happen, from any thread
             pauses=self.pause_clock if self.pauses else None)
