@@ -473,8 +473,8 @@ def check_memory_plan(args) -> str:
 # The second study's worst stress (docs/study.md, recipes/study/round2_*.yaml): 3% of the rollout
 # server's (token, layer) top-k choices flipped, rollouts two weight versions old, R3 replaying the
 # rollout's routes in the trainer; three steps, so the last trains on a lagged batch
-STRESS_RUN = ("rollout.inject.route_flip_fraction=0.03", "rollout.mode=lagged", "rollout.lag=2",
-              "rollout.max_staleness=2", "algorithm.routing_replay=r3", "schedule.total_steps=3")
+STRESS_RUN = ("rollout.inject.route_flip_fraction=0.03", "rollout.mode=lagged", "rollout.lagged.lag=2",
+              "rollout.staleness.max=2", "algorithm.routing_replay=r3", "schedule.total_steps=3")
 
 
 def check_rl_step_stress(args) -> str:

@@ -38,6 +38,12 @@ class TransportSettings(Protocol):
     master_address: Optional[str]
 
 
+class FlushSettings(Protocol):
+    """``rollout.async``: how long a sync's ``/flush_cache`` may wait for busy servers."""
+
+    flush_idle_timeout_s: float
+
+
 class SyncSettings(Protocol):
     """The ``rollout.*`` settings the transports read (the recipe's rollout section has them)."""
 
@@ -46,7 +52,7 @@ class SyncSettings(Protocol):
     urls: list[str]  # external servers (none: the trainer's embedded ones)
     retries: int
     health_timeout_s: float
-    flush_idle_timeout_s: float
+    async_: FlushSettings  # rollout.async: requests run during a sync only in that mode
 
 
 @dataclass(frozen=True)
@@ -132,9 +138,9 @@ async def weight_format(client: RolloutClient, settings: SyncSettings) -> Weight
 async def flush_after_sync(client: RolloutClient, wait_idle_s: float) -> bool:
     """``/flush_cache`` once the servers hold the new weights (their prefix caches hold KV of the
     old ones); True when every server flushed at once. SGLang refuses a flush (400) while
-    requests run, as in async mode with ``pause_mode`` in_place or off: the flush is then left
-    to a background call that each server holds until it is idle, at most ``wait_idle_s``
-    (``rollout.flush_idle_timeout_s``; SGLang's own deferral), so the trainer never waits on
+    requests run, as in async mode with ``rollout.async.pause_mode`` in_place or off: the flush
+    is then left to a background call that each server holds until it is idle, at most ``wait_idle_s``
+    (``rollout.async.flush_idle_timeout_s``; SGLang's own deferral), so the trainer never waits on
     requests it cannot end; its outcome is logged."""
     try:
         await client.flush_cache()
@@ -159,4 +165,4 @@ def _flush_when_idle(cfg: RolloutClientConfig, wait_idle_s: float) -> None:
         log.info("the rollout servers' caches were flushed once idle")
     except Exception as err:  # a background call: its failure is reported, the run goes on
         log.warning("prefix cache not flushed after the weight sync (the servers were not idle within "
-                    "rollout.flush_idle_timeout_s = %g s; the next sync flushes again): %s", wait_idle_s, err)
+                    "rollout.async.flush_idle_timeout_s = %g s; the next sync flushes again): %s", wait_idle_s, err)

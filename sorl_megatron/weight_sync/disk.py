@@ -28,7 +28,7 @@ class DiskWeightSync(WeightSync):
                         await weight_format(c, self.settings)  # the checkpoint's format is the one it serves
                     # not flushed by the reload: SGLang's flush there fails its scheduler while requests run
                     await c.update_weights_from_disk(out, weight_version=version, flush_cache=False)
-                    await flush_after_sync(c, self.settings.flush_idle_timeout_s)
+                    await flush_after_sync(c, self.settings.async_.flush_idle_timeout_s)
 
             aio.run(reload())
         return SyncStats()

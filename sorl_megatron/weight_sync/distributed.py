@@ -310,7 +310,7 @@ async def begin_update(client: RolloutClient, settings: SyncSettings | None = No
 async def end_update(client: RolloutClient, version: str, ok: bool = True, flush_idle_s: float = 0.0) -> None:
     """Label the sync ``version`` and close it (the servers switch weights and version together),
     then drop their prefix caches (``base.flush_after_sync``: never while requests run, each
-    server waiting for idle at most ``flush_idle_s``, ``rollout.flush_idle_timeout_s``). After a
+    server waiting for idle at most ``flush_idle_s``, ``rollout.async.flush_idle_timeout_s``). After a
     failed sync (``ok`` false) only close it, waiting on a hung server no longer than the health
     policy."""
     if not ok:
@@ -391,7 +391,7 @@ class DistributedWeightSync(WeightSync):
                 error = exc
             failed = comm.any_rank(error is not None)
         if comm.rank() == 0:
-            flush_s, ok = self.settings.flush_idle_timeout_s, not failed
+            flush_s, ok = self.settings.async_.flush_idle_timeout_s, not failed
             try:
                 aio.run(self._with_client(urls, self.api_key, lambda c: end_update(c, version, ok, flush_s)))
             except BaseException as exc:

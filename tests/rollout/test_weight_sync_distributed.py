@@ -101,7 +101,7 @@ def settings(**kw) -> SimpleNamespace:
     sync = SimpleNamespace(transport="distributed", timeout_s=30.0, init_timeout_s=20.0, bucket_mb=1,
                            master_address=None)
     base = dict(weight_sync=sync, precision="fp32", urls=[], retries=0, health_timeout_s=5.0,
-                flush_idle_timeout_s=5.0)
+                async_=SimpleNamespace(flush_idle_timeout_s=5.0))
     return SimpleNamespace(**{**base, **kw})
 
 

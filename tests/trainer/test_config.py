@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from sorl_megatron.algorithms import POLICY_LOSSES
-from sorl_megatron.common.typed_config import build_dataclass
+from sorl_megatron.common.typed_config import build_dataclass, config_key
 from sorl_megatron.trainer.recipe.config import RecipeError, TrainConfig
 from sorl_megatron.trainer.recipe.launch_checks import validate_layout_for_launch
 from sorl_megatron.trainer.recipe.loader import dump_config, load_recipe
@@ -62,15 +62,17 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["rollout.max_obs_tokens=0"], r"rollout.max_obs_tokens must be >= 1"),
         (["rollout.concurrency=0"], r"rollout.concurrency must be >= 1"),
         (["rollout.mode=eventually"], r"rollout.mode: 'eventually' is not one of"),
-        (["rollout.mode=async", "rollout.max_staleness=0"], r"rollout.mode=async with rollout.max_staleness=0"),
-        (["rollout.mode=one_step_off", "rollout.max_staleness=0"], r"rollout.max_staleness must be >= 1"),
-        (["rollout.mode=lagged", "rollout.lag=3"], r"rollout.mode=lagged .* rollout.max_staleness=1 must be >= 3"),
-        (["rollout.lag=0"], r"rollout.lag must be >= 1, got 0"),
+        (["rollout.mode=async", "rollout.staleness.max=0"], r"rollout.mode=async with rollout.staleness.max=0"),
+        (["rollout.mode=one_step_off", "rollout.staleness.max=0"], r"rollout.staleness.max must be >= 1"),
+        (["rollout.mode=lagged", "rollout.lagged.lag=3"],
+         r"rollout.mode=lagged .* rollout.staleness.max=1 must be >= 3"),
+        (["rollout.lagged.lag=0"], r"rollout.lagged.lag must be >= 1, got 0"),
         (["rollout.inject.route_flip_fraction=1.5"], r"rollout.inject.route_flip_fraction must be in \[0, 1\]"),
         (["rollout.inject.route_flip_fraction=.nan"], r"rollout.inject.route_flip_fraction"),
         (["rollout.inject.seed=-1"], r"rollout.inject.seed must be in \[0, 2\^31\)"),
         (["rollout.inject.flip=0.1"], r"rollout.inject.flip"),
-        (["rollout.mode=async", "rollout.stale_groups=keep"], r"stale_groups=keep .* algorithm.loss.is_correction"),
+        (["rollout.mode=async", "rollout.staleness.stale_groups=keep"],
+         r"stale_groups=keep .* algorithm.loss.is_correction"),
         (["rollout.dynamic_sampling_max_groups=1"], r"rollout.dynamic_sampling_max_groups=1 must be 0 or >= schedule"),
         (["rollout.overlong=cut"], r"rollout.overlong: 'cut' is not one of"),
         (["rollout.overlong_buffer=5000"], r"rollout.overlong_buffer=5000 must be < rollout.max_total_tokens"),
@@ -174,7 +176,7 @@ def test_every_float_field_gets_the_finite_check():
     def float_keys(cls, prefix=""):
         for f in dataclasses.fields(cls):
             hint = typing.get_type_hints(cls)[f.name]
-            key = f"{prefix}{f.name}"
+            key = f"{prefix}{config_key(f)}"
             if dataclasses.is_dataclass(hint):
                 yield from float_keys(hint, key + ".")
             elif hint is float or float in typing.get_args(hint):
@@ -182,6 +184,7 @@ def test_every_float_field_gets_the_finite_check():
 
     keys = list(float_keys(TrainConfig))
     assert len(keys) > 20 and "optimizer.lr" in keys and "algorithm.loss.is_correction.cap" in keys
+    assert "rollout.async.flush_idle_timeout_s" in keys and "rollout.weight_sync.timeout_s" in keys
     for key in keys:
         with pytest.raises(RecipeError, match=rf"{key.replace('.', '[.]')}.* finite"):
             load_recipe(BASE, [f"{key}=.nan"])

@@ -29,11 +29,11 @@ from sorl_megatron.weight_sync.factory import TRANSPORTS, make_weight_sync
 from sorl_megatron.weight_sync.wire import deserialize_named_tensors
 
 
-def settings(transport: str = "tensor", **kw) -> SimpleNamespace:
+def settings(transport: str = "tensor", flush_idle_timeout_s: float = 2.0, **kw) -> SimpleNamespace:
     """The rollout settings a transport reads (duck-typed like the recipe's rollout section)."""
     sync = SimpleNamespace(transport=transport, timeout_s=30.0, init_timeout_s=20.0, bucket_mb=1, master_address=None)
     base = dict(weight_sync=sync, precision="fp32", urls=[], retries=0, health_timeout_s=5.0,
-                flush_idle_timeout_s=2.0)
+                async_=SimpleNamespace(flush_idle_timeout_s=flush_idle_timeout_s))
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -311,9 +311,9 @@ def test_the_sync_sends_the_weight_format_the_server_stores(tmp_path):
 
 
 def test_the_flush_after_a_sync_waits_for_idle_bounded_and_never_fails_it(recorders, tmp_path, monkeypatch, caplog):
-    """SGLang answers /flush_cache 400 while requests run (async pause_mode in_place or off): the
+    """SGLang answers /flush_cache 400 while requests run (async with rollout.async.pause_mode in_place or off): the
     sync then leaves the flush to a background call each server holds until idle
-    (?timeout=flush_idle_timeout_s), and a server still busy after it is a warning, never a
+    (?timeout=rollout.async.flush_idle_timeout_s), and a server still busy after it is a warning, never a
     failed sync; idle servers flush at once."""
     from sorl_megatron.weight_sync.distributed import end_update
 

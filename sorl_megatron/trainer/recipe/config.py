@@ -473,10 +473,11 @@ class TrainConfig:
     def _check_modes(self) -> None:
         """What the rollout mode and dynamic sampling ask of the loss and the batch."""
         r = self.rollout
-        if r.mode != "sync" and r.stale_groups == "keep" and self.algorithm.loss.is_correction.mode == "off":
-            raise RecipeError("rollout.stale_groups=keep trains on groups beyond rollout.max_staleness with the IS "
-                              "correction of their behaviour log-probs: set algorithm.loss.is_correction.mode "
-                              "(tis or mis), or drop them (rollout.stale_groups=drop)")
+        keeps_stale = r.mode_settings.stale and r.staleness.stale_groups == "keep"
+        if keeps_stale and self.algorithm.loss.is_correction.mode == "off":
+            raise RecipeError("rollout.staleness.stale_groups=keep trains on groups beyond rollout.staleness.max with "
+                              "the IS correction of their behaviour log-probs: set algorithm.loss.is_correction.mode "
+                              "(tis or mis), or drop them (rollout.staleness.stale_groups=drop)")
         if r.dynamic_sampling_max_groups and r.dynamic_sampling_max_groups < self.schedule.batch_size:
             raise RecipeError(f"rollout.dynamic_sampling_max_groups={r.dynamic_sampling_max_groups} must be 0 or "
                               f">= schedule.batch_size={self.schedule.batch_size}")
@@ -491,8 +492,8 @@ CONFIG_GROUPS: dict[str, str] = {
         "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, "
         "routing_replay, value_clip, pvpo"
     ),
-    "rollout": "SGLang URLs (or embedded servers), sglang-router, failover and restarts, precision, group size, "
-    "sampling, turns and lengths",
+    "rollout": "SGLang URLs, precision, group size, sampling, turns and lengths; weight_sync (transport, buckets, "
+    "timeouts), fleet (embedded servers, sglang-router, failover and restarts), mode with staleness / lagged / async",
     "retrieval": "retrieval URL (or embedded BM25 corpus), top-k",
     "data": "train / val files (Search-R1 / verl parquet), prompt length, val_max_rows",
     "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule, distributed optimizer",

@@ -40,6 +40,12 @@ MOVED_KEYS: dict[str, str] = {
     **{f"rollout.{key}": f"rollout.fleet.{key}" for key in (
         "num_servers", "router", "router_url", "router_policy", "router_balance_abs_threshold", "start_timeout_s",
         "failover_retries", "restart_servers", "restart_command")},
+    # the rollout modes' keys: the staleness bound the lagged modes share, each mode's own
+    "rollout.max_staleness": "rollout.staleness.max",
+    "rollout.stale_groups": "rollout.staleness.stale_groups",
+    "rollout.lag": "rollout.lagged.lag",
+    "rollout.pause_mode": "rollout.async.pause_mode",
+    "rollout.flush_idle_timeout_s": "rollout.async.flush_idle_timeout_s",
 }
 
 

@@ -3,12 +3,15 @@ sync to them and the rollout modes (``config.py`` holds the other sections and `
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import shlex
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
+from ...common.typed_config import config_key
 from .checks import RecipeError, _check_finite, _check_url, _in_range, _positive_int, _positive_seconds
+from .rollout_modes import ROLLOUT_MODES, AsyncMode, LaggedMode, ModeSettings, RolloutModeName, StalenessConfig
 
 
 @dataclass
@@ -145,25 +148,17 @@ class RolloutConfig:
     retries: int = 2  # extra attempts after a refused connection or a 5xx answer (never after a timeout)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
-    # Rollout modes (docs/rollout.md, "Rollout modes"): sync generates each step's batch with
-    # the step's own weights; one_step_off generates step k+1's batch while step k trains, on
-    # the weights step k started from (a lag of exactly one version); async keeps episodes in
-    # flight across weight updates (partial rollouts) and trains on finished groups whose oldest
-    # token is at most max_staleness versions behind the trainer; lagged (a study axis) trains
-    # step k on the batch generated on weights k - lag (min(k, lag) while the pipeline fills) ...
-    mode: Literal["sync", "one_step_off", "lagged", "async"] = "sync"
-    max_staleness: int = 1
-    lag: int = 2
-    # ... and what happens to a group beyond it: dropped (and replaced), or kept: trained with the
-    # IS correction of algorithm.loss.is_correction on its true behaviour log-probs
-    stale_groups: Literal["drop", "keep"] = "drop"
-    # async: SGLang's /pause_generation mode around each weight update (off: never pause; a server
-    # without the endpoint answers 404 and the update lands between its requests)
-    pause_mode: Literal["retract", "in_place", "off"] = "retract"
-    # a sync ends with /flush_cache, which SGLang refuses while requests run (pause_mode in_place
-    # or off): a background call then asks each server to flush once idle, waiting at most this
-    # long; still busy, a warning (the next sync flushes again)
-    flush_idle_timeout_s: float = 30.0
+    # Rollout modes (docs/rollout.md, "Rollout modes"; rollout_modes.py): sync generates each
+    # step's batch with the step's own weights; one_step_off generates step k+1's batch while step
+    # k trains, on the weights step k started from (a lag of exactly one version); async keeps
+    # episodes in flight across weight updates (partial rollouts) and trains on finished groups
+    # whose oldest token is at most staleness.max versions behind the trainer; lagged (a study
+    # axis) trains step k on the batch generated on weights k - lagged.lag (min(k, lag) while the
+    # pipeline fills). A mode with keys has its section under its name.
+    mode: RolloutModeName = "sync"
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    lagged: LaggedMode = field(default_factory=LaggedMode)
+    async_: AsyncMode = field(default_factory=AsyncMode, metadata={"key": "async"})
     # DAPO dynamic sampling: a group whose rewards are all equal (no GRPO signal) is dropped and
     # replaced by a fresh prompt's group until the batch is full; at most this many groups are
     # drawn per step (0: 4 x schedule.batch_size), then dropped groups fill the rest
@@ -182,7 +177,7 @@ class RolloutConfig:
         for key in ("group_size", "max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "concurrency"):
             _positive_int(f"{prefix}.{key}", getattr(self, key))
         self.weight_sync.validate(f"{prefix}.weight_sync")
-        for key in ("timeout_s", "health_timeout_s", "flush_idle_timeout_s"):
+        for key in ("timeout_s", "health_timeout_s"):
             _positive_seconds(f"{prefix}.{key}", getattr(self, key))
         _positive_int(f"{prefix}.retries", self.retries, minimum=0)
         if not 0 < self.top_p <= 1:
@@ -209,9 +204,10 @@ class RolloutConfig:
                               f"{prefix}.urls names external ones")
 
     def _check_modes(self, prefix: str) -> None:
-        """The rollout mode, staleness, dynamic sampling and overlong options (those against
-        other sections: ``TrainConfig.validate``)."""
-        _positive_int(f"{prefix}.max_staleness", self.max_staleness, minimum=0)
+        """The rollout mode (each mode's section checks its own keys, the selected mode what it
+        asks of the staleness bound), dynamic sampling and overlong options (those against other
+        sections: ``TrainConfig.validate``)."""
+        self.staleness.validate(f"{prefix}.staleness")
         _positive_int(f"{prefix}.dynamic_sampling_max_groups", self.dynamic_sampling_max_groups, minimum=0)
         _positive_int(f"{prefix}.overlong_buffer", self.overlong_buffer)
         if self.overlong_buffer >= self.max_total_tokens:
@@ -219,13 +215,16 @@ class RolloutConfig:
                               f"{self.max_total_tokens}")
         if self.overlong_penalty < 0:
             raise RecipeError(f"{prefix}.overlong_penalty must be >= 0, got {self.overlong_penalty}")
-        if self.mode == "one_step_off" and self.max_staleness < 1:
-            raise RecipeError(f"{prefix}.mode=one_step_off trains on batches one weight version old: "
-                              f"{prefix}.max_staleness must be >= 1")
-        _positive_int(f"{prefix}.lag", self.lag)
-        if self.mode == "lagged" and self.max_staleness < self.lag:
-            raise RecipeError(f"{prefix}.mode=lagged trains on batches {prefix}.lag={self.lag} versions old: "
-                              f"{prefix}.max_staleness={self.max_staleness} must be >= {self.lag}")
-        if self.mode == "async" and self.max_staleness < 1:
-            raise RecipeError(f"{prefix}.mode=async with {prefix}.max_staleness=0 would drop every group that was in "
-                              f"flight at a weight update: use {prefix}.mode=sync, or max_staleness >= 1")
+        for name, section in self.mode_sections().items():
+            section.validate(f"{prefix}.{name}")
+        self.mode_settings.check_selected(prefix, self.staleness)
+
+    def mode_sections(self) -> dict[str, ModeSettings]:
+        """The sections of the modes that have keys, by mode name (``rollout.<mode>``)."""
+        return {config_key(f): getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), ModeSettings)}
+
+    @property
+    def mode_settings(self) -> ModeSettings:
+        """The settings of ``rollout.mode``: its section, or the defaults of a mode without keys."""
+        return self.mode_sections().get(self.mode) or ROLLOUT_MODES[self.mode]()

@@ -36,7 +36,7 @@ class Connections:
     """Rank 0's servers and clients for one run.
 
     ``pauses``: whether the servers pause generation for weight updates (the rollout source
-    decides: async with ``rollout.pause_mode`` on); the clients' ``/generate`` calls then do not
+    decides: async with ``rollout.async.pause_mode`` on); the clients' ``/generate`` calls then do not
     count paused time against ``rollout.timeout_s``.
     """
 
@@ -222,7 +222,7 @@ class Connections:
         self.pause_clock.pause()  # before the call: a server pauses as soon as it is asked
         try:
             self._pause_supported = aio.run(
-                self.with_client(lambda c: c.pause_generation(self.cfg.rollout.pause_mode)))
+                self.with_client(lambda c: c.pause_generation(self.cfg.rollout.async_.pause_mode)))
         except Exception:
             # some servers may have paused before one failed: never leave them paused
             try:
