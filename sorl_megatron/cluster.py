@@ -12,7 +12,7 @@ per role replica), in this order:
 - group N+1: ``sglang-router`` in front of them (CPU), ``--router-policy``;
 - the last M groups: ``torchrun`` on the training nodes (c10d rendezvous on the first of
   them), with the recipe and its overrides plus the fleet's ``rollout.urls``,
-  ``rollout.router_url`` and ``retrieval.url``.
+  ``rollout.fleet.router_url`` and ``retrieval.url``.
 
 Host names are known only when Slurm places the job, so every command runs through
 ``python -m sorl_megatron.cluster exec [--wait URL ...] -- CMD``, which replaces ``{het:K}``
@@ -79,7 +79,7 @@ class FleetJob:
         given = {o.split("=", 1)[0].lstrip("+") for o in self.overrides}
         if self.corpus is None and "retrieval.url" not in given:
             raise ConfigError("give --corpus (a retrieval server in the job) or the override retrieval.url=...")
-        fleet = ["rollout.router=sglang_router", f"rollout.router_url={self.router_url}",
+        fleet = ["rollout.fleet.router=sglang_router", f"rollout.fleet.router_url={self.router_url}",
                  f"rollout.urls=[{','.join(self.worker_urls)}]"]
         if self.corpus is not None:
             fleet.append(f"retrieval.url=http://{{het:0}}:{RETRIEVAL_PORT}")

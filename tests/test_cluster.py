@@ -53,8 +53,8 @@ def test_dry_run_renders_the_whole_fleet(capsys, tmp_path):
     for trainer in trainers:
         assert "--wait 'http://{het:3}:30100' --wait 'http://{het:0}:8000'" in trainer
         assert "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint '{het:4}:29500'" in trainer
-        for override in ["schedule.total_steps=7", "rollout.router=sglang_router",
-                         "'rollout.router_url=http://{het:3}:30100'",
+        for override in ["schedule.total_steps=7", "rollout.fleet.router=sglang_router",
+                         "'rollout.fleet.router_url=http://{het:3}:30100'",
                          "'rollout.urls=[http://{het:1}:30000,http://{het:2}:30000]'",
                          "'retrieval.url=http://{het:0}:8000'"]:
             assert override in trainer, override
@@ -71,7 +71,7 @@ def test_job_is_checked_before_rendering(tmp_path):
     Job = functools.partial(FleetJob, workdir=str(tmp_path))
     ok = Job(RECIPE, BASE, corpus="/c.jsonl")
     cfg, overrides = ok.validate()
-    assert cfg.rollout.router == "sglang_router" and len(cfg.rollout.urls) == 1
+    assert cfg.rollout.fleet.router == "sglang_router" and len(cfg.rollout.urls) == 1
     for job, match in [
         (Job(RECIPE, BASE), r"give --corpus .* or the override retrieval.url"),
         (Job(RECIPE, BASE, corpus="/c", inference_nodes=0), r"--inference-nodes must be >= 1"),

@@ -227,35 +227,45 @@ def test_no_module_or_class_is_a_hub():
     assert big == []
 
 
-def _attribute_reads(path: pathlib.Path, names: set[str]) -> list[int]:
-    """Lines of ``path`` that read ``<anything>.rollout.<name>`` for a name in ``names``."""
+def _attribute_reads(path: pathlib.Path, names: set[str], owner: str = "rollout") -> list[int]:
+    """Lines of ``path`` that read ``<anything>.<owner>.<name>`` for a name in ``names``."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if (isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Attribute)
-                and node.value.attr == "rollout"):
+                and node.value.attr == owner):
             out.append(node.lineno)
     return out
 
 
+def _reads_outside(path: pathlib.Path, names: set[str], owner: str, picker: str | None) -> list[int]:
+    """``_attribute_reads`` of ``path`` outside the function ``picker`` (None: anywhere)."""
+    allowed: set[int] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.FunctionDef) and node.name == picker:
+            allowed.update(range(node.lineno, node.end_lineno + 1))
+    return [n for n in _attribute_reads(path, names, owner) if n not in allowed]
+
+
 def test_the_trainer_never_branches_on_the_rollout_mode_or_the_sync_transport():
-    """``rollout.mode`` is read by the one function that picks the rollout source and
-    ``rollout.weight_sync`` by the one that picks the transport; nothing else in the trainer."""
-    pickers = {"modes.py": "source_class"}
+    """``rollout.mode`` is read by the one function that picks the rollout source (nothing else in
+    the trainer) and ``rollout.weight_sync.transport`` by the one that picks the transport
+    (nothing else in the package)."""
     for path in sorted((PACKAGE / "trainer").rglob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
-        allowed: set[int] = set()
-        picker = pickers.get(path.name)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and node.name == picker:
-                allowed.update(range(node.lineno, node.end_lineno + 1))
-        reads = [n for n in _attribute_reads(path, {"mode", "weight_sync"}) if n not in allowed]
-        assert reads == [], f"{path.relative_to(REPO)} reads rollout.mode / rollout.weight_sync at lines {reads}"
+        reads = _reads_outside(path, {"mode"}, "rollout", "source_class" if path.name == "modes.py" else None)
+        assert reads == [], f"{path.relative_to(REPO)} reads rollout.mode at lines {reads}"
+    for path in sorted(PACKAGE.rglob("*.py")):
+        picker = "make_weight_sync" if path.relative_to(PACKAGE).as_posix() == "weight_sync/factory.py" else None
+        reads = _reads_outside(path, {"transport"}, "weight_sync", picker)
+        assert reads == [], f"{path.relative_to(REPO)} reads rollout.weight_sync.transport at lines {reads}"
 
 
 def test_the_checker_sees_a_mode_branch(tmp_path):
     path = tmp_path / "x.py"
     path.write_text("def f(cfg):\n    return cfg.rollout.mode == 'async'\n")
     assert _attribute_reads(path, {"mode"}) == [2]
+    path.write_text("def make_weight_sync(s):\n    return s.weight_sync.transport\n"
+                    "def g(cfg):\n    return cfg.rollout.weight_sync.transport\n")
+    assert _reads_outside(path, {"transport"}, "weight_sync", "make_weight_sync") == [4]
 
 
 def _tracked_files() -> list[pathlib.Path]:

@@ -473,8 +473,8 @@ def check_memory_plan(args) -> str:
 # The second study's worst stress (docs/study.md, recipes/study/round2_*.yaml): 3% of the rollout
 # server's (token, layer) top-k choices flipped, rollouts two weight versions old, R3 replaying the
 # rollout's routes in the trainer; three steps, so the last trains on a lagged batch
-STRESS_RUN = ("rollout.inject.route_flip_fraction=0.03", "rollout.mode=lagged", "rollout.lag=2",
-              "rollout.max_staleness=2", "algorithm.routing_replay=r3", "schedule.total_steps=3")
+STRESS_RUN = ("rollout.inject.route_flip_fraction=0.03", "rollout.mode=lagged", "rollout.lagged.lag=2",
+              "rollout.staleness.max=2", "algorithm.routing_replay=r3", "schedule.total_steps=3")
 
 
 def check_rl_step_stress(args) -> str:
@@ -512,7 +512,7 @@ def run_rl_steps(args, transport: str, hidden_size: int | None = None, extra: tu
     name = f"{name}_{transport}_{device}" + ("" if hidden_size is None else f"_h{hidden_size}")
     cmd = [sys.executable, "-m", "sorl_megatron.train", "--config", str(ROOT / "recipes" / "tiny_search_base.yaml"),
            f"model.path={data / 'model'}", f"retrieval.corpus={data / 'corpus.jsonl'}",
-           f"data.train={data / 'train.parquet'}", *TINY_RUN, f"rollout.weight_sync={transport}",
+           f"data.train={data / 'train.parquet'}", *TINY_RUN, f"rollout.weight_sync.transport={transport}",
            f"logging.dir={out}", f"logging.run_name={name}", f"checkpoint.dir={out / name / 'ckpt'}"]
     if args.quick:  # one short turn per trajectory
         cmd += ["rollout.max_turns=1", "rollout.max_turn_tokens=8"]

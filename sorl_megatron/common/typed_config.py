@@ -5,6 +5,10 @@ are errors with a did-you-mean, values are checked against the field annotations
 (``int``, ``float``, ``bool``, ``str``, ``Optional``, ``Literal``, ``list[...]``,
 ``dict[str, ...]`` and nested dataclasses), and the dataclass's own ``__post_init__``
 validation runs on the result.
+
+A field's key is its name, unless its metadata names another (``field(metadata={"key":
+"async"})``): a key that is a Python keyword is spelled ``async`` in YAML and overrides and
+``async_`` in code (:func:`config_key`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ def _shown(name: str) -> str:
     return text if len(text) <= MAX_KEY_CHARS else text[:MAX_KEY_CHARS] + "..."
 
 
+def config_key(f: dataclasses.Field) -> str:
+    """The key a dataclass field has in a config (its name, or its metadata's ``key``)."""
+    return f.metadata.get("key", f.name)
+
+
 def build_dataclass(cls: type[T], values: Mapping[str, Any] | None, prefix: str = "") -> T:
     """Instantiate ``cls`` from ``values`` (missing keys take the dataclass defaults)."""
     if values is None:
@@ -44,7 +53,7 @@ def build_dataclass(cls: type[T], values: Mapping[str, Any] | None, prefix: str 
             f"{prefix or cls.__name__}: expected a mapping of {cls.__name__} fields, got {type(values).__name__}"
         )
     hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in values if k not in fields]
     if unknown:
         hints_txt = []
@@ -54,7 +63,10 @@ def build_dataclass(cls: type[T], values: Mapping[str, Any] | None, prefix: str 
             hints_txt.append(name + (f" (did you mean {_join(prefix, close[0])}?)" if close else ""))
         more = f" and {len(unknown) - MAX_KEYS_SHOWN} more" if len(unknown) > MAX_KEYS_SHOWN else ""
         raise ConfigError(f"unknown config key(s): {', '.join(hints_txt)}{more}; valid keys: {', '.join(fields)}")
-    kwargs = {key: _coerce(hints[key], value, _join(prefix, key)) for key, value in values.items()}
+    kwargs = {}
+    for key, value in values.items():
+        name = fields[key].name
+        kwargs[name] = _coerce(hints[name], value, _join(prefix, key))
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -66,7 +78,7 @@ def build_dataclass(cls: type[T], values: Mapping[str, Any] | None, prefix: str 
 def to_dict(obj: Any) -> Any:
     """Plain nested dict/list view of a (nested) dataclass config."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {config_key(f): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):

@@ -103,7 +103,7 @@ class RolloutClientConfig:
         if self.router_url is not None:
             object.__setattr__(self, "router_url", self.router_url.rstrip("/"))
         if self.failover_retries < 0:
-            raise ValueError(f"rollout.failover_retries must be >= 0, got {self.failover_retries}")
+            raise ValueError(f"rollout.fleet.failover_retries must be >= 0, got {self.failover_retries}")
 
 
 class PauseClock(ActiveClock):
@@ -111,11 +111,11 @@ class PauseClock(ActiveClock):
     trainer calls :meth:`pause` before ``/pause_generation`` and :meth:`resume` after
     ``/continue_generation``; a client holding the clock adds the paused seconds that overlap
     a ``/generate`` call to its timeout, at most ``max_credit_s`` per call (the recipe's
-    ``rollout.weight_sync_timeout_s``), so a paused turn waits out a slow sync but never unboundedly."""
+    ``rollout.weight_sync.timeout_s``), so a paused turn waits out a slow sync but never unboundedly."""
 
     def __init__(self, max_credit_s: float):
         if not max_credit_s >= 0:
-            raise ValueError(f"rollout.weight_sync_timeout_s must be >= 0, got {max_credit_s}")
+            raise ValueError(f"rollout.weight_sync.timeout_s must be >= 0, got {max_credit_s}")
         super().__init__()
         self.max_credit_s = float(max_credit_s)
 
@@ -145,7 +145,7 @@ class PauseClock(ActiveClock):
                     raise ServerTimeoutError(
                         f"{what} did not answer within {policy.timeout_s:g} s (rollout.timeout_s) "
                         f"plus {credit:.1f} s paused for weight syncs (at most {self.max_credit_s:g} s: "
-                        f"rollout.weight_sync_timeout_s)")
+                        f"rollout.weight_sync.timeout_s)")
                 # credit only grows: unpaused, wake at the deadline and look again; paused, poll
                 wait = max(left, 0.05)
                 done, _ = await asyncio.wait({call}, timeout=min(wait, 1.0) if self.paused else wait)

@@ -144,7 +144,7 @@ class RLTrainer:
         self.source: Optional[RolloutSource] = None
         self.pvpo: Optional[PVPOStage] = None  # only with the pvpo estimator
         self.wandb_run: Any = None  # rank 0, with logging.wandb.mode online / offline (run)
-        self.weights = WeightPush(cfg.rollout, self.run_dir)  # rollout.weight_sync's transport
+        self.weights = WeightPush(cfg.rollout, self.run_dir)  # the transport rollout.weight_sync.transport names
         self.synced = 0  # the weight version the servers hold: the last sync's (a catch-up sync repeats it)
         self.phase = "the set-up"  # what the run is doing now: an interrupt's message names it
 

@@ -3,7 +3,7 @@
 | module | what |
 |---|---|
 | ``base`` | ``WeightSync`` (``sync(model, targets, version) -> SyncStats``, ``close()``), ``SyncTargets`` |
-| ``factory`` | ``make_weight_sync``: the transport ``rollout.weight_sync`` names |
+| ``factory`` | ``make_weight_sync``: the transport ``rollout.weight_sync.transport`` names |
 | ``distributed`` | SGLang's distributed update: NCCL / gloo broadcasts from each sending rank |
 | ``tensor`` | ``/update_weights_from_tensor``: serialized buckets over HTTP |
 | ``disk`` | an HF checkpoint the servers reload (``/update_weights_from_disk``) |

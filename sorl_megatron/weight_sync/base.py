@@ -28,19 +28,31 @@ from ..rollout.server_facts import WeightFormat, served_weight_format
 log = logging.getLogger("sorl_megatron.weight_sync")
 
 
+class TransportSettings(Protocol):
+    """``rollout.weight_sync``: the transport and its settings."""
+
+    transport: str  # the transport's name: read by the factory only
+    timeout_s: float
+    init_timeout_s: float
+    bucket_mb: int
+    master_address: Optional[str]
+
+
+class FlushSettings(Protocol):
+    """``rollout.async``: how long a sync's ``/flush_cache`` may wait for busy servers."""
+
+    flush_idle_timeout_s: float
+
+
 class SyncSettings(Protocol):
     """The ``rollout.*`` settings the transports read (the recipe's rollout section has them)."""
 
-    weight_sync: str  # the transport's name: read by the factory only
+    weight_sync: TransportSettings
     precision: str
     urls: list[str]  # external servers (none: the trainer's embedded ones)
     retries: int
     health_timeout_s: float
-    weight_sync_timeout_s: float
-    weight_sync_init_timeout_s: float
-    weight_sync_bucket_mb: int
-    weight_sync_master_address: Optional[str]
-    flush_idle_timeout_s: float
+    async_: FlushSettings  # rollout.async: requests run during a sync only in that mode
 
 
 @dataclass(frozen=True)
@@ -89,11 +101,11 @@ class WeightSync(ABC):
 
 def control_client(settings: SyncSettings, urls: Iterable[str], api_key: Optional[str],
                    on_failure: Optional[FailureHook] = None) -> RolloutClient:
-    """A client for the sync's control calls: each bounded by ``rollout.weight_sync_timeout_s``,
+    """A client for the sync's control calls: each bounded by ``rollout.weight_sync.timeout_s``,
     the close of a failed sync by ``rollout.health_timeout_s``."""
     s = settings
     return RolloutClient(RolloutClientConfig(
-        urls=tuple(urls), control_retry=RetryPolicy(timeout_s=s.weight_sync_timeout_s, retries=s.retries),
+        urls=tuple(urls), control_retry=RetryPolicy(timeout_s=s.weight_sync.timeout_s, retries=s.retries),
         health_retry=RetryPolicy(timeout_s=s.health_timeout_s, retries=s.retries), api_key=api_key),
         on_failure=on_failure)
 
@@ -126,9 +138,9 @@ async def weight_format(client: RolloutClient, settings: SyncSettings) -> Weight
 async def flush_after_sync(client: RolloutClient, wait_idle_s: float) -> bool:
     """``/flush_cache`` once the servers hold the new weights (their prefix caches hold KV of the
     old ones); True when every server flushed at once. SGLang refuses a flush (400) while
-    requests run, as in async mode with ``pause_mode`` in_place or off: the flush is then left
-    to a background call that each server holds until it is idle, at most ``wait_idle_s``
-    (``rollout.flush_idle_timeout_s``; SGLang's own deferral), so the trainer never waits on
+    requests run, as in async mode with ``rollout.async.pause_mode`` in_place or off: the flush
+    is then left to a background call that each server holds until it is idle, at most ``wait_idle_s``
+    (``rollout.async.flush_idle_timeout_s``; SGLang's own deferral), so the trainer never waits on
     requests it cannot end; its outcome is logged."""
     try:
         await client.flush_cache()
@@ -153,4 +165,4 @@ def _flush_when_idle(cfg: RolloutClientConfig, wait_idle_s: float) -> None:
         log.info("the rollout servers' caches were flushed once idle")
     except Exception as err:  # a background call: its failure is reported, the run goes on
         log.warning("prefix cache not flushed after the weight sync (the servers were not idle within "
-                    "rollout.flush_idle_timeout_s = %g s; the next sync flushes again): %s", wait_idle_s, err)
+                    "rollout.async.flush_idle_timeout_s = %g s; the next sync flushes again): %s", wait_idle_s, err)

@@ -1,4 +1,4 @@
-"""The disk transport (``rollout.weight_sync: disk``): a checkpoint the servers reload.
+"""The disk transport (``rollout.weight_sync.transport: disk``): a checkpoint the servers reload.
 
 Every rank joins writing an HF checkpoint to ``<run dir>/weights_sync`` (rank 0 writes; FP8
 pairs for external FP8 servers), then rank 0 asks every server to reload it with
@@ -28,7 +28,7 @@ class DiskWeightSync(WeightSync):
                         await weight_format(c, self.settings)  # the checkpoint's format is the one it serves
                     # not flushed by the reload: SGLang's flush there fails its scheduler while requests run
                     await c.update_weights_from_disk(out, weight_version=version, flush_cache=False)
-                    await flush_after_sync(c, self.settings.flush_idle_timeout_s)
+                    await flush_after_sync(c, self.settings.async_.flush_idle_timeout_s)
 
             aio.run(reload())
         return SyncStats()

@@ -1,4 +1,4 @@
-"""The distributed transport (``rollout.weight_sync: distributed``): SGLang's own update, a
+"""The distributed transport (``rollout.weight_sync.transport: distributed``): SGLang's own update, a
 torch.distributed broadcast from the trainer's sending ranks to every server rank: NCCL when
 the trainer and every server hold CUDA tensors, gloo otherwise (:func:`group_backend`; a
 server's device comes from its ``/server_info``).
@@ -310,7 +310,7 @@ async def begin_update(client: RolloutClient, settings: SyncSettings | None = No
 async def end_update(client: RolloutClient, version: str, ok: bool = True, flush_idle_s: float = 0.0) -> None:
     """Label the sync ``version`` and close it (the servers switch weights and version together),
     then drop their prefix caches (``base.flush_after_sync``: never while requests run, each
-    server waiting for idle at most ``flush_idle_s``, ``rollout.flush_idle_timeout_s``). After a
+    server waiting for idle at most ``flush_idle_s``, ``rollout.async.flush_idle_timeout_s``). After a
     failed sync (``ok`` false) only close it, waiting on a hung server no longer than the health
     policy."""
     if not ok:
@@ -346,17 +346,17 @@ class DistributedWeightSync(WeightSync):
         client = self._client(urls, api_key)
         try:
             if self.sender is None:
-                self.sender = DistributedSender(client, f"sorl_wsync_r{comm.rank()}", s.weight_sync_init_timeout_s,
-                                                master_address=s.weight_sync_master_address)
+                self.sender = DistributedSender(client, f"sorl_wsync_r{comm.rank()}", s.weight_sync.init_timeout_s,
+                                                master_address=s.weight_sync.master_address)
             self.sender.bind(client)
             self.sender.generations = generations
             kw = {}
             if comm.world_size() > 1:
-                kw["lock"] = StoreMutex(comm.store(), "sorl_wsync_lock", s.weight_sync_init_timeout_s)
+                kw["lock"] = StoreMutex(comm.store(), "sorl_wsync_lock", s.weight_sync.init_timeout_s)
             export = iter_owned_hf_weights(model)
             tensors = fp8_pairs(export) if fmt == "block_fp8" else export
             try:
-                return await self.sender.send(tensors, s.weight_sync_bucket_mb * 1024**2, **kw)
+                return await self.sender.send(tensors, s.weight_sync.bucket_mb * 1024**2, **kw)
             except BaseException:
                 for _ in export:  # finish the export: this rank's tensor-parallel peers wait on its gathers
                     pass
@@ -391,7 +391,7 @@ class DistributedWeightSync(WeightSync):
                 error = exc
             failed = comm.any_rank(error is not None)
         if comm.rank() == 0:
-            flush_s, ok = self.settings.flush_idle_timeout_s, not failed
+            flush_s, ok = self.settings.async_.flush_idle_timeout_s, not failed
             try:
                 aio.run(self._with_client(urls, self.api_key, lambda c: end_update(c, version, ok, flush_s)))
             except BaseException as exc:

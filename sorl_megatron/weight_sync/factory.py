@@ -1,4 +1,4 @@
-"""The one place that reads ``rollout.weight_sync``: the transport of a run, chosen once.
+"""The one place that reads ``rollout.weight_sync.transport``: the transport of a run, chosen once.
 
 Adding a transport: one module in this package with a :class:`~.base.WeightSync` subclass,
 registered in ``TRANSPORTS`` under the name a recipe gives (docs/rollout.md).
@@ -21,9 +21,10 @@ TRANSPORTS: dict[str, type[WeightSync]] = {
 
 
 def make_weight_sync(settings: SyncSettings, run_dir: str | Path) -> WeightSync:
-    """The run's weight sync: ``settings.weight_sync`` names the transport (the recipe's
-    ``rollout`` section); ``run_dir`` is where a transport may write (disk: the checkpoint)."""
-    cls = TRANSPORTS.get(settings.weight_sync)
+    """The run's weight sync: ``settings.weight_sync.transport`` names the transport (the
+    recipe's ``rollout`` section); ``run_dir`` is where a transport may write (disk: the checkpoint)."""
+    transport = settings.weight_sync.transport
+    cls = TRANSPORTS.get(transport)
     if cls is None:
-        raise ValueError(f"rollout.weight_sync: {settings.weight_sync!r} is not one of {sorted(TRANSPORTS)}")
+        raise ValueError(f"rollout.weight_sync.transport: {transport!r} is not one of {sorted(TRANSPORTS)}")
     return cls(settings, run_dir)

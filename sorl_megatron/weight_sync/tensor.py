@@ -1,4 +1,4 @@
-"""The tensor transport (``rollout.weight_sync: tensor``): the weights over HTTP.
+"""The tensor transport (``rollout.weight_sync.transport: tensor``): the weights over HTTP.
 
 Rank 0 gathers the whole model (``bridge.weights.iter_hf_weights``; every rank joins the
 gathers), serializes each bucket (``wire.serialize_named_tensors``: safetensors, base64) and

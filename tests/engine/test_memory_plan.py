@@ -170,3 +170,11 @@ def test_torch_adams_step_temporaries_are_planned_net_of_the_freed_activations(m
     assert not any(k.endswith("optimizer step") and not k.startswith(who) for k in items)  # the idle model's: none
     # CPU runs plan no GPU and no step temporaries
     assert not any(i.name.endswith("optimizer step") for i in plan_memory(cfg, c, critic, on_gpu=False).items)
+
+
+def test_a_recipes_repository_relative_config_is_found_from_another_directory(tmp_path, monkeypatch):
+    """``model.config_for_planning`` names a repository-relative file: found from any working directory."""
+    cfg = load_recipe(GPU_RECIPES[0])
+    monkeypatch.chdir(tmp_path)
+    c, _, source = model_config_for(cfg)
+    assert c is not None and "config_for_planning" in source

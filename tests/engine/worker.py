@@ -880,7 +880,7 @@ def op_wsync(case: dict, models: str, work: str) -> dict:
     from sorl_megatron.rollout.client import RolloutClient
     from sorl_megatron.sglang_cpu.options import EngineConfig, ServerOptions
     from sorl_megatron.sglang_cpu.server import start_rollout_server
-    from sorl_megatron.trainer.recipe.config import RolloutConfig
+    from sorl_megatron.trainer.recipe.rollout_config import RolloutConfig, WeightSyncConfig
     from sorl_megatron.weight_sync.base import SyncTargets
     from sorl_megatron.weight_sync.distributed import DistributedWeightSync
     from sorl_megatron.weight_sync.export import weight_sync_roles
@@ -898,8 +898,8 @@ def op_wsync(case: dict, models: str, work: str) -> dict:
         opts = ServerOptions(weight_group_timeout_s=60)
         servers = [start_rollout_server(EngineConfig(model_path=path, precision=precision, skip_tokenizer_init=True),
                                         options=opts) for _ in range(2)]
-    sync = DistributedWeightSync(RolloutConfig(precision=precision, weight_sync_bucket_mb=1,
-                                               weight_sync_init_timeout_s=60))
+    sync = DistributedWeightSync(RolloutConfig(precision=precision,
+                                               weight_sync=WeightSyncConfig(bucket_mb=1, init_timeout_s=60)))
     try:
         sent = sync.sync(actor.model, SyncTargets(tuple(s.url for s in servers)), "step_1").bytes_sent
         sent_by_rank = [None] * torch.distributed.get_world_size()

@@ -76,7 +76,7 @@ def test_a_session_left_open_by_a_dead_sync_is_closed_and_opened_again(personas)
 
 
 def test_flush_cache_is_refused_while_requests_run_and_waits_for_idle_when_asked(personas):
-    """The async pause_mode in_place case: paused in place, the running request keeps its place
+    """The async rollout.async.pause_mode in_place case: paused in place, the running request keeps its place
     in the batch, so a flush is refused; one that waits for idle flushes once it has ended."""
     server = personas["0.5.21"]
     url = server.url

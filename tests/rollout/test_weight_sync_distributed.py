@@ -98,9 +98,10 @@ def test_distributed_sync_both_servers_follow(servers, moe_dir, teacher_forced):
 
 def settings(**kw) -> SimpleNamespace:
     """The rollout settings a transport reads (duck-typed like the recipe's rollout section)."""
-    base = dict(weight_sync="distributed", precision="fp32", urls=[], retries=0, health_timeout_s=5.0,
-                weight_sync_timeout_s=30.0, weight_sync_init_timeout_s=20.0, weight_sync_bucket_mb=1,
-                weight_sync_master_address=None, flush_idle_timeout_s=5.0)
+    sync = SimpleNamespace(transport="distributed", timeout_s=30.0, init_timeout_s=20.0, bucket_mb=1,
+                           master_address=None)
+    base = dict(weight_sync=sync, precision="fp32", urls=[], retries=0, health_timeout_s=5.0,
+                async_=SimpleNamespace(flush_idle_timeout_s=5.0))
     return SimpleNamespace(**{**base, **kw})
 
 

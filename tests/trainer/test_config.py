@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from sorl_megatron.algorithms import POLICY_LOSSES
-from sorl_megatron.common.typed_config import build_dataclass
+from sorl_megatron.common.typed_config import build_dataclass, config_key
 from sorl_megatron.trainer.recipe.config import RecipeError, TrainConfig
 from sorl_megatron.trainer.recipe.launch_checks import validate_layout_for_launch
 from sorl_megatron.trainer.recipe.loader import dump_config, load_recipe
@@ -62,15 +62,17 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["rollout.max_obs_tokens=0"], r"rollout.max_obs_tokens must be >= 1"),
         (["rollout.concurrency=0"], r"rollout.concurrency must be >= 1"),
         (["rollout.mode=eventually"], r"rollout.mode: 'eventually' is not one of"),
-        (["rollout.mode=async", "rollout.max_staleness=0"], r"rollout.mode=async with rollout.max_staleness=0"),
-        (["rollout.mode=one_step_off", "rollout.max_staleness=0"], r"rollout.max_staleness must be >= 1"),
-        (["rollout.mode=lagged", "rollout.lag=3"], r"rollout.mode=lagged .* rollout.max_staleness=1 must be >= 3"),
-        (["rollout.lag=0"], r"rollout.lag must be >= 1, got 0"),
+        (["rollout.mode=async", "rollout.staleness.max=0"], r"rollout.mode=async with rollout.staleness.max=0"),
+        (["rollout.mode=one_step_off", "rollout.staleness.max=0"], r"rollout.staleness.max must be >= 1"),
+        (["rollout.mode=lagged", "rollout.lagged.lag=3"],
+         r"rollout.mode=lagged .* rollout.staleness.max=1 must be >= 3"),
+        (["rollout.lagged.lag=0"], r"rollout.lagged.lag must be >= 1, got 0"),
         (["rollout.inject.route_flip_fraction=1.5"], r"rollout.inject.route_flip_fraction must be in \[0, 1\]"),
         (["rollout.inject.route_flip_fraction=.nan"], r"rollout.inject.route_flip_fraction"),
         (["rollout.inject.seed=-1"], r"rollout.inject.seed must be in \[0, 2\^31\)"),
         (["rollout.inject.flip=0.1"], r"rollout.inject.flip"),
-        (["rollout.mode=async", "rollout.stale_groups=keep"], r"stale_groups=keep .* algorithm.loss.is_correction"),
+        (["rollout.mode=async", "rollout.staleness.stale_groups=keep"],
+         r"stale_groups=keep .* algorithm.loss.is_correction"),
         (["rollout.dynamic_sampling_max_groups=1"], r"rollout.dynamic_sampling_max_groups=1 must be 0 or >= schedule"),
         (["rollout.overlong=cut"], r"rollout.overlong: 'cut' is not one of"),
         (["rollout.overlong_buffer=5000"], r"rollout.overlong_buffer=5000 must be < rollout.max_total_tokens"),
@@ -131,10 +133,11 @@ def test_defaults_chain_and_dotted_overrides(tmp_path):
         (["rollout.urls=[http://a:99999]"], r"rollout.urls\[0\]: 'http://a:99999' is not a valid URL"),
         (["retrieval.url=ftp://x"], r"retrieval.url: 'ftp://x' is not an http\(s\) URL"),
         (["retrieval.url=http://"], r"retrieval.url: 'http://' is not an http\(s\) URL with a host"),
-        (["rollout.weight_sync=nccl"], r"rollout.weight_sync.*'nccl'.*distributed"),
-        (["rollout.weight_sync_bucket_mb=0"], r"rollout.weight_sync_bucket_mb"),
-        (["rollout.weight_sync_init_timeout_s=0"], r"rollout.weight_sync_init_timeout_s must be > 0 seconds"),
-        (["rollout.weight_sync_master_address='a b'"], r"rollout.weight_sync_master_address must be a host name"),
+        (["rollout.weight_sync.transport=nccl"], r"rollout.weight_sync.transport: 'nccl' is not one of .*distributed"),
+        (["rollout.weight_sync.timeout_s=0"], r"rollout.weight_sync.timeout_s must be > 0 seconds"),
+        (["rollout.weight_sync.bucket_mb=0"], r"rollout.weight_sync.bucket_mb"),
+        (["rollout.weight_sync.init_timeout_s=0"], r"rollout.weight_sync.init_timeout_s must be > 0 seconds"),
+        (["rollout.weight_sync.master_address='a b'"], r"rollout.weight_sync.master_address must be a host name"),
         (["parallelism.collective_timeout_s=0"], r"parallelism.collective_timeout_s must be > 0 seconds"),
         (["parallelism.rank0_phase_timeout_s=.inf"], r"parallelism.rank0_phase_timeout_s must be a finite number"),
         (["data.val_max_rows=-1"], r"data.val_max_rows must be >= 0, got -1"),
@@ -173,7 +176,7 @@ def test_every_float_field_gets_the_finite_check():
     def float_keys(cls, prefix=""):
         for f in dataclasses.fields(cls):
             hint = typing.get_type_hints(cls)[f.name]
-            key = f"{prefix}{f.name}"
+            key = f"{prefix}{config_key(f)}"
             if dataclasses.is_dataclass(hint):
                 yield from float_keys(hint, key + ".")
             elif hint is float or float in typing.get_args(hint):
@@ -181,6 +184,7 @@ def test_every_float_field_gets_the_finite_check():
 
     keys = list(float_keys(TrainConfig))
     assert len(keys) > 20 and "optimizer.lr" in keys and "algorithm.loss.is_correction.cap" in keys
+    assert "rollout.async.flush_idle_timeout_s" in keys and "rollout.weight_sync.timeout_s" in keys
     for key in keys:
         with pytest.raises(RecipeError, match=rf"{key.replace('.', '[.]')}.* finite"):
             load_recipe(BASE, [f"{key}=.nan"])
@@ -636,7 +640,7 @@ def test_moonlight_recipe_is_one_node_of_deepseek_v3_architecture(tmp_path):
     model = _hf_config(tmp_path / "model", **MOONLIGHT_16B_A3B)
     cfg = load_recipe(GPU / "minirl_moonlight_16b_a3b_r3.yaml", [f"model.path={model}"])
     assert (cfg.model.dtype, cfg.rollout.precision, cfg.algorithm.routing_replay) == ("bfloat16", "fp8", "r3")
-    assert cfg.rollout.weight_sync == "distributed" and cfg.schedule.pack_sequences
+    assert cfg.rollout.weight_sync.transport == "distributed" and cfg.schedule.pack_sequences
     validate_layout_for_launch(cfg, 8)
     with pytest.raises(RecipeError, match=r"parallelism.ep=8, parallelism.etp=1: .*ETP x EP x PP = 8"):
         validate_layout_for_launch(cfg, 4)  # one node is the least: EP 8 needs 8 ranks
@@ -662,7 +666,7 @@ def test_gpu_recipe_paper_settings():
     for path in GPU.glob("*.yaml"):
         cfg = load_recipe(path)
         # SGLang's distributed update, and packed sequences where trajectories are long-tailed
-        assert cfg.rollout.weight_sync == "distributed" and cfg.schedule.pack_sequences, path
+        assert cfg.rollout.weight_sync.transport == "distributed" and cfg.schedule.pack_sequences, path
 
 
 STUDY_LOSSES = ("ppo", "turn_ppo", "s_ppo", "so_ppo", "grpo", "gspo", "so_grpo", "sapo")
@@ -785,7 +789,9 @@ def test_defaults_may_name_recipes_with_dots(tmp_path):
 
 def test_weight_sync_defaults_to_distributed():
     r = load_recipe(BASE, []).rollout
-    assert (r.weight_sync, r.weight_sync_bucket_mb, r.weight_sync_master_address) == ("distributed", 512, None)
+    w = r.weight_sync
+    assert (w.transport, w.bucket_mb, w.timeout_s, w.init_timeout_s, w.master_address) == (
+        "distributed", 512, 600.0, 120.0, None)
 
 
 def test_process_group_bounds_are_recipe_keys_and_not_the_layout():

@@ -100,11 +100,11 @@ def timed_raises(exc, match: str, fn) -> float:
 
 def test_rollout_server_hung_during_weight_sync(tmp_path, model_dir):
     """SIGSTOP between two buckets of a sync: the bucket times out after
-    rollout.weight_sync_timeout_s (once: a timeout is not retried) and the closing
+    rollout.weight_sync.timeout_s (once: a timeout is not retried) and the closing
     /end_weight_update after rollout.health_timeout_s; before, the trainer waited 600 s."""
     sync_s, health_s = 2.0, 1.0
     with server(tmp_path, rollout_server_spec(str(model_dir), "fp32", False, 1)) as (url, proc, keys):
-        trainer = trainer_for(model_dir, "rollout.timeout_s=20", f"rollout.weight_sync_timeout_s={sync_s}",
+        trainer = trainer_for(model_dir, "rollout.timeout_s=20", f"rollout.weight_sync.timeout_s={sync_s}",
                               f"rollout.health_timeout_s={health_s}", rollout_url=url, api_keys=keys)
         trainer.check_servers("the weight sync to version step_1", retrieval=False)  # healthy: passes
         tensors = load_file(str(model_dir / "model.safetensors"))
@@ -259,7 +259,7 @@ def test_start_up_wait_is_bounded_by_its_timeout_even_when_health_hangs():
 # ---------------------------------------------------------------------------------- the recipe
 
 
-@pytest.mark.parametrize("key", ["rollout.timeout_s", "rollout.weight_sync_timeout_s", "rollout.health_timeout_s",
+@pytest.mark.parametrize("key", ["rollout.timeout_s", "rollout.weight_sync.timeout_s", "rollout.health_timeout_s",
                                  "retrieval.timeout_s", "retrieval.health_timeout_s"])
 @pytest.mark.parametrize("value,message", [("0", "must be > 0 seconds"), ("-1", "must be > 0 seconds"),
                                            (".inf", "must be a finite number"), (".nan", "must be a finite number")])
@@ -276,7 +276,7 @@ def test_retries_are_not_negative(model_dir, key):
 
 def test_recipe_values_reach_every_client(model_dir):
     port = free_port()
-    trainer = trainer_for(model_dir, "rollout.timeout_s=7", "rollout.weight_sync_timeout_s=8",
+    trainer = trainer_for(model_dir, "rollout.timeout_s=7", "rollout.weight_sync.timeout_s=8",
                           "rollout.health_timeout_s=9", "rollout.retries=4", "retrieval.timeout_s=3",
                           "retrieval.health_timeout_s=2", "retrieval.retries=0",
                           rollout_url=f"http://127.0.0.1:{port}", retrieval_url=f"http://127.0.0.1:{port}")

@@ -34,9 +34,9 @@ from .e2e_helpers import BASE_RECIPE, ROOT, read_metrics, run_overrides, subproc
 
 pytest.importorskip("sglang_router")
 
-FLEET = ["rollout.num_servers=2", "rollout.router=sglang_router", "rollout.router_policy=cache_aware",
-         "schedule.total_steps=2", "rollout.start_timeout_s=240", "rollout.health_timeout_s=2",
-         "rollout.router_balance_abs_threshold=1"]  # 4 episodes a step: spread them over both servers
+FLEET = ["rollout.fleet.num_servers=2", "rollout.fleet.router=sglang_router", "rollout.fleet.router_policy=cache_aware",
+         "schedule.total_steps=2", "rollout.fleet.start_timeout_s=240", "rollout.health_timeout_s=2",
+         "rollout.fleet.router_balance_abs_threshold=1"]  # 4 episodes a step: spread them over both servers
 
 
 @pytest.fixture(scope="module")
@@ -55,20 +55,23 @@ def _generate_calls(log: Path) -> int:
 def test_router_config_errors_name_the_key(tiny_data):
     base = run_overrides(tiny_data, Path("/tmp"), "x")
     for extra, match in [
-        (["rollout.router_url=http://127.0.0.1:1"], r"rollout.router_url is set but rollout.router=none"),
-        (["rollout.router=sglang_router", "rollout.router_url=http://127.0.0.1:1"], r"rollout.router_url needs "
-         r"rollout.urls"),
-        (["rollout.router=sglang_router", "rollout.router_url=ftp://x"], r"rollout.router_url: 'ftp://x'"),
-        (["rollout.router=nginx"], r"rollout.router"),
-        (["rollout.router_policy=fastest"], r"rollout.router_policy"),
-        (["rollout.num_servers=0"], r"rollout.num_servers must be >= 1"),
-        (["rollout.num_servers=2", "rollout.urls=[http://127.0.0.1:1]"], r"rollout.num_servers=2 starts embedded"),
-        (["rollout.failover_retries=-1"], r"rollout.failover_retries must be >= 0"),
-        (["rollout.router_balance_abs_threshold=-1"], r"rollout.router_balance_abs_threshold must be >= 0"),
-        (["rollout.start_timeout_s=0"], r"rollout.start_timeout_s must be > 0"),
-        (["rollout.restart_command=./restart.sh"], r"rollout.restart_command is for external servers"),
-        (["rollout.urls=[http://127.0.0.1:1]", "rollout.restart_command='a \"b'"], r"rollout.restart_command: .* is "
-         r"not a command line"),
+        (["rollout.fleet.router_url=http://127.0.0.1:1"],
+         r"rollout.fleet.router_url is set but rollout.fleet.router=none"),
+        (["rollout.fleet.router=sglang_router", "rollout.fleet.router_url=http://127.0.0.1:1"],
+         r"rollout.fleet.router_url needs rollout.urls"),
+        (["rollout.fleet.router=sglang_router", "rollout.fleet.router_url=ftp://x"],
+         r"rollout.fleet.router_url: 'ftp://x'"),
+        (["rollout.fleet.router=nginx"], r"rollout.fleet.router"),
+        (["rollout.fleet.router_policy=fastest"], r"rollout.fleet.router_policy"),
+        (["rollout.fleet.num_servers=0"], r"rollout.fleet.num_servers must be >= 1"),
+        (["rollout.fleet.num_servers=2", "rollout.urls=[http://127.0.0.1:1]"],
+         r"rollout.fleet.num_servers=2 starts embedded servers, but rollout.urls lists external ones"),
+        (["rollout.fleet.failover_retries=-1"], r"rollout.fleet.failover_retries must be >= 0"),
+        (["rollout.fleet.router_balance_abs_threshold=-1"], r"rollout.fleet.router_balance_abs_threshold must be >= 0"),
+        (["rollout.fleet.start_timeout_s=0"], r"rollout.fleet.start_timeout_s must be > 0"),
+        (["rollout.fleet.restart_command=./restart.sh"], r"rollout.fleet.restart_command is for external servers"),
+        (["rollout.urls=[http://127.0.0.1:1]", "rollout.fleet.restart_command='a \"b'"],
+         r"rollout.fleet.restart_command: .* is not a command line"),
     ]:
         with pytest.raises(RecipeError, match=match):
             load_recipe(BASE_RECIPE, [*base, *extra])
@@ -261,7 +264,7 @@ def test_server_hung_mid_rollout(tiny_data, tmp_path):
 
 
 def test_external_server_failure_runs_the_operators_hook(tmp_path):
-    """External servers (no router): a dead one is taken out, rollout.restart_command runs
+    """External servers (no router): a dead one is taken out, rollout.fleet.restart_command runs
     with its URL, the others serve on; once it answers again it gets the next weight sync
     (prepare_sync lists it) and then serves (finish_sync). None left: a clear error."""
     from aiohttp import web
@@ -493,7 +496,7 @@ def test_a_server_that_failed_and_came_back_during_its_registration_waits_for_th
 
 def test_a_joining_server_the_router_never_calls_healthy_fails_instead_of_the_sync(tmp_path):
     """A joining server that dies after the sync, with nobody's call to report it: the router
-    never lists it healthy. Past ``rollout.start_timeout_s`` the fleet takes it out as failed
+    never lists it healthy. Past ``rollout.fleet.start_timeout_s`` the fleet takes it out as failed
     (the run goes on; it was a ServerError that ended the weight sync)."""
     from sorl_megatron.trainer.serving.fleet import RolloutFleet, Worker
 
@@ -617,8 +620,8 @@ def test_server_killed_during_a_weight_sync(tiny_data, tmp_path):
     from sorl_megatron.trainer.serving.servers import EmbeddedServers, rollout_server_spec
     from sorl_megatron.weight_sync.tensor import send_tensors
 
-    cfg = load_recipe(BASE_RECIPE, [*run_overrides(tiny_data, tmp_path, "sync"), "rollout.num_servers=2",
-                                    "rollout.start_timeout_s=240", "rollout.health_timeout_s=2"])
+    cfg = load_recipe(BASE_RECIPE, [*run_overrides(tiny_data, tmp_path, "sync"), "rollout.fleet.num_servers=2",
+                                    "rollout.fleet.start_timeout_s=240", "rollout.health_timeout_s=2"])
     tensors = load_file(str(tiny_data / "model" / "model.safetensors"))
     with EmbeddedServers(tmp_path) as servers:
         fleet = start_fleet(cfg.rollout, tmp_path, servers, lambda name: rollout_server_spec(
@@ -662,7 +665,7 @@ def test_server_killed_during_a_weight_sync(tiny_data, tmp_path):
 
 def test_external_router_takes_generation_and_the_workers_take_the_sync(tiny_data, tmp_path, monkeypatch):
     """Servers and router the trainer did not start (as on a cluster): rollout.urls are the
-    workers, rollout.router_url the router in front of them. Every /generate of the run comes
+    workers, rollout.fleet.router_url the router in front of them. Every /generate of the run comes
     through the router (no User-Agent: the router's, not the trainer's aiohttp client), every
     weight update goes straight to each worker, and both serve the step's weights after it."""
     from sorl_megatron.trainer.serving.servers import EmbeddedServers, rollout_server_spec, router_spec
@@ -674,7 +677,8 @@ def test_external_router_takes_generation_and_the_workers_take_the_sync(tiny_dat
                                            balance_abs_threshold=1))
         monkeypatch.setenv("SORL_ROLLOUT_API_KEY", servers.api_keys["rollout"])  # as a user hands it over
         overrides = [*run_overrides(tiny_data, tmp_path, "external"), f"rollout.urls=[{','.join(workers)}]",
-                     "rollout.router=sglang_router", f"rollout.router_url={router}", "schedule.total_steps=1"]
+                     "rollout.fleet.router=sglang_router", f"rollout.fleet.router_url={router}",
+                     "schedule.total_steps=1"]
         RLTrainer(load_recipe(BASE_RECIPE, overrides)).run()
         metrics = read_metrics(tmp_path / "external")
         assert metrics[1]["rollout/servers_up"] == 2 and metrics[1]["rollout/server_failures"] == 0

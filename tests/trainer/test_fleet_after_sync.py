@@ -1,4 +1,4 @@
-"""Failover after a weight sync with the default transport (``rollout.weight_sync=distributed``;
+"""Failover after a weight sync with the default transport (``rollout.weight_sync.transport=distributed``;
 issue 31, item 1).
 
 The sync after step 1 forms the trainer's weight-update group with both servers; then one
@@ -84,7 +84,7 @@ class DirectKill(threading.Thread):
 def _kill_after_sync(tiny_data: Path, tmp_path: Path, name: str, *extra: str, router: bool = True):  # noqa: F811
     overrides = [*run_overrides(tiny_data, tmp_path, name), *FLEET, *STEPS, *extra]
     if not router:
-        overrides.append("rollout.router=none")
+        overrides.append("rollout.fleet.router=none")
     trainer = RLTrainer(load_recipe(BASE_RECIPE, overrides))
     watch = GroupWatch()
     killer = Saboteur(trainer, signal.SIGKILL, timeout_s=600, when=lambda: watch(trainer)) if router \

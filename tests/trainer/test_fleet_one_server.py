@@ -31,14 +31,14 @@ from .test_fleet import tiny_data  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.slow
 
-# the recipe keys these tests set, in one place (rollout keys are being regrouped)
+# the recipe keys these tests set, in one place
 KEYS = {
-    "servers": "rollout.num_servers",
-    "transport": "rollout.weight_sync",
+    "servers": "rollout.fleet.num_servers",
+    "transport": "rollout.weight_sync.transport",
     "mode": "rollout.mode",
-    "lag": "rollout.lag",
-    "max_staleness": "rollout.max_staleness",
-    "start_timeout": "rollout.start_timeout_s",
+    "lag": "rollout.lagged.lag",
+    "max_staleness": "rollout.staleness.max",
+    "start_timeout": "rollout.fleet.start_timeout_s",
     "health_timeout": "rollout.health_timeout_s",
     "is_correction": "algorithm.loss.is_correction.mode",
 }

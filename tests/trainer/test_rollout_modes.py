@@ -226,8 +226,8 @@ def test_a_lagged_run_resumes_as_the_uninterrupted_one(tiny_data, servers, tmp_p
 
     def trainer(name):
         return RLTrainer(load_recipe(BASE_RECIPE, run_overrides(
-            tiny_data, tmp_path, name, "schedule.total_steps=4", "rollout.mode=lagged", "rollout.lag=2",
-            "rollout.max_staleness=2", "algorithm.routing_replay=r3", "checkpoint.save_every=1",
+            tiny_data, tmp_path, name, "schedule.total_steps=4", "rollout.mode=lagged", "rollout.lagged.lag=2",
+            "rollout.staleness.max=2", "algorithm.routing_replay=r3", "checkpoint.save_every=1",
             "checkpoint.keep_last=4", "algorithm.loss.name=grpo", "algorithm.advantage.estimator=grpo",
             *servers["overrides"])))
 
@@ -320,13 +320,13 @@ def test_pending_batches_round_trip_without_pickle(tmp_path):
 
 
 def test_async_staleness_and_resume_after_kill(tiny_data, tmp_path):
-    """An async run (R3, max_staleness 1) in a subprocess, SIGKILLed once its step-2 checkpoint is
+    """An async run (R3, rollout.staleness.max 1) in a subprocess, SIGKILLed once its step-2 checkpoint is
     complete while groups are in flight, then resumed to step 4. No trained group is beyond the
     bound; the checkpoint lists as settled exactly the groups steps 1-2 drew; the resumed run
     draws none of them again and regenerates the ones that were in flight or waiting."""
     name = "async"
     args = run_overrides(tiny_data, tmp_path, name, "schedule.total_steps=4", "rollout.mode=async",
-                         "rollout.max_staleness=1", "algorithm.routing_replay=r3", "checkpoint.save_every=1",
+                         "rollout.staleness.max=1", "algorithm.routing_replay=r3", "checkpoint.save_every=1",
                          "checkpoint.keep_last=4", "algorithm.loss.is_correction.mode=tis")
     ckpt = tmp_path / name / "ckpt"
     cmd = [sys.executable, "-m", "sorl_megatron.train", "--config", BASE_RECIPE, *args]
@@ -465,7 +465,7 @@ def test_batch_rules_staleness_and_dynamic_sampling():
     from sorl_megatron.trainer.groups.producer import SettledGroups, apply_overlong, version_lag_metrics
 
     base = ["schedule.batch_size=2", "rollout.group_size=2", "schedule.mini_batch_size=2",
-            "schedule.micro_batch_size=1", "rollout.max_staleness=1", "rollout.mode=async"]
+            "schedule.micro_batch_size=1", "rollout.staleness.max=1", "rollout.mode=async"]
     groups = [_fake_group(0, [3, 3], [0, 1]), _fake_group(1, [1, 3], [0, 1]),  # group 1: oldest 1 at version 4
               _fake_group(2, [3, 3], [1, 0])]
     accepted, dropped, counts = _collect_with(base, groups, version=4)
@@ -476,7 +476,7 @@ def test_batch_rules_staleness_and_dynamic_sampling():
     assert lag["rollout/version_lag_max"] == 1 and lag["rollout/partial_episodes"] == 4
 
     groups = [_fake_group(0, [3, 3], [0, 1]), _fake_group(1, [1, 3], [0, 1]), _fake_group(2, [4, 4], [1, 0])]
-    keep = [*base, "rollout.stale_groups=keep", "algorithm.loss.is_correction.mode=tis"]
+    keep = [*base, "rollout.staleness.stale_groups=keep", "algorithm.loss.is_correction.mode=tis"]
     accepted, dropped, counts = _collect_with(keep, groups, version=4)
     assert [g.gid for g in accepted] == [0, 1] and counts["rollout/groups_kept_stale"] == 1 and not dropped
 
@@ -593,8 +593,10 @@ def test_pause_and_continue_around_updates_or_the_404_fallback():
             finally:
                 await client.close()
 
-        conn = Connections(SimpleNamespace(rollout=SimpleNamespace(weight_sync_timeout_s=60, pause_mode="retract"),
-                                           retrieval=SimpleNamespace(url=None)), None, [], None, pauses=True)
+        rollout = SimpleNamespace(weight_sync=SimpleNamespace(timeout_s=60),
+                                  async_=SimpleNamespace(pause_mode="retract"))
+        conn = Connections(SimpleNamespace(rollout=rollout, retrieval=SimpleNamespace(url=None)), None, [], None,
+                           pauses=True)
         conn.with_client = with_client
         seen.clear()
         with pytest.raises(RequestRejectedError, match="/pause_generation rejected"):
@@ -606,9 +608,9 @@ def test_pause_and_continue_around_updates_or_the_404_fallback():
             s.stop()
 
 
-def test_a_paused_turn_waits_out_the_sync_within_weight_sync_timeout_s():
+def test_a_paused_turn_waits_out_the_sync_within_the_weight_sync_timeout():
     """While the servers are paused for a weight sync, a /generate call's rollout.timeout_s
-    clock stops, for at most rollout.weight_sync_timeout_s (the clock's cap): a turn paused on
+    clock stops, for at most rollout.weight_sync.timeout_s (the clock's cap): a turn paused on
     purpose is not timed out by a slow sync, and the wait stays bounded, the error naming both keys."""
     from aiohttp import web
 
@@ -650,6 +652,6 @@ def test_a_paused_turn_waits_out_the_sync_within_weight_sync_timeout_s():
         assert out.output_ids == [4] and took >= 1.4
         err, took = turn(PauseClock(max_credit_s=0.3))  # a pause longer than the cap: out before the answer
         assert isinstance(err, ServerTimeoutError) and took >= 0.8, took  # 0.6 s plus the 0.3 s credit
-        assert "rollout.timeout_s" in str(err) and "rollout.weight_sync_timeout_s" in str(err)
+        assert "rollout.timeout_s" in str(err) and "rollout.weight_sync.timeout_s" in str(err)
     finally:
         server.stop()

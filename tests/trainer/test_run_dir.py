@@ -137,6 +137,32 @@ def test_other_defining_settings_under_the_same_run_name_are_refused(tmp_path):
         assert f"{key}: " in run_settings_problem(_cfg(tmp_path, "schedule.seed=1", f"{key}={value}")), key
 
 
+def test_a_run_started_before_the_rollout_keys_moved_is_the_same_run(tmp_path):
+    """A run directory written before issue 44 holds the flat rollout keys in its config.yaml
+    (rollout.max_staleness, rollout.weight_sync: disk, ...). None of the moved keys is a defining
+    setting, so the guard, which reads only those, resumes it; the recipe that resumes it must
+    give the new keys (the loader refuses the old ones)."""
+    import yaml
+
+    from sorl_megatron.trainer.recipe.loader import MOVED_KEYS
+    from sorl_megatron.trainer.recipe.run_settings import DEFINING_KEYS
+
+    assert not set(DEFINING_KEYS) & {*MOVED_KEYS, *MOVED_KEYS.values()}  # none of them moved
+    cfg = _cfg(tmp_path, "rollout.mode=lagged", "rollout.lagged.lag=2", "rollout.staleness.max=2")
+    _started(cfg)
+    saved = Path(cfg.logging.dir) / cfg.logging.run_name / "config.yaml"
+    old = yaml.safe_load(saved.read_text())
+    r = old["rollout"]
+    weight_sync, fleet, staleness = r.pop("weight_sync"), r.pop("fleet"), r.pop("staleness")
+    r.update({"weight_sync": weight_sync["transport"], "max_staleness": staleness["max"], "lag": r.pop("lagged")["lag"],
+              "stale_groups": staleness["stale_groups"], **r.pop("async"), **fleet,
+              **{f"weight_sync_{k}": v for k, v in weight_sync.items() if k != "transport"}})
+    saved.write_text(yaml.safe_dump(old))
+    assert "max_staleness: 2" in saved.read_text() and "weight_sync: distributed" in saved.read_text()
+    assert run_settings_problem(cfg) is None
+    assert "schedule.seed: 1234 there, 7 now" in run_settings_problem(_cfg(tmp_path, "schedule.seed=7"))
+
+
 def test_a_finished_run_with_other_settings_is_refused_not_called_finished(tmp_path, monkeypatch):
     import sorl_megatron.trainer.rl_loop as rl_loop
 

@@ -47,8 +47,9 @@ def _run(tiny_data, tmp_path, name, *overrides):
 
 def test_lag_k_trains_on_batches_k_versions_old_and_logs_the_indicators(tiny_data, tmp_path):
     with shared_embedded_servers(tiny_data, tmp_path / "servers") as servers:
-        metrics = _run(tiny_data, tmp_path, "lag2", "schedule.total_steps=3", "rollout.mode=lagged", "rollout.lag=2",
-                       "rollout.max_staleness=2", "algorithm.loss.is_correction.mode=tis", *servers["overrides"])
+        metrics = _run(tiny_data, tmp_path, "lag2", "schedule.total_steps=3", "rollout.mode=lagged",
+                       "rollout.lagged.lag=2", "rollout.staleness.max=2", "algorithm.loss.is_correction.mode=tis",
+                       *servers["overrides"])
     rows = [json.loads(x) for x in (tmp_path / "lag2" / "episodes.jsonl").read_text().splitlines() if x.strip()]
     for step, lag in ((1, 0), (2, 1), (3, 2)):  # the pipeline fills: min(k, lag) with k counted from 0
         trained = [r for r in rows if r["step"] == step and r["status"] == "trained"]

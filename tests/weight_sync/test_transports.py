@@ -29,11 +29,11 @@ from sorl_megatron.weight_sync.factory import TRANSPORTS, make_weight_sync
 from sorl_megatron.weight_sync.wire import deserialize_named_tensors
 
 
-def settings(**kw) -> SimpleNamespace:
+def settings(transport: str = "tensor", flush_idle_timeout_s: float = 2.0, **kw) -> SimpleNamespace:
     """The rollout settings a transport reads (duck-typed like the recipe's rollout section)."""
-    base = dict(weight_sync="tensor", precision="fp32", urls=[], retries=0, health_timeout_s=5.0,
-                weight_sync_timeout_s=30.0, weight_sync_init_timeout_s=20.0, weight_sync_bucket_mb=1,
-                weight_sync_master_address=None, flush_idle_timeout_s=2.0)
+    sync = SimpleNamespace(transport=transport, timeout_s=30.0, init_timeout_s=20.0, bucket_mb=1, master_address=None)
+    base = dict(weight_sync=sync, precision="fp32", urls=[], retries=0, health_timeout_s=5.0,
+                async_=SimpleNamespace(flush_idle_timeout_s=flush_idle_timeout_s))
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -119,11 +119,11 @@ def test_a_bucket_is_yielded_before_the_tensor_after_the_next_is_taken():
 
 def test_the_factory_is_the_one_reader_of_the_transport_name(tmp_path):
     assert sorted(TRANSPORTS) == ["disk", "distributed", "tensor"]
-    assert isinstance(make_weight_sync(settings(weight_sync="distributed"), tmp_path), DistributedWeightSync)
-    assert isinstance(make_weight_sync(settings(weight_sync="tensor"), tmp_path), tensor.TensorWeightSync)
-    assert isinstance(make_weight_sync(settings(weight_sync="disk"), tmp_path), disk.DiskWeightSync)
-    with pytest.raises(ValueError, match=r"rollout.weight_sync: 'nccl' is not one of"):
-        make_weight_sync(settings(weight_sync="nccl"), tmp_path)
+    assert isinstance(make_weight_sync(settings("distributed"), tmp_path), DistributedWeightSync)
+    assert isinstance(make_weight_sync(settings("tensor"), tmp_path), tensor.TensorWeightSync)
+    assert isinstance(make_weight_sync(settings("disk"), tmp_path), disk.DiskWeightSync)
+    with pytest.raises(ValueError, match=r"rollout.weight_sync.transport: 'nccl' is not one of"):
+        make_weight_sync(settings("nccl"), tmp_path)
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -171,7 +171,7 @@ def test_disk_sync_writes_then_asks_each_server_to_reload(recorders, tmp_path, m
     written: list[tuple[object, str, bool]] = []
     monkeypatch.setattr(disk, "save_hf_checkpoint", lambda model, out, fp8: written.append((model, out, fp8)))
     monkeypatch.chdir(tmp_path)
-    wsync = make_weight_sync(settings(weight_sync="disk"), Path("run"))  # relative: the servers get it absolute
+    wsync = make_weight_sync(settings("disk"), Path("run"))  # relative: the servers get it absolute
     assert wsync.sync("model", SyncTargets(tuple(r.url for r in recorders)), "step_3").bytes_sent == 0
     out = str(tmp_path / "run" / "weights_sync")
     assert written == [("model", out, False)]
@@ -311,16 +311,16 @@ def test_the_sync_sends_the_weight_format_the_server_stores(tmp_path):
 
 
 def test_the_flush_after_a_sync_waits_for_idle_bounded_and_never_fails_it(recorders, tmp_path, monkeypatch, caplog):
-    """SGLang answers /flush_cache 400 while requests run (async pause_mode in_place or off): the
+    """SGLang answers /flush_cache 400 while requests run (async with rollout.async.pause_mode in_place or off): the
     sync then leaves the flush to a background call each server holds until idle
-    (?timeout=flush_idle_timeout_s), and a server still busy after it is a warning, never a
+    (?timeout=rollout.async.flush_idle_timeout_s), and a server still busy after it is a warning, never a
     failed sync; idle servers flush at once."""
     from sorl_megatron.weight_sync.distributed import end_update
 
     monkeypatch.setattr(disk, "save_hf_checkpoint", lambda model, out, fp8: None)
     recorders[0].busy = True
     with caplog.at_level("INFO"):
-        make_weight_sync(settings(weight_sync="disk", flush_idle_timeout_s=1.5), tmp_path).sync(
+        make_weight_sync(settings("disk", flush_idle_timeout_s=1.5), tmp_path).sync(
             "model", SyncTargets((recorders[0].url,)), "step_1")  # returns: the flush waits elsewhere
         deadline = time.monotonic() + 30
         while "prefix cache not flushed" not in caplog.text:

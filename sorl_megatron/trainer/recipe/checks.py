@@ -12,7 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ...bridge.layout import ParallelLayout
-from ...common.typed_config import ConfigError
+from ...common.typed_config import ConfigError, config_key
 
 
 class RecipeError(ConfigError):
@@ -80,7 +80,7 @@ def _check_finite(obj: Any, prefix: str) -> None:
     """Every number of a section is finite: YAML reads ``.nan`` / ``.inf`` as floats, and a
     NaN passes every ``<`` / ``>`` range check after this one."""
     for f in dataclasses.fields(obj):
-        key = f"{prefix}.{f.name}"
+        key = f"{prefix}.{config_key(f)}"
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             _check_finite(value, key)

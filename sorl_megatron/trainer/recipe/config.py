@@ -4,9 +4,9 @@ Each section's dataclass checks its own keys in ``validate(prefix)``; ``TrainCon
 runs them when the config is built, then the rules that span sections (batch geometry against
 the group size, a rollout mode against the loss's IS correction, ...). Non-finite numbers
 (YAML's ``.nan`` / ``.inf``), values out of range, malformed URLs and impossible batch sizes
-are a ``RecipeError`` naming the key. Reading a recipe file (``defaults:``, overrides) is
-``recipe.py``; the checks that need the world size and the model's HF config are
-``launch_checks.py``.
+are a ``RecipeError`` naming the key. The ``rollout`` section is ``rollout_config.py``'s;
+reading a recipe file (``defaults:``, overrides) is ``loader.py``; the checks that need the
+world size and the model's HF config are ``launch_checks.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import difflib
 import importlib.util
 import math
 import os
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -36,6 +35,7 @@ from .checks import (
     _positive_int,
     _positive_seconds,
 )
+from .rollout_config import RolloutConfig
 
 MAX_SEED = 2**31 - 1  # schedule.seed's upper bound
 
@@ -143,201 +143,6 @@ class AlgorithmConfig:
                 f"{'needs' if spec.critic else 'has'} {'a critic' if spec.critic else 'no critic'}: "
                 f"use {prefix}.advantage.estimator in {fitting}"
             )
-
-
-@dataclass
-class RolloutInjectConfig:
-    """Study injectors (off by default; docs/study.md): the embedded servers perturb this fraction
-    of the (token, MoE layer) top-k routing choices they compute with and return (a hash of
-    ``seed``, the layer and each token's position and id; ``sglang_cpu/route_flip.py``)."""
-
-    route_flip_fraction: float = 0.0
-    seed: int = 0
-
-    def validate(self, prefix: str = "rollout.inject") -> None:
-        _check_finite(self, prefix)
-        _in_range(f"{prefix}.route_flip_fraction", self.route_flip_fraction, 0.0, 1.0)
-        if not 0 <= self.seed < 2**31:
-            raise RecipeError(f"{prefix}.seed must be in [0, 2^31), got {self.seed}")
-
-
-@dataclass
-class RolloutConfig:
-    """Multi-turn generation. No URLs = start the embedded CPU server."""
-
-    urls: list[str] = field(default_factory=list)
-    # embedded server: the precision it generates in; external servers (urls): fp8 makes each
-    # weight sync export FP8-quantized weights (launch SGLang with --quantization fp8)
-    precision: Literal["fp32", "bf16", "fp8"] = "fp32"
-    group_size: int = 4  # n rollouts per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_turns: int = 3
-    max_turn_tokens: int = 64
-    max_total_tokens: int = 512
-    max_obs_tokens: int = 128
-    concurrency: int = 16
-    # embedded servers decode each row alone (--enable-deterministic-inference): a seeded episode
-    # gets the same tokens whatever else is in flight, so a run repeats on its machine at any
-    # load; costs the batching speed-up (docs/rollout.md). External servers: SGLang's own flag.
-    deterministic: bool = False
-    # Every wait on the servers is bounded here (see docs/rollout.md, failure model): seconds
-    # per /generate call (a timed-out call is not retried) ...
-    timeout_s: float = 120.0
-    # ... per weight-sync call (one bucket, begin/end, a reload from disk) and other control call ...
-    weight_sync_timeout_s: float = 600.0
-    # ... per GET /health, asked before each phase (rollout, weight sync, validation, PVPO pass)
-    health_timeout_s: float = 10.0
-    retries: int = 2  # extra attempts after a refused connection or a 5xx answer (never after a timeout)
-    # distributed: SGLang's /update_weights_from_distributed (a gloo/NCCL group with the servers;
-    # each pipeline stage and expert owner sends its own tensors); tensor: HTTP bodies from rank 0
-    # (embedded servers only); disk: an HF checkpoint the servers reload (docs/rollout.md)
-    weight_sync: Literal["distributed", "tensor", "disk"] = "distributed"
-    weight_sync_bucket_mb: int = 512  # tensors per /update_weights_from_distributed (a larger one goes alone)
-    # bound on forming the weight-update group and on each broadcast in it
-    weight_sync_init_timeout_s: float = 120.0
-    # the address the servers reach the sending ranks at (null: the route towards the first server)
-    weight_sync_master_address: Optional[str] = None
-    # The fleet (docs/rollout.md, "A fleet of servers"): embedded servers to start (no urls) ...
-    num_servers: int = 1
-    # ... the real sglang-router in front of them (or of `urls`), started by the trainer unless
-    # router_url names one already running in front of `urls` ...
-    router: Literal["none", "sglang_router"] = "none"
-    router_url: Optional[str] = None
-    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
-    # cache_aware balances (shortest queue) when in-flight calls differ by more than this between
-    # servers (and by 1.5x); sglang-router's own default, 64, is for GPU servers: at rollout
-    # concurrencies below it every call would go to one server
-    router_balance_abs_threshold: int = 4
-    # ... the longest wait for an embedded server or router to start (and restart) ...
-    start_timeout_s: float = 300.0
-    # ... and what a server that dies or hangs mid-step costs: each /generate call it failed is sent
-    # again to the others at most this many times; embedded servers are restarted; external ones
-    # get this operator command (run with $SORL_FAILED_SERVER_URL; not waited for)
-    failover_retries: int = 2
-    restart_servers: bool = True
-    restart_command: Optional[str] = None
-    # Rollout modes (docs/rollout.md, "Rollout modes"): sync generates each step's batch with
-    # the step's own weights; one_step_off generates step k+1's batch while step k trains, on
-    # the weights step k started from (a lag of exactly one version); async keeps episodes in
-    # flight across weight updates (partial rollouts) and trains on finished groups whose oldest
-    # token is at most max_staleness versions behind the trainer; lagged (a study axis) trains
-    # step k on the batch generated on weights k - lag (min(k, lag) while the pipeline fills) ...
-    mode: Literal["sync", "one_step_off", "lagged", "async"] = "sync"
-    max_staleness: int = 1
-    lag: int = 2
-    # ... and what happens to a group beyond it: dropped (and replaced), or kept: trained with the
-    # IS correction of algorithm.loss.is_correction on its true behaviour log-probs
-    stale_groups: Literal["drop", "keep"] = "drop"
-    # async: SGLang's /pause_generation mode around each weight update (off: never pause; a server
-    # without the endpoint answers 404 and the update lands between its requests)
-    pause_mode: Literal["retract", "in_place", "off"] = "retract"
-    # a sync ends with /flush_cache, which SGLang refuses while requests run (pause_mode in_place
-    # or off): a background call then asks each server to flush once idle, waiting at most this
-    # long; still busy, a warning (the next sync flushes again)
-    flush_idle_timeout_s: float = 30.0
-    # DAPO dynamic sampling: a group whose rewards are all equal (no GRPO signal) is dropped and
-    # replaced by a fresh prompt's group until the batch is full; at most this many groups are
-    # drawn per step (0: 4 x schedule.batch_size), then dropped groups fill the rest
-    dynamic_sampling: bool = False
-    dynamic_sampling_max_groups: int = 0
-    # episodes cut by rollout.max_total_tokens (finish_reason max_length): keep, filter (loss mask
-    # zeroed) or penalty (DAPO's soft overlong punishment: the reward falls linearly by up to
-    # overlong_penalty over the last overlong_buffer tokens of the budget, and by all of it when cut)
-    overlong: Literal["keep", "filter", "penalty"] = "keep"
-    overlong_buffer: int = 64
-    overlong_penalty: float = 1.0
-    inject: RolloutInjectConfig = field(default_factory=RolloutInjectConfig)
-
-    def validate(self, prefix: str = "rollout") -> None:
-        _check_finite(self, prefix)
-        for key in ("group_size", "max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "concurrency",
-                    "weight_sync_bucket_mb"):
-            _positive_int(f"{prefix}.{key}", getattr(self, key))
-        address = self.weight_sync_master_address
-        if address is not None and (not address or any(c.isspace() for c in address)):
-            raise RecipeError(f"{prefix}.weight_sync_master_address must be a host name or IP address, got {address!r}")
-        for key in ("timeout_s", "weight_sync_timeout_s", "health_timeout_s", "weight_sync_init_timeout_s",
-                    "start_timeout_s", "flush_idle_timeout_s"):
-            _positive_seconds(f"{prefix}.{key}", getattr(self, key))
-        _positive_int(f"{prefix}.retries", self.retries, minimum=0)
-        if not 0 < self.top_p <= 1:
-            raise RecipeError(f"{prefix}.top_p must be in (0, 1], got {self.top_p}")
-        if self.temperature <= 0:
-            raise RecipeError(f"{prefix}.temperature must be > 0, got {self.temperature}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise RecipeError(f"{prefix}.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        for key in ("max_obs_tokens", "max_turn_tokens"):
-            if getattr(self, key) >= self.max_total_tokens:
-                raise RecipeError(
-                    f"{prefix}.{key}={getattr(self, key)} must be < {prefix}.max_total_tokens={self.max_total_tokens}"
-                )
-        for i, url in enumerate(self.urls):
-            _check_url(f"{prefix}.urls[{i}]", url)
-        self._check_fleet(prefix)
-        self._check_modes(prefix)
-        self.inject.validate(f"{prefix}.inject")
-        if self.inject.route_flip_fraction > 0 and self.urls:
-            raise RecipeError(f"{prefix}.inject.route_flip_fraction is an injector of the embedded servers; "
-                              f"{prefix}.urls names external ones")
-
-    def _check_fleet(self, prefix: str) -> None:
-        """The fleet keys (servers, router, restarts) fit together."""
-        _positive_int(f"{prefix}.num_servers", self.num_servers)
-        _positive_int(f"{prefix}.failover_retries", self.failover_retries, minimum=0)
-        _positive_int(f"{prefix}.router_balance_abs_threshold", self.router_balance_abs_threshold, minimum=0)
-        if self.urls and self.num_servers != 1:
-            raise RecipeError(f"{prefix}.num_servers={self.num_servers} starts embedded servers, but {prefix}.urls "
-                              "lists external ones: give one or the other")
-        if self.router_url is not None:
-            _check_url(f"{prefix}.router_url", self.router_url)
-            if self.router != "sglang_router":
-                raise RecipeError(f"{prefix}.router_url is set but {prefix}.router={self.router}: "
-                                  f"set {prefix}.router=sglang_router")
-            if not self.urls:
-                raise RecipeError(f"{prefix}.router_url needs {prefix}.urls: the workers behind it, which get the "
-                                  "weight updates, flush_cache and health checks (generation goes through the router)")
-        elif self.router == "sglang_router" and importlib.util.find_spec("sglang_router") is None:
-            raise RecipeError(f"{prefix}.router=sglang_router needs the sglang-router package to start the router: "
-                              f"pip install sglang-router (or give {prefix}.router_url of a running one)")
-        if self.deterministic and self.urls:
-            raise RecipeError(f"{prefix}.deterministic is for embedded servers; launch external SGLang servers with "
-                              "--enable-deterministic-inference instead")
-        if self.restart_command is not None:
-            if not self.urls:
-                raise RecipeError(f"{prefix}.restart_command is for external servers ({prefix}.urls); the trainer "
-                                  f"restarts its embedded servers itself ({prefix}.restart_servers)")
-            try:
-                words = shlex.split(self.restart_command)
-            except ValueError as err:
-                raise RecipeError(
-                    f"{prefix}.restart_command: {self.restart_command!r} is not a command line ({err})"
-                ) from None
-            if not words:
-                raise RecipeError(f"{prefix}.restart_command is empty: give a command or leave it null")
-
-    def _check_modes(self, prefix: str) -> None:
-        """The rollout mode, staleness, dynamic sampling and overlong options (those against
-        other sections: ``TrainConfig.validate``)."""
-        _positive_int(f"{prefix}.max_staleness", self.max_staleness, minimum=0)
-        _positive_int(f"{prefix}.dynamic_sampling_max_groups", self.dynamic_sampling_max_groups, minimum=0)
-        _positive_int(f"{prefix}.overlong_buffer", self.overlong_buffer)
-        if self.overlong_buffer >= self.max_total_tokens:
-            raise RecipeError(f"{prefix}.overlong_buffer={self.overlong_buffer} must be < {prefix}.max_total_tokens="
-                              f"{self.max_total_tokens}")
-        if self.overlong_penalty < 0:
-            raise RecipeError(f"{prefix}.overlong_penalty must be >= 0, got {self.overlong_penalty}")
-        if self.mode == "one_step_off" and self.max_staleness < 1:
-            raise RecipeError(f"{prefix}.mode=one_step_off trains on batches one weight version old: "
-                              f"{prefix}.max_staleness must be >= 1")
-        _positive_int(f"{prefix}.lag", self.lag)
-        if self.mode == "lagged" and self.max_staleness < self.lag:
-            raise RecipeError(f"{prefix}.mode=lagged trains on batches {prefix}.lag={self.lag} versions old: "
-                              f"{prefix}.max_staleness={self.max_staleness} must be >= {self.lag}")
-        if self.mode == "async" and self.max_staleness < 1:
-            raise RecipeError(f"{prefix}.mode=async with {prefix}.max_staleness=0 would drop every group that was in "
-                              f"flight at a weight update: use {prefix}.mode=sync, or max_staleness >= 1")
 
 
 @dataclass
@@ -665,10 +470,11 @@ class TrainConfig:
     def _check_modes(self) -> None:
         """What the rollout mode and dynamic sampling ask of the loss and the batch."""
         r = self.rollout
-        if r.mode != "sync" and r.stale_groups == "keep" and self.algorithm.loss.is_correction.mode == "off":
-            raise RecipeError("rollout.stale_groups=keep trains on groups beyond rollout.max_staleness with the IS "
-                              "correction of their behaviour log-probs: set algorithm.loss.is_correction.mode "
-                              "(tis or mis), or drop them (rollout.stale_groups=drop)")
+        keeps_stale = r.mode_settings.stale and r.staleness.stale_groups == "keep"
+        if keeps_stale and self.algorithm.loss.is_correction.mode == "off":
+            raise RecipeError("rollout.staleness.stale_groups=keep trains on groups beyond rollout.staleness.max with "
+                              "the IS correction of their behaviour log-probs: set algorithm.loss.is_correction.mode "
+                              "(tis or mis), or drop them (rollout.staleness.stale_groups=drop)")
         if r.dynamic_sampling_max_groups and r.dynamic_sampling_max_groups < self.schedule.batch_size:
             raise RecipeError(f"rollout.dynamic_sampling_max_groups={r.dynamic_sampling_max_groups} must be 0 or "
                               f">= schedule.batch_size={self.schedule.batch_size}")
@@ -683,8 +489,8 @@ CONFIG_GROUPS: dict[str, str] = {
         "loss (name, clip, aggregation, KL, entropy, clip_bias, sapo, is_correction), advantage, "
         "routing_replay, value_clip, pvpo"
     ),
-    "rollout": "SGLang URLs (or embedded servers), sglang-router, failover and restarts, precision, group size, "
-    "sampling, turns and lengths",
+    "rollout": "SGLang URLs, precision, group size, sampling, turns and lengths; weight_sync (transport, buckets, "
+    "timeouts), fleet (embedded servers, sglang-router, failover and restarts), mode with staleness / lagged / async",
     "retrieval": "retrieval URL (or embedded BM25 corpus), top-k",
     "data": "train / val files (Search-R1 / verl parquet), prompt length, val_max_rows",
     "optimizer": "lr, critic_lr, Adam, grad clipping, warm-up and LR schedule, distributed optimizer",

@@ -7,6 +7,8 @@ dotted command-line overrides (``algorithm.loss.name=so_grpo``, or Hydra's ``+ke
 ``++key=value`` as NeMo-RL writes them). The merged tree is checked against the schema before
 any process starts: unknown keys (with a did-you-mean), wrong types and bad values are errors
 naming the key; a recipe path that is not a file is an error listing the recipes beside it.
+A key that moved into a section (:data:`MOVED_KEYS`) is an error naming its new place, in a
+recipe file or an override alike: an old key is never read under its old name.
 Every error is a ``RecipeError``.
 """
 
@@ -15,12 +17,36 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ...common.typed_config import ConfigError, build_dataclass, to_dict
 from .config import RecipeError, TrainConfig
 
 MAX_LISTED = 40  # recipe names a not-found message lists, at most
+_MISSING = object()
+
+# Every key that moved, old -> new: a recipe or an override that still gives the old one is an
+# error naming the new one (no alias: a key has one name). An old key that is now the name of a
+# section (the old value's key moved into it) is the old key only when it holds a value, not a
+# mapping: ``rollout.weight_sync=disk`` is, ``rollout.weight_sync.bucket_mb=256`` is not.
+MOVED_KEYS: dict[str, str] = {
+    # rollout.weight_sync: the transport and its settings (issue 44)
+    "rollout.weight_sync": "rollout.weight_sync.transport",
+    "rollout.weight_sync_bucket_mb": "rollout.weight_sync.bucket_mb",
+    "rollout.weight_sync_timeout_s": "rollout.weight_sync.timeout_s",
+    "rollout.weight_sync_init_timeout_s": "rollout.weight_sync.init_timeout_s",
+    "rollout.weight_sync_master_address": "rollout.weight_sync.master_address",
+    # rollout.fleet: the servers, the router, failover and restarts
+    **{f"rollout.{key}": f"rollout.fleet.{key}" for key in (
+        "num_servers", "router", "router_url", "router_policy", "router_balance_abs_threshold", "start_timeout_s",
+        "failover_retries", "restart_servers", "restart_command")},
+    # the rollout modes' keys: the staleness bound the lagged modes share, each mode's own
+    "rollout.max_staleness": "rollout.staleness.max",
+    "rollout.stale_groups": "rollout.staleness.stale_groups",
+    "rollout.lag": "rollout.lagged.lag",
+    "rollout.pause_mode": "rollout.async.pause_mode",
+    "rollout.flush_idle_timeout_s": "rollout.async.flush_idle_timeout_s",
+}
 
 
 def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -30,6 +56,7 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Train
     tree = _load_with_defaults(Path(path), seen=())
     if overrides:
         added = overrides_tree(overrides)
+        _refuse_moved_keys(OmegaConf.to_container(added), _override_names(overrides))
         try:
             tree = OmegaConf.merge(tree, added)
         except Exception as err:  # e.g. a list given for a section (model=[1])
@@ -74,6 +101,49 @@ def overrides_tree(overrides: Sequence[str]):
         raise RecipeError(f"bad override in {list(overrides)}: {err}") from None
 
 
+def moved_keys(tree: dict) -> list[tuple[str, str, Any]]:
+    """``(old, new, value)`` for each key of :data:`MOVED_KEYS` that ``tree`` (a plain nested
+    mapping: a recipe file or the overrides) gives under its old name."""
+    found = []
+    for old, new in MOVED_KEYS.items():
+        node: Any = tree
+        for part in old.split("."):
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is _MISSING or (isinstance(node, dict) and new.startswith(old + ".")):
+            continue  # absent, or a section now that holds the moved key
+        found.append((old, new, node))
+    return found
+
+
+def _refuse_moved_keys(tree: dict, where: Callable[[str], str]) -> None:
+    """One line naming each moved key ``tree`` gives and its new place (``where(old)``: the file
+    or the override that gives it)."""
+    found = moved_keys(tree)
+    if not found:
+        return
+    parts = []
+    for old, new, value in found:
+        if new.startswith(old + "."):  # a value where a section is now
+            shown = "null" if value is None else value
+            parts.append(f"{old}={shown} moved to {new}={shown} ({old} is a section now; in {where(old)})")
+        else:
+            parts.append(f"{old} moved to {new} (in {where(old)})")
+    raise RecipeError("; ".join(parts))
+
+
+def _override_names(overrides: Sequence[str]) -> Callable[[str], str]:
+    """``where`` for the overrides: the override that sets a key (or under it), else all of them."""
+
+    def where(key: str) -> str:
+        for item in overrides:
+            name = item.partition("=")[0].lstrip("+")
+            if name == key or name.startswith(key + "."):
+                return f"override {item!r}"
+        return f"overrides {list(overrides)}"
+
+    return where
+
+
 def dump_config(cfg: TrainConfig) -> str:
     """The resolved config as YAML (written next to each run for reproducibility)."""
     from omegaconf import OmegaConf
@@ -97,8 +167,10 @@ def _load_with_defaults(path: Path, seen: tuple[Path, ...]):
         node = OmegaConf.load(path)
     except Exception as err:
         raise RecipeError(f"{path}: not valid YAML ({err})") from None
-    if not isinstance(OmegaConf.to_container(node) if node is not None else {}, dict):
+    plain = OmegaConf.to_container(node) if node is not None else {}
+    if not isinstance(plain, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping")
+    _refuse_moved_keys(plain, lambda key: str(path))
     defaults = node.pop("defaults", None) if "defaults" in node else None
     if isinstance(defaults, str):  # NeMo-RL's loader takes one parent as a string
         defaults = [defaults]

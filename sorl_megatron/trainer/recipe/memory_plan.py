@@ -338,7 +338,7 @@ def hint_for(item: MemoryItem) -> str:
 
 def _existing(path: str) -> str:
     """``path`` as given, else under the repository root (recipes name repo-relative files)."""
-    root = Path(__file__).resolve().parents[2] / path
+    root = Path(__file__).resolve().parents[3] / path  # sorl_megatron/trainer/recipe/ -> the repository
     return path if os.path.exists(path) or not root.exists() else str(root)
 
 

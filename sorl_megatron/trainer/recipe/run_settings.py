@@ -206,7 +206,7 @@ def rerun_command(*extra: str, argv: Optional[Sequence[str]] = None) -> Optional
     if template and "{}" in template:
         return template.replace("{}", shlex.join(args))
     script = Path(argv[0])
-    package = Path(__file__).resolve().parents[1]
+    package = Path(__file__).resolve().parents[2]  # sorl_megatron/trainer/recipe/ -> sorl_megatron
     try:
         module = script.resolve().relative_to(package.parent).with_suffix("")
     except (OSError, ValueError):

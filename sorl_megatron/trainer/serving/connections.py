@@ -36,7 +36,7 @@ class Connections:
     """Rank 0's servers and clients for one run.
 
     ``pauses``: whether the servers pause generation for weight updates (the rollout source
-    decides: async with ``rollout.pause_mode`` on); the clients' ``/generate`` calls then do not
+    decides: async with ``rollout.async.pause_mode`` on); the clients' ``/generate`` calls then do not
     count paused time against ``rollout.timeout_s``.
     """
 
@@ -52,8 +52,8 @@ class Connections:
         self.servers: Optional[EmbeddedServers] = None
         self.pauses = pauses
         # paused time does not count against a /generate call's rollout.timeout_s (at most
-        # rollout.weight_sync_timeout_s per call): a turn paused for a slow sync is not timed out
-        self.pause_clock = PauseClock(cfg.rollout.weight_sync_timeout_s)
+        # rollout.weight_sync.timeout_s per call): a turn paused for a slow sync is not timed out
+        self.pause_clock = PauseClock(cfg.rollout.weight_sync.timeout_s)
         self._pause_supported: Optional[bool] = None
         self._routing_shape: Optional[tuple[int, int]] = None
         self._gold_cache: dict[int, Optional[Trajectory]] = {}  # ground truth by prompt index (None: none usable)
@@ -72,7 +72,7 @@ class Connections:
         cfg, r = self.cfg, self.cfg.rollout
         self.fleet = start_fleet(r, self.run_dir, self.servers, lambda name: rollout_server_spec(
             policy_path, r.precision, cfg.rollout_routes, cfg.schedule.seed, name=name,
-            health_timeout_s=r.start_timeout_s, deterministic=r.deterministic,
+            health_timeout_s=r.fleet.start_timeout_s, deterministic=r.deterministic,
             route_flip=(r.inject.route_flip_fraction, r.inject.seed)))
         stack.callback(self.fleet.close)
         self.rollout_urls = self.fleet.urls()
@@ -85,8 +85,8 @@ class Connections:
         if self.fleet is None:
             r = self.cfg.rollout
             self.fleet = RolloutFleet(
-                timeout_s=r.start_timeout_s, health=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
-                run_dir=self.run_dir, workers=[], restart_command=r.restart_command,
+                timeout_s=r.fleet.start_timeout_s, health=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
+                run_dir=self.run_dir, workers=[], restart_command=r.fleet.restart_command,
                 api_key=self.api_keys.get("rollout"))
         if not self.fleet.workers:
             self.fleet.workers = [Worker(u) for u in self.rollout_urls]
@@ -118,10 +118,10 @@ class Connections:
         return RolloutClient(RolloutClientConfig(
             urls=tuple(self.rollout_urls), max_concurrency=r.concurrency,
             generate_retry=RetryPolicy(timeout_s=r.timeout_s, retries=r.retries),
-            control_retry=RetryPolicy(timeout_s=r.weight_sync_timeout_s, retries=r.retries),
+            control_retry=RetryPolicy(timeout_s=r.weight_sync.timeout_s, retries=r.retries),
             health_retry=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
             api_key=self.api_keys.get("rollout"), router_url=fleet.router_url,
-            failover_retries=r.failover_retries, routing_shape=self.routing_shape()), on_failure=fleet.on_failure,
+            failover_retries=r.fleet.failover_retries, routing_shape=self.routing_shape()), on_failure=fleet.on_failure,
             serving=fleet.urls,  # a long-lived (async) client follows restarts
             on_retry=lambda: fleet.count("retries"),  # as they happen, from any thread
             pauses=self.pause_clock if self.pauses else None)
@@ -227,7 +227,7 @@ class Connections:
         self.pause_clock.pause()  # before the call: a server pauses as soon as it is asked
         try:
             self._pause_supported = aio.run(
-                self.with_client(lambda c: c.pause_generation(self.cfg.rollout.pause_mode)))
+                self.with_client(lambda c: c.pause_generation(self.cfg.rollout.async_.pause_mode)))
         except Exception:
             # some servers may have paused before one failed: never leave them paused
             try:

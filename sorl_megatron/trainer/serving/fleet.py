@@ -1,11 +1,11 @@
 """The rollout fleet of a run (rank 0): the rollout servers, the ``sglang-router`` in front of
 them, and what happens when one dies or hangs.
 
-- Embedded (no ``rollout.urls``): ``rollout.num_servers`` servers, plus the router when
-  ``rollout.router=sglang_router``, started like the other embedded servers (bounded by
-  ``rollout.start_timeout_s``, logs in ``<run_dir>/servers/``).
-- External (``rollout.urls``): those servers, behind ``rollout.router_url`` or behind a router
-  the trainer starts itself (``rollout.router=sglang_router`` without a URL), or none.
+- Embedded (no ``rollout.urls``): ``rollout.fleet.num_servers`` servers, plus the router when
+  ``rollout.fleet.router=sglang_router``, started like the other embedded servers (bounded by
+  ``rollout.fleet.start_timeout_s``, logs in ``<run_dir>/servers/``).
+- External (``rollout.urls``): those servers, behind ``rollout.fleet.router_url`` or behind a router
+  the trainer starts itself (``rollout.fleet.router=sglang_router`` without a URL), or none.
 
 Generation goes through the router when there is one; weight updates, ``flush_cache`` and
 health checks go to every worker (the trainer's ``rollout_urls``).
@@ -14,11 +14,11 @@ A server is *failed* when it does not answer ``/health`` within ``rollout.health
 asked before every phase, and at once when a ``/generate`` call on it (or through the
 router) timed out after ``rollout.timeout_s``, was refused or answered 5xx. A failed server is
 taken out of the router and of the worker list, and the calls it held are sent again to the
-others (``rollout.failover_retries`` times per call, counted in ``rollout/retries``). An
+others (``rollout.fleet.failover_retries`` times per call, counted in ``rollout/retries``). An
 embedded one is killed (SIGKILL: a hung process too) and started again on a new port at once;
-an external one gets the operator's ``rollout.restart_command`` (run with
+an external one gets the operator's ``rollout.fleet.restart_command`` (run with
 ``$SORL_FAILED_SERVER_URL``), or nothing. Before the next weight sync the trainer waits for
-the restarted embedded servers (bounded by ``rollout.start_timeout_s``) and asks the failed
+the restarted embedded servers (bounded by ``rollout.fleet.start_timeout_s``) and asks the failed
 external ones for ``/health`` once; those that answer get the sync with the others, so they
 hold the current weights, and only then go back into the router and the worker list. The
 step fails only when no server is left and none is coming back. A fleet with no server serving
@@ -83,7 +83,7 @@ class Worker:
 
 @dataclass
 class RolloutFleet:
-    timeout_s: float  # rollout.start_timeout_s: a (re)start and a router registration
+    timeout_s: float  # rollout.fleet.start_timeout_s: a (re)start and a router registration
     health: RetryPolicy  # rollout.health_timeout_s / retries
     run_dir: Path
     workers: list[Worker]
@@ -149,12 +149,12 @@ class RolloutFleet:
     async def _deciding(self) -> AsyncIterator[None]:
         """The decision lock from a coroutine, without blocking its event loop (the other
         thread may hold it across a health check). Bounded: the holder's work is health checks,
-        router calls and process launches, each bounded; ``rollout.start_timeout_s`` is the cap."""
+        router calls and process launches, each bounded; ``rollout.fleet.start_timeout_s`` is the cap."""
         deadline = time.monotonic() + self.timeout_s
         while not self._lock.acquire(blocking=False):
             if time.monotonic() > deadline:
                 raise ServerError(f"the rollout fleet's failure handling stayed busy in another thread for "
-                                  f"{self.timeout_s:g} s (rollout.start_timeout_s)")
+                                  f"{self.timeout_s:g} s (rollout.fleet.start_timeout_s)")
             await asyncio.sleep(0.01)
         try:
             yield
@@ -244,7 +244,7 @@ class RolloutFleet:
             log.warning("restarting embedded rollout server %s on %s (log %s)", w.name, w.url,
                         self.servers.log_path(w.name))
         elif w.name is not None and self.servers is not None:
-            self.servers.kill(w.name)  # not restarted (rollout.restart_servers=false): a hung one is ended
+            self.servers.kill(w.name)  # not restarted (rollout.fleet.restart_servers=false): a hung one is ended
         elif w.name is None and self.restart_command:
             self._run_restart_hook(w.url)
             self.count("server_restarts")
@@ -261,7 +261,7 @@ class RolloutFleet:
                 log.warning("could not take %s out of the router %s: %s", url, self.router_url, exc)
 
     def _run_restart_hook(self, url: str) -> None:
-        """``rollout.restart_command`` for a failed external server, not waited for: the
+        """``rollout.fleet.restart_command`` for a failed external server, not waited for: the
         server comes back when it answers ``/health`` before a weight sync."""
         log_path = self.run_dir / "servers" / "restart_hook.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -271,7 +271,7 @@ class RolloutFleet:
             self._hooks.append(subprocess.Popen(
                 shlex.split(self.restart_command), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, FAILED_SERVER_ENV: url}, start_new_session=True))
-        log.warning("ran rollout.restart_command for %s (output in %s)", url, log_path)
+        log.warning("ran rollout.fleet.restart_command for %s (output in %s)", url, log_path)
 
     # -- coming back ------------------------------------------------------------------
 
@@ -300,7 +300,7 @@ class RolloutFleet:
                 if w.state != "down" or w.url != url or w.failures != failures:
                     continue  # changed meanwhile
                 if w.name is not None and url not in ready:
-                    w.state = "lost"  # embedded, not restarted (rollout.restart_servers=false)
+                    w.state = "lost"  # embedded, not restarted (rollout.fleet.restart_servers=false)
                 elif ready.get(url):
                     w.state = "joining"
                 elif w.name is not None:
@@ -335,7 +335,7 @@ class RolloutFleet:
                             for w, url, _ in [j for j in waiting if j in still_joining()]:
                                 await self._fail(w, ServerError(
                                     f"{url} is not serving in the router {self.router_url} {self.timeout_s:g} s "
-                                    "after it was added (rollout.start_timeout_s)"))
+                                    "after it was added (rollout.fleet.start_timeout_s)"))
                         return
                     await asyncio.sleep(0.1)
 
@@ -362,33 +362,33 @@ def start_fleet(rollout, run_dir: Path, servers: Optional[EmbeddedServers],
                 spec_for: Callable[[str], ServerSpec]) -> RolloutFleet:
     """The fleet of ``rollout`` (the recipe's ``RolloutConfig``): the embedded servers and
     router it needs started (``spec_for(name)`` describes one rollout server)."""
-    r = rollout
+    r, f = rollout, rollout.fleet
     workers: list[Worker] = []
     if r.urls:
         workers = [Worker(u.rstrip("/")) for u in r.urls]
     else:
         assert servers is not None
-        names = ["rollout"] if r.num_servers == 1 else [f"rollout-{i}" for i in range(r.num_servers)]
+        names = ["rollout"] if f.num_servers == 1 else [f"rollout-{i}" for i in range(f.num_servers)]
         for name in names:  # launched together, then waited for: start-ups overlap
             workers.append(Worker(servers.launch(spec_for(name)), name=name))
         for w in workers:
-            servers.wait_ready(w.name, timeout_s=r.start_timeout_s)
-    router_url = r.router_url.rstrip("/") if r.router_url else None
+            servers.wait_ready(w.name, timeout_s=f.start_timeout_s)
+    router_url = f.router_url.rstrip("/") if f.router_url else None
     api_key = servers.api_keys.get("rollout") if servers is not None else None
-    if r.router == "sglang_router" and router_url is None:
+    if f.router == "sglang_router" and router_url is None:
         assert servers is not None
-        router_url = servers.start(router_spec([w.url for w in workers], r.router_policy, r.timeout_s,
-                                               health_timeout_s=r.start_timeout_s,
-                                               balance_abs_threshold=r.router_balance_abs_threshold))
+        router_url = servers.start(router_spec([w.url for w in workers], f.router_policy, r.timeout_s,
+                                               health_timeout_s=f.start_timeout_s,
+                                               balance_abs_threshold=f.router_balance_abs_threshold))
         api_key = servers.api_keys.get("rollout")
     fleet = RolloutFleet(
-        timeout_s=r.start_timeout_s, health=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
+        timeout_s=f.start_timeout_s, health=RetryPolicy(timeout_s=r.health_timeout_s, retries=r.retries),
         run_dir=run_dir, workers=workers, servers=servers, router_url=router_url,
-        restart_command=r.restart_command, restart_embedded=r.restart_servers, api_key=api_key)
-    if router_url is not None and not r.router_url:
+        restart_command=f.restart_command, restart_embedded=f.restart_servers, api_key=api_key)
+    if router_url is not None and not f.router_url:
         router = fleet._router()
         try:
-            aio.run(router.wait_for(present=[w.url for w in workers], timeout_s=r.start_timeout_s))
+            aio.run(router.wait_for(present=[w.url for w in workers], timeout_s=f.start_timeout_s))
         except ServerError as err:
             raise RuntimeError(f"{err}; see {servers.log_path('router')}") from None
     return fleet

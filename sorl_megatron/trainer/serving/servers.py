@@ -6,7 +6,7 @@ free 127.0.0.1 port; with no ``retrieval.url`` it starts the BM25 retrieval serv
 Ctrl-C (``KeyboardInterrupt``) and SIGTERM all go through :meth:`EmbeddedServers.stop`, and an
 ``atexit`` hook catches anything else; on Linux the children also get SIGTERM when the trainer
 itself is killed (SIGKILL included). Server output goes to ``<run_dir>/servers/*.log``.
-A fleet of rollout servers (``rollout.num_servers``) and the ``sglang-router`` in front of
+A fleet of rollout servers (``rollout.fleet.num_servers``) and the ``sglang-router`` in front of
 them are started the same way; :meth:`EmbeddedServers.restart` replaces one that died or hung
 (trainer/serving/fleet.py decides when).
 """

@@ -3,16 +3,17 @@
 The trainer holds one source, picked once by :func:`make_rollout_source` (the only code that
 reads ``rollout.mode``), and calls ``next_batch(step)`` on rank 0, ``before_sync()`` and
 ``after_sync(version)`` around each weight update on every rank, and ``close()`` at the end.
-A new mode is one new subclass here and one entry in ``SOURCES``.
+A new mode is one new subclass here and one entry in ``SOURCES``, under the name its settings
+have in ``recipe/rollout_modes.py``'s ``ROLLOUT_MODES``.
 
 - ``sync``: a step's groups are generated at the start of the step, on the current weights.
 - ``one_step_off``: step ``k + 1``'s batch is generated on a thread while step ``k`` trains;
   the weight sync after step ``k`` waits for it (one version behind, exactly reproducible).
-- ``lagged`` (a study axis): the same, ``rollout.lag`` versions deep: step ``k`` trains on the
+- ``lagged`` (a study axis): the same, ``rollout.lagged.lag`` versions deep: step ``k`` trains on the
   batch generated on weights ``k - lag``, whatever the timing; a checkpoint holds the batches
   generated ahead (``pending_batches.py``), so both resume exactly.
 - ``async``: a producer thread keeps the servers generating across weight updates, up to
-  ``(rollout.max_staleness + 1) x batch`` groups ahead (``producer.AsyncProducer``).
+  ``(rollout.staleness.max + 1) x batch`` groups ahead (``producer.AsyncProducer``).
 
 Groups are numbered in the stream's order (``producer.py``), so every mode draws the same
 prompts and seeds; the settled groups are checkpointed, so a resumed run never trains on a
@@ -41,7 +42,9 @@ from ...rollout.trajectory import Trajectory
 from ..groups.producer import AsyncProducer, Group, SettledGroups, apply_overlong, equal_rewards, version_lag_metrics
 from ..groups.prompts import DataStream
 from ..groups.rollouts import RolloutResult, check_prompt_length, rollout_metrics, score_trajectories
-from ..recipe.config import RolloutConfig, TrainConfig
+from ..recipe.config import TrainConfig
+from ..recipe.rollout_config import RolloutConfig
+from ..recipe.rollout_modes import ROLLOUT_MODES
 from ..serving.connections import Connections
 from ..serving.fleet import FleetRejoining
 from ..stages.drivers import PVPOStage
@@ -75,8 +78,7 @@ class RolloutSource:
     holds ``conn``, generates.
     """
 
-    name = ""  # its rollout.mode
-    lagged = True  # trains on tokens older weights sampled
+    name = ""  # its rollout.mode (a name of ROLLOUT_MODES, whose settings say whether it trains on stale tokens)
     pauses_servers = False  # whether the servers pause generation around a weight update
 
     def __init__(self, cfg: TrainConfig, stream: DataStream, rows: list[QARow], rewards: RewardRegistry,
@@ -105,7 +107,7 @@ class RolloutSource:
         idle = time.perf_counter() - t0
         res, injected = self._batch_result(accepted)
         res.metrics.update(counts)
-        res.metrics.update(version_lag_metrics(accepted, step, self.cfg.rollout.max_staleness))
+        res.metrics.update(version_lag_metrics(accepted, step, self.cfg.rollout.staleness.max))
         # settled: a checkpoint after this step says so, and a resumed run never draws them again
         self.settled.add([g.gid for g in accepted] + [g.gid for g, _ in dropped])
         self._log_episodes(step + 1, step, accepted, dropped)
@@ -201,7 +203,7 @@ class RolloutSource:
     ) -> tuple[list[Group], list[tuple[Group, str]], dict[str, float]]:
         """A batch of ``schedule.batch_size`` groups for a trainer at weight ``version``:
         ``draw(k)`` gives the next k generated groups. A group whose oldest token is more than
-        ``rollout.max_staleness`` versions behind is dropped (or kept, ``stale_groups=keep``);
+        ``rollout.staleness.max`` versions behind is dropped (or kept, ``rollout.staleness.stale_groups=keep``);
         with dynamic sampling a group whose rewards are all equal is dropped and replaced, at
         most ``dynamic_sampling_max_groups`` drawn, then dropped ones fill the batch. Returns
         the batch, every group drawn but not trained on with why, and the counts. ``slots`` (async:
@@ -232,8 +234,8 @@ class RolloutSource:
             for group in draw(want):
                 counts["rollout/groups_drawn"] += 1
                 oldest = group.oldest_version
-                if oldest is not None and version - oldest > r.max_staleness:
-                    if r.stale_groups == "drop":
+                if oldest is not None and version - oldest > r.staleness.max:
+                    if r.staleness.stale_groups == "drop":
                         counts["rollout/groups_dropped_stale"] += 1
                         counts["rollout/episodes_dropped_stale"] += len(group.trajectories)
                         dropped.append((group, "stale"))
@@ -290,7 +292,7 @@ class RolloutSource:
 class SyncSource(RolloutSource):
     """A step's groups are generated at its start, on the weights it trains from."""
 
-    name, lagged = "sync", False
+    name = "sync"
 
     def _generate(self, version: int):
         """A batch generated now, from ``next_gid`` on (one_step_off: on its thread). With no
@@ -312,14 +314,14 @@ class SyncSource(RolloutSource):
 
 
 class LaggedSource(SyncSource):
-    """Step ``k``'s batch is generated on the weights of version ``k - lag`` (``rollout.lag``):
+    """Step ``k``'s batch is generated on the weights of version ``k - lag`` (``rollout.lagged.lag``):
     while step ``k`` trains, a thread generates step ``k + lag``'s batch on step ``k``'s weights,
     and the weight sync after step ``k`` waits for it. The pipeline fills at the start of a run:
     the first step generates its own batch and the next ``lag`` ones on the same
     weights, so step ``k`` lags ``min(k, lag)`` versions. A checkpoint saves the batches waiting
     (``pending_batches``), so a resumed run goes on as the uninterrupted one."""
 
-    name, lagged = "lagged", True
+    name = "lagged"
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -328,7 +330,7 @@ class LaggedSource(SyncSource):
 
     @property
     def depth(self) -> int:
-        return self.cfg.rollout.lag
+        return self.cfg.rollout.lagged.lag
 
     def _groups(self, step: int):
         if self._pending and isinstance(self._pending[0].exception(), BatchAwaitsServers):
@@ -408,7 +410,7 @@ class OneStepOffSource(LaggedSource):
 
 class AsyncSource(RolloutSource):
     """A producer keeps the servers generating across weight updates; a step takes the groups
-    that finished, at most ``rollout.max_staleness`` versions behind."""
+    that finished, at most ``rollout.staleness.max`` versions behind."""
 
     name = "async"
 
@@ -419,14 +421,14 @@ class AsyncSource(RolloutSource):
 
     @classmethod
     def pauses(cls, rollout: RolloutConfig) -> bool:
-        return rollout.pause_mode != "off"
+        return rollout.async_.pause_mode != "off"
 
     def _groups(self, step: int):
         r = self.cfg.rollout
         if self._producer is None:
             self.conn.check_servers("the asynchronous rollouts")
             self._producer = AsyncProducer(self.open_groups, self.settled.unsettled_from(self.settled.frontier),
-                                           window=(r.max_staleness + 1) * self.cfg.schedule.batch_size,
+                                           window=(r.staleness.max + 1) * self.cfg.schedule.batch_size,
                                            rejoining=self.conn.fleet_rejoining).start()
         timeout = r.timeout_s * (r.max_turns + 1)
         # taken one at a time: a take that raises (no server serving; the trainer syncs and calls
@@ -455,13 +457,17 @@ SOURCES: dict[str, type[RolloutSource]] = {
 
 def source_class(cfg: TrainConfig) -> type[RolloutSource]:
     """The source of ``rollout.mode`` (the one place that reads it)."""
-    return SOURCES[cfg.rollout.mode]
+    mode = cfg.rollout.mode
+    if mode not in SOURCES:
+        raise RuntimeError(f"rollout.mode={mode} has no rollout source: ROLLOUT_MODES (trainer/recipe/"
+                           f"rollout_modes.py) names it, SOURCES (trainer/sources/modes.py) has only {sorted(SOURCES)}")
+    return SOURCES[mode]
 
 
 def make_rollout_source(cfg: TrainConfig, *args, **kw) -> RolloutSource:
     """The run's source (rank 0 warns when a lagged mode has nothing correcting for the lag)."""
     cls = source_class(cfg)
-    if kw.get("conn") is not None and cls.lagged and cfg.algorithm.loss.is_correction.mode == "off":
+    if kw.get("conn") is not None and ROLLOUT_MODES[cls.name].stale and cfg.algorithm.loss.is_correction.mode == "off":
         log.warning("rollout.mode=%s trains on tokens sampled by older weights; without "
                     "algorithm.loss.is_correction.mode (tis / mis) nothing corrects for it", cls.name)
     return cls(cfg, *args, **kw)
