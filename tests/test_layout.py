@@ -209,13 +209,14 @@ def test_the_checker_sees_a_lazy_circle(tmp_path, monkeypatch):
     assert _strongly_connected(import_graph()) == [["sorl_megatron.common.a", "sorl_megatron.common.b"]]
 
 
-MAX_MODULE_LINES = 700
-MAX_CLASS_LINES = 450
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 380
 REPO = PACKAGE.parent
 
 
 def test_no_module_or_class_is_a_hub():
-    """A module over 700 lines or a class over 450 mixes owners: cut it by who owns the state."""
+    """A module over 600 lines or a class over 380 mixes owners: cut it by who owns the state (a
+    smoke alarm: a module near its cap is cut along an owner, never trimmed to pass)."""
     big = []
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()

@@ -31,7 +31,6 @@ from transformers import PreTrainedTokenizerBase
 from ..algorithms import AdvantageInputs, compute_advantages
 from ..bridge.parallel import init_distributed
 from ..common import comm
-from ..common.http import ServerError, ServerUnavailableError
 from ..common.typed_config import to_dict
 from ..data.qa import QARow
 from ..engine.actor import PolicyEngine
@@ -39,11 +38,10 @@ from ..engine.batch_transfer import share_batch
 from ..engine.critic import ValueEngine
 from ..engine.rl_batch import RLBatch
 from ..rewards.registry import RewardRegistry
-from ..rollout.trajectory import collate
 from .checkpoints import RunCheckpoints
 from .engines import build_engines
 from .groups.prompts import DataStream
-from .groups.rollouts import RolloutResult, rollout_metrics
+from .groups.rollouts import rollout_metrics, step_batch
 from .metrics.indicators import mismatch_metrics, route_flip_metrics
 from .metrics.logger import MetricsLogger, open_wandb
 from .metrics.timing import StepTimer, tokens_per_second, truncate_jsonl
@@ -53,6 +51,7 @@ from .recipe.loader import dump_config
 from .recipe.model_options import model_options
 from .recipe.run_settings import SETTINGS_ENTRY, defining_settings, write_checkpoint_dir_record
 from .rerun import interrupted
+from .serving.catch_up import served
 from .serving.connections import Connections
 from .serving.servers import EmbeddedServers
 from .serving.weight_push import WeightPush
@@ -60,13 +59,6 @@ from .sources.modes import RolloutSource, make_rollout_source, source_class
 from .stages.drivers import PVPOStage, sft_resume_point, sft_stage
 
 log = logging.getLogger("sorl_megatron.trainer")
-
-CATCH_UP_SYNCS = 2  # per phase: weight syncs that bring a restarted server back before the phase gives up
-
-
-class _NoServer:
-    """Rank 0's answer to a phase no rollout server could serve (a restarted one waits for a sync)."""
-
 
 def start_message(cfg: TrainConfig, resume: Optional[Path], step: int) -> tuple[bool, str]:
     """Whether a run has steps left to train, and the line that says what it does: start,
@@ -201,18 +193,6 @@ class RLTrainer:
 
     # -- the step ----------------------------------------------------------------------
 
-    def _to_batch(self, res: RolloutResult, held: dict) -> RLBatch:
-        """The step's batch (R3: with the rollout's routes); without R3, rank 0 keeps the routes
-        the rollout returned in ``held`` (the route flip rate's)."""
-        t = collate(res.trajectories, pad_token_id=self.pad_id)
-        if self.cfg.algorithm.routing_replay != "r3" and t.get("routed_experts") is not None:
-            held["rollout_routes"] = t["routed_experts"]
-        return RLBatch(
-            input_ids=t["input_ids"], attention_mask=t["attention_mask"], loss_mask=t["loss_mask"],
-            rollout_logprobs=t["rollout_logprobs"], turn_ids=t["turn_ids"], group_ids=res.group_ids,
-            routed_experts=t.get("routed_experts") if self.cfg.algorithm.routing_replay == "r3" else None,
-        )
-
     def _share_batch(self, batch: Optional[RLBatch]) -> RLBatch:
         """Rank 0's step batch on every rank as tensors, the R3 routes only for the rows each
         data-parallel rank's actor passes read (``engine/batch_transfer.py``)."""
@@ -253,7 +233,7 @@ class RLTrainer:
 
             def rollout():
                 res, injected, batch_metrics = self.source.next_batch(step)
-                held["batch"] = self._to_batch(res, held)
+                held["batch"] = step_batch(res, self.pad_id, self.cfg.algorithm.routing_replay == "r3", held)
                 return injected, res.rewards, batch_metrics
 
             phase = f"the rollout phase of step {step + 1}"
@@ -348,32 +328,9 @@ class RLTrainer:
         return {**payload, **timer.times}
 
     def _served(self, fn, phase: str):
-        """``_on_rank0(fn, phase)`` for a phase the rollout servers serve. When none serves (the
-        only one died; the fleet restarted it, and a restarted server waits for a weight sync
-        before it serves: ``FleetRejoining``), every rank runs a weight sync of the weights the
-        actor holds, version ``self.synced`` (the servers' own: such a phase comes before the
-        next update), and the phase runs again; at most ``CATCH_UP_SYNCS`` times."""
-
-        def or_no_server():
-            try:
-                return fn()
-            except ServerError:
-                if self.conn is None or not self.conn.fleet_rejoining():
-                    raise
-                return _NoServer()
-
-        for attempt in range(CATCH_UP_SYNCS + 1):
-            out = self._on_rank0(or_no_server, phase)
-            if not isinstance(out, _NoServer):
-                return out
-            if attempt == CATCH_UP_SYNCS:
-                break
-            if comm.rank() == 0:
-                log.warning("no rollout server serves %s: the restarted server gets the weights of version step_%d "
-                            "first", phase, self.synced)
-            self.sync_weights(self.synced)
-        raise ServerUnavailableError(f"no rollout server served {phase} after {CATCH_UP_SYNCS} weight syncs that "
-                                     f"were to bring a restarted one back (see {self.run_dir / 'servers'})")
+        """``fn()`` for a phase the rollout servers serve, on rank 0 (``serving/catch_up.py``)."""
+        return served(fn, phase, self.conn, lambda g: self._on_rank0(g, phase),
+                      lambda: self.sync_weights(self.synced), self.synced, self.run_dir)
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase

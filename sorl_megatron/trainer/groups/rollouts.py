@@ -14,9 +14,10 @@ from typing import Any, Sequence
 import torch
 
 from ...data.qa import QARow, encode_prompt
+from ...engine.rl_batch import RLBatch
 from ...rewards.registry import RewardRegistry
 from ...rollout.agent import SearchAgent, parse_action
-from ...rollout.trajectory import Trajectory
+from ...rollout.trajectory import Trajectory, collate
 
 
 @dataclass
@@ -107,3 +108,17 @@ def rollout_metrics(trajs: Sequence[Trajectory], scores: torch.Tensor, prefix: s
     for reason, count in Counter(t.finish_reason for t in trajs).items():
         metrics[f"{prefix}/finish_{reason}"] = count / n
     return metrics
+
+
+def step_batch(res: RolloutResult, pad_id: int, replay_routes: bool, held: dict) -> RLBatch:
+    """The step's batch of a rollout (with R3, ``replay_routes``: the rollout's routes in it);
+    without R3, the routes the rollout returned are kept in ``held["rollout_routes"]`` (the
+    route flip rate's)."""
+    t = collate(res.trajectories, pad_token_id=pad_id)
+    if not replay_routes and t.get("routed_experts") is not None:
+        held["rollout_routes"] = t["routed_experts"]
+    return RLBatch(
+        input_ids=t["input_ids"], attention_mask=t["attention_mask"], loss_mask=t["loss_mask"],
+        rollout_logprobs=t["rollout_logprobs"], turn_ids=t["turn_ids"], group_ids=res.group_ids,
+        routed_experts=t.get("routed_experts") if replay_routes else None,
+    )
