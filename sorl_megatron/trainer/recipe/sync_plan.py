@@ -55,16 +55,16 @@ def plan_job(cfg: TrainConfig) -> dict:
             "bucket_mb": cfg.rollout.weight_sync_bucket_mb}
 
 
-def plan_recipes(recipes: Sequence[str], timeout_s: float = 3600.0) -> dict[str, SyncPlan]:
-    """Each recipe's plan, by recipe path, from one planner process (recipes sharing a model,
-    layout and format share a plan)."""
+def plan_configs(cfgs: Sequence[TrainConfig], timeout_s: float = 3600.0) -> list[SyncPlan]:
+    """Each recipe's plan (``--print-memory`` can print :func:`weight_sync.plan.summary` of it),
+    from one planner process; recipes sharing a model, layout and format share a plan."""
     jobs: list[dict] = []
-    index: dict[str, int] = {}
-    for recipe in recipes:
-        job = plan_job(load_recipe(recipe))
+    index = []
+    for cfg in cfgs:
+        job = plan_job(cfg)
         if job not in jobs:
             jobs.append(job)
-        index[recipe] = jobs.index(job)
+        index.append(jobs.index(job))
     with tempfile.TemporaryDirectory(prefix="sync_plan_") as tmp:
         spec, out = os.path.join(tmp, "jobs.json"), os.path.join(tmp, "plans.json")
         with open(spec, "w") as f:
@@ -76,7 +76,13 @@ def plan_recipes(recipes: Sequence[str], timeout_s: float = 3600.0) -> dict[str,
             raise RecipeError(f"the weight-sync planner failed ({' '.join(cmd[1:4])}):\n{tail}")
         with open(out) as f:
             plans = [SyncPlan.from_json(p) for p in json.load(f)]
-    return {recipe: plans[i] for recipe, i in index.items()}
+    return [plans[i] for i in index]
+
+
+def plan_recipes(recipes: Sequence[str], timeout_s: float = 3600.0) -> dict[str, SyncPlan]:
+    """Each recipe's plan, by recipe path (:func:`plan_configs`)."""
+    plans = plan_configs([load_recipe(r) for r in recipes], timeout_s)
+    return dict(zip(recipes, plans))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
