@@ -27,8 +27,15 @@ def weight_sync_roles() -> tuple[bool, bool]:
     return dense, expert
 
 
+class Moves:
+    """How the export moves tensors between ranks: ``common.comm``'s collectives. A plan of the
+    sync (``weight_sync.plan``) passes its own, which moves shapes only."""
+
+    all_gather = staticmethod(comm.all_gather)
+
+
 def iter_owned_hf_weights(
-    model: MegatronModel, dtype: Optional[torch.dtype] = None
+    model: MegatronModel, dtype: Optional[torch.dtype] = None, moves: type[Moves] | Moves = Moves
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The HF tensors this rank sends in a distributed weight sync (``weight_sync_roles``):
     its local parameters, gathered over tensor (or expert-tensor) parallelism only, never across
@@ -36,7 +43,8 @@ def iter_owned_hf_weights(
 
     Every rank must consume the whole iterator, senders or not: the tensor-parallel gathers run
     inside, in the same order on every rank of a group. The output layer of tied embeddings is
-    skipped at PP > 1 (the first stage sends the embedding).
+    skipped at PP > 1 (the first stage sends the embedding). ``moves``: the collectives (default
+    ``common.comm``'s).
     """
     bridge, mpu = model.bridge, model.bridge.mpu
     dense_owner, expert_owner = weight_sync_roles()
@@ -59,7 +67,7 @@ def iter_owned_hf_weights(
                 else:
                     size, group, mine = mpu.tp_size, mpu.tp_group, dense_owner
                 if size > 1 and (expert or getattr(param, "tensor_model_parallel", False)):
-                    parts = comm.all_gather(param.detach(), group)
+                    parts = moves.all_gather(param.detach(), group)
                     merged = bridge._weight_merge_across_tp(name, parts, param)
                 else:
                     merged = param.detach()
