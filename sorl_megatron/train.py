@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
 
+from .common import interrupts
 from .common.run_lock import RunLockedError, RunLockError, acquire_run_lock
 from .common.typed_config import ConfigError
 from .trainer.recipe.config import CONFIG_GROUPS
@@ -78,12 +79,13 @@ def _print_memory(cfg, model_config: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the trainer's exit stack stopped the servers
-        from .trainer.serving.servers import report_interrupt
+    with interrupts.catching():  # Ctrl-C and SIGTERM raise, once (common/interrupts.py)
+        try:
+            return _run(args)
+        except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM: the trainer's exit stack stopped the servers
+            from .trainer.serving.servers import report_interrupt
 
-        return report_interrupt(err)
+            return report_interrupt(err)
 
 
 def _run(args: argparse.Namespace) -> int:

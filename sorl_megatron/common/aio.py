@@ -14,15 +14,27 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from . import interrupts
+
 T = TypeVar("T")
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(coro)``'s value (and exceptions, Ctrl-C included) without formatting it."""
+    """``asyncio.run(coro)``'s value (and exceptions, Ctrl-C included) without formatting it.
+    During a run (``interrupts.catching``), Ctrl-C and SIGTERM cancel the loop's main task and
+    come out as ``interrupts.SignalInterrupt``, also when some coroutine absorbed the
+    cancellation or turned it into another error."""
     box: list[T] = []
 
     async def main() -> None:
-        box.append(await coro)
+        with interrupts.loop_task(asyncio.current_task()):
+            box.append(await coro)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except BaseException as err:  # the cancellation, or what some coroutine turned it into (a timeout ...)
+        if isinstance(err, KeyboardInterrupt) or interrupts.pending() is None:
+            raise
+        raise interrupts.SignalInterrupt(interrupts.pending()) from None
+    interrupts.check()  # a signal whose cancellation some coroutine absorbed
     return box[0]

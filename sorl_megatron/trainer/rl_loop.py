@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..algorithms import AdvantageInputs, compute_advantages
 from ..bridge.parallel import init_distributed
-from ..common import comm
+from ..common import comm, interrupts
 from ..common.typed_config import to_dict
 from ..data.qa import QARow
 from ..engine.actor import PolicyEngine
@@ -333,6 +333,7 @@ class RLTrainer:
                       lambda: self.sync_weights(self.synced), self.synced, self.run_dir)
 
     def _set_phase(self, phase: str) -> None:
+        interrupts.check()  # a signal that something swallowed stops the run before the next phase
         self.phase = phase
 
     def _on_rank0(self, fn, phase: str):
@@ -347,10 +348,11 @@ class RLTrainer:
         row), before any server, engine or run directory exists. Ctrl-C or SIGTERM leaves as
         ``rerun.RunInterrupted``, once the servers are stopped: the phase it stopped in and what
         the same command does next."""
-        try:
-            return self._run()
-        except KeyboardInterrupt as err:
-            raise interrupted(err, self.phase, self.cfg) from None
+        with interrupts.catching():  # never lost: raised at once, and again at the next phase if swallowed
+            try:
+                return self._run()
+            except KeyboardInterrupt as err:
+                raise interrupted(err, self.phase, self.cfg) from None
 
     def _run(self) -> dict[str, float]:
         # the ranks must be known before rank 0 alone starts servers, writes files, plays gold plans

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ...common import interrupts
+
 
 @dataclass
 class StepTimer:
@@ -20,6 +22,7 @@ class StepTimer:
 
         class _Ctx:
             def __enter__(self):
+                interrupts.check()  # a phase of the step: a Ctrl-C that something swallowed stops the run here
                 self.t0 = time.perf_counter()
 
             def __exit__(self, *exc):

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from ...common.background import free_port, wait_healthy
+from ...common.interrupts import SignalInterrupt, raise_interrupt  # noqa: F401 (SignalInterrupt: re-exported)
 from ...common.procutil import die_with_parent_preexec
 from ...common.protocol import RETRIEVAL_API_KEY_ENV, ROLLOUT_API_KEY_ENV
 
@@ -158,7 +159,7 @@ class EmbeddedServers:
         self._previous_sigterm = signal.getsignal(signal.SIGTERM)
         if _in_main_thread():
             # SIGTERM (e.g. a scheduler killing the job) becomes an exception, so __exit__ runs.
-            signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+            signal.signal(signal.SIGTERM, raise_interrupt)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -215,14 +216,6 @@ def retrieval_server_spec(corpus: str, topk: int) -> ServerSpec:
     )
 
 
-class SignalInterrupt(KeyboardInterrupt):
-    """A signal (SIGTERM) turned into KeyboardInterrupt so that every cleanup runs; ``signum`` says which."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-
 def report_interrupt(err: KeyboardInterrupt) -> int:
     """For an entry point that caught Ctrl-C (or SIGTERM, as :class:`SignalInterrupt`) after
     the trainer's cleanup stopped its servers: one line on rank 0 instead of a traceback per
@@ -241,10 +234,6 @@ def report_interrupt(err: KeyboardInterrupt) -> int:
                     f"again: {plan}")
         print(line, file=sys.stderr, flush=True)
     return 128 + signum
-
-
-def _raise_keyboard_interrupt(signum, frame) -> None:
-    raise SignalInterrupt(signum)
 
 
 def _in_main_thread() -> bool:
