@@ -33,6 +33,13 @@ def world_size(group: Optional[Any] = None) -> int:
     return dist.get_world_size(group) if initialized() else 1
 
 
+def group_ranks(group: Optional[Any] = None) -> list[int]:
+    """The global ranks of ``group`` (the world by default), in group-rank order."""
+    if not initialized():
+        return [0]
+    return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
 def group_devices(group: Optional[Any] = None) -> tuple[str, ...]:
     """Device types ``group``'s backend takes, e.g. ``("cpu", "cuda")`` for gloo,
     ``("cuda",)`` for NCCL."""

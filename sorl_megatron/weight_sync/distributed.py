@@ -4,8 +4,9 @@ the trainer and every server hold CUDA tensors, gloo otherwise (:func:`group_bac
 server's device comes from its ``/server_info``).
 
 Every rank exports its own part of the model (``export.iter_owned_hf_weights``: tensor-parallel
-gathers only); the senders (``export.weight_sync_roles``: a stage's dense layers, each expert
-owner's experts) broadcast it bucket by bucket to every server. Rank 0 opens the sync
+gathers, and each expert owner's experts handed to its stage's sender over the expert-parallel
+group); each pipeline stage's sender (``export.weight_sync_roles``) broadcasts its stage bucket by
+bucket to every server, so a sync has one weight-update group per stage. Rank 0 opens the sync
 (``/begin_weight_update`` where the servers have weight-update sessions, SGLang >= 0.5.21) and
 closes it with the version (``/update_weight_version``, ``/end_weight_update``, ``/flush_cache``
 once idle). Servers started from an FP8-serialized checkpoint get the quantizer's block-FP8
@@ -13,7 +14,7 @@ pairs (``base.weight_format`` refuses a server that quantizes online). A
 failure on any rank fails the sync on every rank, after every rank has finished its export (so
 no gather is left waiting).
 
-Each sending rank (:class:`DistributedSender`) owns one group, ``<prefix>_r<rank>``: itself as
+Each stage's sender (:class:`DistributedSender`) owns one group, ``<prefix>_r<rank>``: itself as
 rank 0 plus every server rank (``rank_offset`` = 1 + the ranks of the servers before it, a
 server holding its ``tp_size`` ranks). Per bucket (at most ``bucket_bytes``, a larger tensor
 alone) it posts ``/update_weights_from_distributed`` (names, dtypes, shapes) to every server
@@ -21,10 +22,10 @@ and broadcasts the tensors meanwhile, so no rank ever holds more than its own sh
 bucket. The group is formed with the servers of the sync that first needs it and formed again
 when they change (a restarted server comes back on a new URL).
 
-Buckets of different senders never overlap: a sender holds ``lock`` (a mutex shared by the
-senders, see :class:`StoreMutex`) only while one bucket is on the wire, never during a gather of
-the export, so a server is never asked to take part in two broadcasts at once (which a real
-SGLang server, handling weight updates one at a time, could not) and no gather waits on it. On
+Buckets of different senders never overlap: a sender holds ``lock`` (turns shared by the senders,
+first come first served: ``turns.StoreMutex``) only while one bucket is on the wire, never during
+a gather of the export, so a server is never asked to take part in two broadcasts at once (which a
+real SGLang server, handling weight updates one at a time, could not) and no gather waits on it. On
 GPU a gather returns before it has run (NCCL queues it on the stream, and the broadcast is
 queued behind it): a sender therefore waits for its stream (``settle``) before it takes the
 lock, else it could hold the lock while its broadcast waits on a gather that a tensor-parallel
@@ -41,7 +42,6 @@ import logging
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -65,8 +65,9 @@ from .base import (
     fp8_pairs,
     weight_format,
 )
-from .export import iter_owned_hf_weights, weight_sync_roles
+from .export import check_stage_senders, iter_owned_hf_weights, weight_sync_roles
 from .group import BucketSpec, GroupSpec, WeightGroup, WeightGroupError
+from .turns import StoreMutex
 
 log = logging.getLogger("sorl_megatron.weight_sync.distributed")
 
@@ -94,29 +95,6 @@ def group_backend(trainer_cuda: bool, server_devices: Iterable[str]) -> str:
     otherwise: NCCL moves CUDA memory only, and a CPU server in an NCCL group cannot receive."""
     devices = list(server_devices)
     return "nccl" if trainer_cuda and devices and all(d == "cuda" for d in devices) else "gloo"
-
-
-class StoreMutex:
-    """A mutex over a torch ``Store`` shared by the sending ranks (the training world's store):
-    ``compare_set`` claims it; every wait is bounded by ``timeout_s``."""
-
-    def __init__(self, store, key: str, timeout_s: float):
-        self.store, self.key, self.timeout_s = store, key, timeout_s
-        self.token = uuid.uuid4().hex
-
-    @contextlib.contextmanager
-    def __call__(self):
-        deadline = time.monotonic() + self.timeout_s
-        pause = 0.0005
-        while self.store.compare_set(self.key, "", self.token).decode() != self.token:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"another sending rank held the weight-sync lock for more than {self.timeout_s:g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        try:
-            yield
-        finally:
-            self.store.compare_set(self.key, self.token, "")
 
 
 class DistributedSender:
@@ -322,7 +300,7 @@ async def end_update(client: RolloutClient, version: str, ok: bool = True, flush
 
 
 class DistributedWeightSync(WeightSync):
-    """The transport on every rank: each sending rank keeps its :class:`DistributedSender` (and
+    """The transport on every rank: each stage's sender keeps its :class:`DistributedSender` (and
     its group) from one sync to the next; ``close`` leaves the groups."""
 
     def __init__(self, settings: SyncSettings, run_dir: str | Path = "."):
@@ -330,6 +308,7 @@ class DistributedWeightSync(WeightSync):
         self.sender: Optional[DistributedSender] = None
         self.api_key: Optional[str] = None  # of the last sync, for close
         self.bytes_sent = 0  # by this rank in the last sync
+        self.syncs = 0  # every rank counts them: each sync's turns have their own keys
 
     def _client(self, urls, api_key) -> RolloutClient:
         return control_client(self.settings, urls, api_key)  # no failure hook: a broadcast cannot leave one out
@@ -352,7 +331,7 @@ class DistributedWeightSync(WeightSync):
             self.sender.generations = generations
             kw = {}
             if comm.world_size() > 1:
-                kw["lock"] = StoreMutex(comm.store(), "sorl_wsync_lock", s.weight_sync.init_timeout_s)
+                kw["lock"] = StoreMutex(comm.store(), f"sorl_wsync_lock/{self.syncs}", s.weight_sync.init_timeout_s)
             export = iter_owned_hf_weights(model)
             tensors = fp8_pairs(export) if fmt == "block_fp8" else export
             try:
@@ -370,6 +349,9 @@ class DistributedWeightSync(WeightSync):
         same one, and the groups follow it)."""
         urls, self.api_key, gens = comm.broadcast_object((list(targets.urls), targets.api_key,
                                                           tuple(targets.generations)))
+        if self.syncs == 0 and comm.world_size() > 1:
+            check_stage_senders()  # the layout's experts reach a stage's sender (every rank, once)
+        self.syncs += 1
         error: Optional[BaseException] = None
         fmt: Optional[WeightFormat] = None
         if comm.rank() == 0:
@@ -382,10 +364,10 @@ class DistributedWeightSync(WeightSync):
         self.bytes_sent = 0
         if not failed:
             try:
-                if any(weight_sync_roles()):
+                if weight_sync_roles()[0]:  # a stage's sender
                     self.bytes_sent = aio.run(self._send(model, urls, self.api_key, fmt, gens))
                 else:
-                    for _ in iter_owned_hf_weights(model):  # the gathers need every rank
+                    for _ in iter_owned_hf_weights(model):  # the gathers and hand-overs need every rank
                         pass
             except BaseException as exc:
                 error = exc

@@ -18,9 +18,10 @@ What the plan rests on, beyond the code it runs:
   per stage, at the stage's first rank, and every other rank of the stage exports that chunk with
   megatron's groups and mbridge's parallel state re-formed at its own rank (which is all the
   export reads of the rank: its roles, its expert offset, its gather sizes);
-- the candidates: a stage's first rank (tensor- and data-parallel rank 0: the dense sender) and
-  the members of its expert-parallel group (the expert owners); a rank outside them sends nothing
-  (``weight_sync_roles`` needs TP rank 0 of DP rank 0, or ETP rank 0 of expert-DP rank 0);
+- the candidates: a stage's first rank (tensor- and data-parallel rank 0: the stage's sender)
+  and the members of its expert-parallel group (the expert owners, which hand their experts to
+  the sender: they send nothing to the servers); a rank outside them sends nothing
+  (``weight_sync_roles``);
 - the layer spec is the one this machine builds: the local spec without TransformerEngine. Its
   parameter names and shapes are TE's (``bridge.local_spec``); the order of a fused norm's weight
   against its linear's weight within one module may differ from TE's.
@@ -117,14 +118,30 @@ class SyncPlan:
 
 
 class ShapeMoves:
-    """The export's collectives on meta tensors: a gather over ``n`` ranks gives ``n`` tensors of
-    the local shard's shape (what every rank of a tensor-parallel group holds)."""
+    """The export's moves on meta tensors: a gather over ``n`` ranks gives ``n`` tensors of the
+    local shard's shape (what every rank of a tensor-parallel group holds); a hand-over from an
+    expert owner arrives in the buffer the receiver made (the owners of a stage hold the same
+    shapes); a send goes nowhere."""
 
     @staticmethod
     def all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
         import torch.distributed as dist
 
         return [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+
+    @staticmethod
+    def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+        pass
+
+    @staticmethod
+    def recv(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+        return tensor
+
+    @staticmethod
+    def group_ranks(group=None) -> list[int]:
+        import torch.distributed as dist
+
+        return list(dist.get_process_group_ranks(group))
 
 
 def plan_sync(hf_config, layout, world_size: int, weight_format: str = "bf16",

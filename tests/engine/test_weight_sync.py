@@ -36,11 +36,12 @@ def test_each_rank_sends_only_its_part(wsync):
     total = tp["total_bytes"]
     # TP2: rank 0 sends the gathered model, rank 1 nothing
     assert [s for s, _ in tp["sent_by_rank"]] == [total, 0]
-    # EP2 / PP2: both ranks send, neither the whole model, together exactly the model
-    for r in (ep, pp):
-        sent = [s for s, _ in r["sent_by_rank"]]
-        assert sum(sent) == total and 0 < min(sent) and max(sent) < total, sent
-    # EP2: rank 1 sends only experts (its dense role is data-parallel rank 1's: none)
+    # PP2: each stage's sender sends its stage: both send, neither the whole model, together exactly it
+    sent = [s for s, _ in pp["sent_by_rank"]]
+    assert sum(sent) == total and 0 < min(sent) and max(sent) < total, sent
+    # EP2: one stage, one sender: rank 1 owns experts (its dense role is data-parallel rank 1's:
+    # none) and hands them to rank 0, which sends the whole model (issue 45: a group per stage)
+    assert [s for s, _ in ep["sent_by_rank"]] == [total, 0]
     assert [tuple(roles) for _, roles in ep["sent_by_rank"]] == [(True, True), (False, True)]
 
 
