@@ -7,7 +7,7 @@ sync (``--json``: every sender's stream of ``(HF name, shape, dtype)`` with its 
 The model's ``config.json`` is the memory plan's (``model.path``, else ``model.config_for_planning``),
 the world ``parallelism.planned_world_size`` (else the smallest the layout needs), the weight
 format block-FP8 for ``rollout.precision: fp8`` (the servers then run from an FP8 checkpoint),
-the bucket ``rollout.weight_sync_bucket_mb``. The plan is of the distributed transport, whatever
+the bucket ``rollout.weight_sync.bucket_mb``. The plan is of the distributed transport, whatever
 the recipe's transport is.
 
 The planner plays every rank under torch's fake process-group backend, so it runs in a process of
@@ -52,7 +52,7 @@ def plan_job(cfg: TrainConfig) -> dict:
     _, _, source = model_config_for(cfg)
     return {"config": source.split("=", 1)[1], "layout": layout_text(cfg), "world": planned_world(cfg),
             "format": "block_fp8" if cfg.rollout.precision == "fp8" else "bf16",
-            "bucket_mb": cfg.rollout.weight_sync_bucket_mb}
+            "bucket_mb": cfg.rollout.weight_sync.bucket_mb}
 
 
 def plan_configs(cfgs: Sequence[TrainConfig], timeout_s: float = 3600.0) -> list[SyncPlan]:
