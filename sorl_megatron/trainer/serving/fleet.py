@@ -115,7 +115,7 @@ class RolloutFleet:
 
     def rejoining(self) -> bool:
         """Whether no worker serves and some are coming back: an embedded one being restarted
-        (down, ``rollout.restart_servers``) or one healthy again (joining). A weight sync makes
+        (down, ``rollout.fleet.restart_servers``) or one healthy again (joining). A weight sync makes
         them serve (:meth:`prepare_sync`, :meth:`finish_sync`). Any thread, no lock."""
         workers = list(self.workers)
         if any(w.state == "up" for w in workers):
