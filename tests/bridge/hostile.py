@@ -101,7 +101,8 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     # found against the model (mbridge's names and shapes) or while loading
     "extra_layer": (lambda d: _edit_tensors(d, _extra_layer),
                     "1 tensor(s) the model does not use: 'model.layers.7.mlp.down_proj.weight'"),
-    "wrong_shape": (lambda d: _edit_tensors(d, _wrong_shape), f"tensor(s) '{Q_PROJ}' [72, 64], "),
+    # config.json's sizes against the safetensors headers, before any model is built
+    "wrong_shape": (lambda d: _edit_tensors(d, _wrong_shape), f"say {Q_PROJ} is [64, 64], but the safetensors header"),
     "nan": (lambda d: _edit_tensors(d, _nan), f"tensor '{Q_PROJ}' holds NaN or infinite values"),
 }
 NEEDS_MODEL = ("extra_layer", "wrong_shape", "nan")
