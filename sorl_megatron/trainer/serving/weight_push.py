@@ -20,7 +20,6 @@ class WeightPush:
     def __init__(self, rollout: RolloutConfig, run_dir: Path):
         self.transport = make_weight_sync(rollout, run_dir)
         self.run_dir = Path(run_dir)
-        self.bytes_sent = 0  # by this rank in the last sync
 
     def sync(self, actor: Any, conn: Optional[Connections], step: int) -> None:
         """Push the actor engine's weights after ``step`` RL steps (HF names, bucketed), labelled
@@ -55,7 +54,7 @@ class WeightPush:
             fleet = conn.get_fleet()
             targets = SyncTargets(tuple(conn.rollout_urls), conn.api_keys.get("rollout"), on_failure=fleet.on_failure,
                                   generations=fleet.generations(conn.rollout_urls))
-        self.bytes_sent = self.transport.sync(actor.model, targets, version).bytes_sent
+        self.transport.sync(actor.model, targets, version)
 
     def close(self) -> None:
         self.transport.close()
