@@ -253,7 +253,7 @@ def test_the_record_keeps_what_the_summary_reads(tmp_path, capsys):
 @pytest.mark.parametrize("grid,record", [("round2_replay", "round2"), ("round2_corrections", "round2"),
                                          ("round2_turn", "round2"), ("round2_mechanism", "round2_mechanism")])
 def test_the_committed_summaries_are_what_the_record_and_the_grid_give(grid, record, tmp_path):
-    """``--summarize out=docs/study/<record>`` (docs/study.md) rewrites the committed summary as it
+    """``--summarize out=results/study/<record>`` (docs/study.md) rewrites the committed summary as it
     is: the study recipe's cells pass today's recipe schema, and its stress overrides (shown in the
     summary's headings) and the committed record give the committed summary. Summarized into a
     copy of the record, so the repository's files stay as they are."""
@@ -262,8 +262,8 @@ def test_the_committed_summaries_are_what_the_record_and_the_grid_give(grid, rec
     from sorl_megatron.study.runner import cell_overrides, cells, summarize
     from sorl_megatron.trainer.recipe.loader import load_recipe
 
-    shutil.copytree(ROOT / "docs" / "study" / record / "runs", tmp_path / "runs")
+    shutil.copytree(ROOT / "results" / "study" / record / "runs", tmp_path / "runs")
     cfg = load_study(ROOT / "recipes" / "study" / f"{grid}.yaml", [f"out={tmp_path}"])
     for cell in cells(cfg):
         load_recipe(cfg.recipe, cell_overrides(cfg, cell, tmp_path))
-    assert summarize(cfg).read_text() == (ROOT / "docs" / "study" / record / cfg.summary).read_text()
+    assert summarize(cfg).read_text() == (ROOT / "results" / "study" / record / cfg.summary).read_text()
