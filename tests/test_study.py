@@ -109,7 +109,8 @@ overrides: [schedule.total_steps=1, schedule.batch_size=2, rollout.group_size=4,
 def test_the_shipped_study_recipes_load():
     for path in sorted((ROOT / "recipes" / "study").glob("*.yaml")):
         cfg = load_study(path)
-        assert Path(cfg.recipe).is_file() and len(cfg.seeds) >= 3, path
+        # a reproduction check reruns one recorded cell; a grid that compares needs seeds
+        assert Path(cfg.recipe).is_file() and len(cfg.seeds) >= (1 if path.stem.endswith("_repro") else 3), path
         for cell in [Cell(loss, stress, cfg.seeds[0]) for loss in cfg.losses for stress in cfg.stress]:
             from sorl_megatron.study.runner import cell_overrides
             from sorl_megatron.trainer.recipe.loader import load_recipe
