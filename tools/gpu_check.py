@@ -481,7 +481,7 @@ def check_rl_step_stress(args) -> str:
     """The stress injectors and their indicators on the device: every step's row finite, the
     injected flips seen by the trainer (``mismatch/route_flip_rate`` > 0) and replayed, the last
     batch two versions old."""
-    detail, rows = run_rl_steps(args, "tensor", extra=STRESS_RUN, name="rl_stress")
+    detail, rows, _ = run_rl_steps(args, "tensor", extra=STRESS_RUN, name="rl_stress")
     rows = [r for r in rows if r.get("step", 0) >= 1]  # step 0: the launch's own row
     if len(rows) != 3:
         raise AssertionError(f"{len(rows)} metrics rows, expected 3 (schedule.total_steps=3)")
@@ -503,9 +503,26 @@ def check_rl_step(args, transport: str, hidden_size: int | None = None) -> str:
     return run_rl_steps(args, transport, hidden_size)[0]
 
 
+def check_resume_dist_opt(args) -> str:
+    """Resume with megatron's distributed optimizer, as every GPU recipe runs it (saving every 50
+    steps). Without apex or TE it holds torch's Adam, whose per-parameter step megatron-core 0.16.1's
+    checkpoint does not keep: two steps saved each step, then the same run extended to three must
+    resume from step 2 and train step 3 with finite metrics, each step's row once."""
+    extra = ("optimizer.use_distributed_optimizer=true", "checkpoint.save_every=1")
+    run_rl_steps(args, "tensor", extra=(*extra, "schedule.total_steps=2"), name="resume")
+    detail, rows, log = run_rl_steps(args, "tensor", extra=(*extra, "schedule.total_steps=3"), name="resume")
+    if "from step 2 of 3" not in log:
+        tail = " / ".join(line for line in log.splitlines() if "run resume" in line)[-300:]
+        raise AssertionError(f"the extended run did not resume from step 2: {tail or 'no start line'}")
+    steps = [r.get("step") for r in rows if r.get("step", 0) >= 1]
+    if steps != [1, 2, 3]:
+        raise AssertionError(f"metrics rows for steps {steps}, expected [1, 2, 3] (each once)")
+    return "resumed from step 2 with the distributed optimizer; " + detail
+
+
 def run_rl_steps(args, transport: str, hidden_size: int | None = None, extra: tuple[str, ...] = (),
-                 name: str = "rl") -> tuple[str, list[dict]]:
-    """``sorl_megatron.train`` on the tiny synthetic run: (the detail line, every metrics row)."""
+                 name: str = "rl") -> tuple[str, list[dict], str]:
+    """``sorl_megatron.train`` on the tiny synthetic run: (the detail line, every metrics row, its log)."""
     device = cuda_device(args)
     data = _tiny_data(Path(args.work), hidden_size)
     out = Path(args.work) / "runs"
@@ -554,7 +571,7 @@ def run_rl_steps(args, transport: str, hidden_size: int | None = None, extra: tu
                   f"+ {reserve:.1f} runtime reserve ({plan.phase})")
     detail = (f"step {m['step']} on {device}: reward {m.get('rollout/reward', float('nan')):.3f}, "
               f"weight sync {sync:.2f} s, step {time.perf_counter() - t:.1f} s wall{memory}")
-    return detail, rows
+    return detail, rows, proc.stdout + proc.stderr
 
 
 def _memory_plan(config_and_overrides: list[str]):
@@ -577,6 +594,7 @@ CHECKS = {
     "rl_step_disk": (lambda a: check_rl_step(a, "disk"), 300),
     "memory_plan": (check_memory_plan, 300),
     "rl_step_stress": (check_rl_step_stress, 300),
+    "resume_dist_opt": (check_resume_dist_opt, 420),
 }
 
 

@@ -1,9 +1,14 @@
 """Make megatron-core 0.16.1 and mbridge 0.15.1 run on a CPU-only torch with gloo.
 
-Applied by `apply_cpu_compat()` when CUDA is unavailable. On a GPU only the patches marked
-`without_te` apply, and only where TransformerEngine does not import: they mend megatron-core
-0.16.1 bugs of a TE-less install, which a GPU machine without TE hits too (seen on an H100:
-the MoE router's `te_general_gemm` NameError). Every patch below is a named `CpuPatch` whose
+Applied by `apply_cpu_compat()`. Each patch names the condition it mends (`when`), and applies
+wherever that condition holds, on a CPU and a GPU alike:
+- `ON_CPU`: CUDA is unavailable (device and stream stand-ins, gloo's rules);
+- `WITHOUT_TE`: TransformerEngine does not import (megatron-core 0.16.1 bugs of a TE-less install,
+  seen on an H100: the MoE router's `te_general_gemm` NameError);
+- `WITHOUT_FUSED_ADAM`: neither TE's nor apex's FusedAdam imports, so megatron's distributed
+  optimizer runs torch's Adam (its own flag, `distrib_optimizer.HAVE_APEX_OR_TE`), whose
+  per-parameter step its checkpoints do not save.
+On a CPU every patch applies. Every patch below is a named `CpuPatch` whose
 docstring says what fails without it; tests/bridge/test_cpu_compat.py reverts each one in turn and checks that the
 documented failure comes back (so a patch that stops being needed is noticed), and the
 logits tests fail if any is removed.
@@ -32,6 +37,24 @@ from .cpu_modes import CudaDeviceToCpu
 
 _APPLIED: dict[str, "CpuPatch"] = {}
 
+ON_CPU, WITHOUT_TE, WITHOUT_FUSED_ADAM = "on_cpu", "without_te", "without_fused_adam"
+
+
+def _without_fused_adam() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def conditions_held(on_cpu: bool) -> set[str]:
+    """The conditions true in this process (on a CPU, all of them: nothing there is fused)."""
+    from .te_probe import te_import_error
+
+    if on_cpu:
+        return {ON_CPU, WITHOUT_TE, WITHOUT_FUSED_ADAM}
+    held = {WITHOUT_TE} if te_import_error() is not None else set()
+    return held | ({WITHOUT_FUSED_ADAM} if _without_fused_adam() else set())
+
 
 @dataclass
 class CpuPatch:
@@ -40,7 +63,7 @@ class CpuPatch:
     name: str
     why: str
     targets: Callable[[], list[tuple[Any, str, Any]]]
-    without_te: bool = False  # a TE-less megatron bug, not a CPU one: applies on a GPU too
+    when: str = "on_cpu"  # the condition it mends: ON_CPU, WITHOUT_TE or WITHOUT_FUSED_ADAM
     saved: list[tuple[Any, str, Any, bool]] = field(default_factory=list)
 
     def apply(self) -> None:
@@ -265,7 +288,7 @@ PATCHES: dict[str, CpuPatch] = {
             "but only defines it when TransformerEngine imports: NameError. Define it as None "
             "(megatron then uses torch matmul). On a GPU without TE too.",
             _te_gemm_targets,
-            without_te=True,
+            when=WITHOUT_TE,
         ),
         CpuPatch(
             "mla_knows_te_is_missing",
@@ -276,7 +299,7 @@ PATCHES: dict[str, CpuPatch] = {
             "'TypeError: isinstance() arg 2 must be a type' (multi_latent_attention.py:185). "
             "Tell that module TE is absent when its TELinear is not a class. On a GPU without TE too.",
             _mla_te_targets,
-            without_te=True,
+            when=WITHOUT_TE,
         ),
         CpuPatch(
             "all_to_all_splits_as_lists",
@@ -317,6 +340,7 @@ PATCHES: dict[str, CpuPatch] = {
             "save (it keeps one step per param group): loading one fails with KeyError: 'step'. Copy "
             "the saved tensors and set each parameter's step from its group's (cpu_compat_optimizer.py).",
             torch_adam_step_targets,
+            when=WITHOUT_FUSED_ADAM,
         ),
         CpuPatch(
             "fresh_torch_adam_state_on_load",
@@ -326,6 +350,7 @@ PATCHES: dict[str, CpuPatch] = {
             "AssertionError (assert len(steps) == 1, distrib_optimizer.py). Give it a state first with "
             "megatron's own dummy step at learning rate and weight decay 0 (cpu_compat_optimizer.py).",
             fresh_torch_adam_targets,
+            when=WITHOUT_FUSED_ADAM,
         ),
         CpuPatch(
             "dist_ckpt_queue_forked",
@@ -366,15 +391,16 @@ _NOT_ON_CPU_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
 
 
 def apply_cpu_compat(force: bool = False) -> list[str]:
-    """Apply every patch if CUDA is unavailable (or `force`), else only the `without_te` ones
-    (each a no-op where TE imports); idempotent. Returns the applied names."""
+    """Apply every patch whose condition holds here (all of them if CUDA is unavailable, or
+    `force`); idempotent. Returns the applied names."""
     on_cpu = force or not cuda_available()
-    if on_cpu and not any(not p.without_te for p in _APPLIED.values()):  # the CPU patches' first time
+    if on_cpu and not any(p.when == ON_CPU for p in _APPLIED.values()):  # the CPU patches' first time
         logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropCpuRngWarning())
         for message, category in _NOT_ON_CPU_WARNINGS:
             warnings.filterwarnings("ignore", message=message, category=category)
+    held = conditions_held(on_cpu)
     for name, patch in PATCHES.items():
-        if name not in _APPLIED and (on_cpu or patch.without_te):
+        if name not in _APPLIED and patch.when in held:
             patch.apply()
             _APPLIED[name] = patch
     return list(_APPLIED)

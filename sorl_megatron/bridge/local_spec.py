@@ -11,7 +11,6 @@ maps and the dist-checkpoint keys are identical whichever spec built the model.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Any, Optional
 
@@ -39,16 +38,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-
-def transformer_engine_available() -> bool:
-    """True when TransformerEngine's torch extension imports (never on a CPU-only host)."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # the PyPI meta package imports but has no torch extension
-        return False
-    return True
+from .te_probe import transformer_engine_available
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

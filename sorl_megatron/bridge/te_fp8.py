@@ -56,10 +56,11 @@ class Fp8Options:
 def fp8_unavailable_reason() -> Optional[str]:
     """Why TE FP8 cannot run in this process (None when it can): no importable
     transformer_engine, no CUDA device, or a GPU below compute capability 8.9."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as err:  # ImportError, or a TE build that fails to load its library
-        return f"transformer_engine.pytorch is not importable ({type(err).__name__}: {err})"
+    from .te_probe import te_import_error
+
+    reason = te_import_error()
+    if reason is not None:
+        return reason
     import torch
 
     if not torch.cuda.is_available():

@@ -3,7 +3,7 @@
 
 Runs inside worker.py (megatron imported, process group up). The GPU side cannot be probed
 here: there is no GPU on these machines; on one, apply_cpu_compat() applies only the patches
-marked without_te (TE-less megatron bugs), and those only where TransformerEngine does not import.
+whose condition holds there (no TE, no fused Adam: `CpuPatch.when`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Each CPU patch is still needed: reverted, its probe fails the documented way; applied, the
 probe runs. (The logits tests fail too if any patch is removed.) A GPU cannot exist here, so
-the "CUDA available -> nothing applied" branch is checked by faking torch.cuda.is_available."""
+which patches apply on a CUDA build is checked by faking torch.cuda.is_available (and only that)."""
 
 from __future__ import annotations
 
@@ -52,9 +52,10 @@ def test_reverting_a_patch_keeps_the_patches_layered_over_it(single_results):
     assert r["inside"] == [outer, megatron], r
 
 
-def test_only_the_te_less_patches_apply_when_cuda_is_available(monkeypatch):
-    # Mocked: there is no GPU on these machines. TE does not import here, as on the GPU machine
-    # where the router's te_general_gemm NameError was seen: those patches apply there too.
+@pytest.fixture
+def fresh_patches(monkeypatch):
+    """Every patch unapplied, CUDA reported available (mocked: there is no GPU on these machines;
+    only the device query is), and whatever the test applies reverted after it."""
     import torch
 
     from sorl_megatron.bridge import cpu_compat
@@ -63,16 +64,54 @@ def test_only_the_te_less_patches_apply_when_cuda_is_available(monkeypatch):
         monkeypatch.setattr(patch, "saved", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cpu_compat, "_APPLIED", {})
-    try:
-        applied = cpu_compat.apply_cpu_compat()
-        assert applied == ["te_general_gemm_defined", "mla_knows_te_is_missing"]
-        assert cpu_compat.applied_patches() == applied
-        from megatron.core.transformer.moe import moe_utils
+    yield cpu_compat
+    for name in reversed(cpu_compat.applied_patches()):
+        cpu_compat.PATCHES[name].revert()
 
-        assert moe_utils.te_general_gemm is None  # the router takes torch's matmul
-    finally:
-        for name in reversed(cpu_compat.applied_patches()):
-            cpu_compat.PATCHES[name].revert()
+
+# What each patch mends on a CUDA build: TE and apex do not import here, as on the lent GPU image and
+# any install whose TE build failed; there the TE-less bugs (the router's te_general_gemm NameError,
+# seen on an H100) and torch Adam's checkpoint bugs (a resume with the distributed optimizer) occur too.
+ON_A_GPU_WITHOUT_TE = {
+    "te_general_gemm_defined": True, "mla_knows_te_is_missing": True,
+    "torch_adam_step_on_load": True, "fresh_torch_adam_state_on_load": True,
+}
+
+
+@pytest.mark.parametrize("name", sorted(__import__("sorl_megatron.bridge.cpu_compat", fromlist=["PATCHES"]).PATCHES))
+def test_each_patch_applies_on_a_gpu_where_its_condition_holds(fresh_patches, name):
+    applied = fresh_patches.apply_cpu_compat()
+    assert (name in applied) == ON_A_GPU_WITHOUT_TE.get(name, False), (name, applied)
+    assert fresh_patches.applied_patches() == applied
+
+
+def test_on_a_gpu_the_router_takes_torch_matmul_without_te(fresh_patches):
+    fresh_patches.apply_cpu_compat()
+    from megatron.core.transformer.moe import moe_utils
+
+    assert moe_utils.te_general_gemm is None
+
+
+def test_on_a_gpu_with_te_and_fused_adam_nothing_applies(fresh_patches, monkeypatch):
+    from sorl_megatron.bridge import te_probe
+
+    monkeypatch.setattr(te_probe, "te_import_error", lambda: None)
+    monkeypatch.setattr(fresh_patches, "_without_fused_adam", lambda: False)
+    assert fresh_patches.apply_cpu_compat() == []
+
+
+def test_a_gpu_without_te_says_why_once(monkeypatch, caplog):
+    import torch
+
+    from sorl_megatron.bridge import te_probe
+
+    te_probe._warn_once_on_gpu.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # mocked: the device query only
+    with caplog.at_level("WARNING", logger="sorl_megatron.bridge.te_probe"):
+        assert not te_probe.transformer_engine_available() and not te_probe.transformer_engine_available()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "transformer_engine is not installed" in said[0], said
+    te_probe._warn_once_on_gpu.cache_clear()
 
 
 _IMPORT_MEGATRON = """
