@@ -5,10 +5,15 @@ The job is heterogeneous, one group per node (TorchX's Slurm scheduler: one ``he
 per role replica), in this order:
 
 - group 0: the retrieval server over ``--corpus`` (CPU; left out with ``retrieval.url=...``);
-- groups 1..N: one SGLang server per inference node (``sglang.launch_server`` with
-  ``--sglang-args``), run by ``--server-python``: SGLang's own environment, ``.venv-sglang/``
-  (``make sglang-env``; SGLang pins a transformers other than the trainer's, so it cannot live
-  in the trainer's environment, and the torch both share, for NCCL's sake);
+- groups 1..N: the SGLang servers on the N inference nodes (``sglang.launch_server`` with
+  ``--sglang-args``), one per node, or one per ``--nodes-per-server`` nodes for a model that does
+  not fit one node (SGLang's ``--nnodes``/``--node-rank``/``--dist-init-addr``, rendezvous on the
+  server's first node, which alone serves HTTP); run by ``--server-python``: SGLang's own
+  environment, ``.venv-sglang/`` (``make sglang-env``; SGLang pins a transformers other than the
+  trainer's, so it cannot live in the trainer's environment, and the torch both share, for NCCL's
+  sake). They load ``--server-model-path`` (default ``model.path``; for ``rollout.precision: fp8``
+  an FP8-serialized export, required). The launch line is checked against the trainer's own
+  server checks (``rollout/launch_check.py``) before anything is rendered;
 - group N+1: ``sglang-router`` in front of them (CPU), ``--router-policy``;
 - the last M groups: ``torchrun`` on the training nodes (c10d rendezvous on the first of
   them), with the recipe and its overrides plus the fleet's ``rollout.urls``,
@@ -18,7 +23,10 @@ Host names are known only when Slurm places the job, so every command runs throu
 ``python -m sorl_megatron.cluster exec [--wait URL ...] -- CMD``, which replaces ``{het:K}``
 in CMD by the host of group K (``$SLURM_JOB_NODELIST_HET_GROUP_K``), waits (bounded by
 ``--wait-timeout-s``) until each ``--wait`` URL answers ``/health``, then runs CMD in its
-place. The recipe, with the fleet's keys, is validated before anything is rendered. API keys
+place. The recipe, with the fleet's keys, is validated before anything is rendered. With
+``--socket-ifname`` every role exports ``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` (megatron
+builds a gloo group beside every NCCL one; without it gloo may bind an interface the other nodes
+cannot reach). API keys
 reach the servers, the router and the trainer through the submitting shell's environment
 (``SORL_ROLLOUT_API_KEY``, ``SORL_RETRIEVAL_API_KEY``; srun exports it), never the script.
 TorchX is an optional dependency: ``pip install -e '.[cluster]'``.
@@ -31,15 +39,21 @@ import os
 import re
 import shlex
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .common.typed_config import ConfigError
 from .trainer.recipe.loader import load_recipe
+from .trainer.recipe.rollout_config import FleetConfig
 
 _HET = re.compile(r"\{het:(\d+)\}")
-RETRIEVAL_PORT, SGLANG_PORT, ROUTER_PORT, RDZV_PORT = 8000, 30000, 30100, 29500
+RETRIEVAL_PORT, SGLANG_PORT, ROUTER_PORT, RDZV_PORT, SGLANG_DIST_PORT = 8000, 30000, 30100, 29500, 20000
+# the sglang-router policies the recipe allows (rollout.fleet.router_policy: not power_of_two,
+# which polls each worker's /get_load, gone in SGLang 0.5.21; tests/test_launch_lines.py reads both)
+ROUTER_POLICIES = typing.get_args(typing.get_type_hints(FleetConfig)["router_policy"])
+SET_BY_LAUNCHER = ("--nnodes", "--node-rank", "--dist-init-addr", "--model-path", "--host", "--port")
 SGLANG_PYTHON = ".venv-sglang/bin/python"  # what `make sglang-env` builds (requirements-sglang.txt)
 
 
@@ -61,13 +75,23 @@ class FleetJob:
     workdir: str = "."  # the job's working directory on the shared file system (TorchX's Slurm "image")
     wait_timeout_s: float = 1800.0  # the longest wait of a command for the servers it needs
     server_python: str = SGLANG_PYTHON  # the SGLang servers' interpreter; relative: to workdir
+    server_model_path: Optional[str] = None  # what the servers load (default model.path)
+    nodes_per_server: int = 1  # nodes one SGLang server spans (multi-node TP/EP serving)
+    socket_ifname: Optional[str] = None  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME of every role
 
     def validate(self):
         """The trainer's recipe and overrides (the fleet's keys added), checked against the
         recipe schema with stand-in host names; errors name the flag or key."""
-        for name in ("inference_nodes", "training_nodes", "gpus_per_node", "cpus_per_node", "mem_mb_per_node"):
+        for name in ("inference_nodes", "training_nodes", "gpus_per_node", "cpus_per_node", "mem_mb_per_node",
+                     "nodes_per_server"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.inference_nodes % self.nodes_per_server:
+            raise ConfigError(f"--inference-nodes {self.inference_nodes} is not a multiple of --nodes-per-server "
+                              f"{self.nodes_per_server} (each server spans that many whole nodes)")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ConfigError(f"--router-policy {self.router_policy}: choose one of {', '.join(ROUTER_POLICIES)} "
+                              "(power_of_two polls /get_load, which SGLang 0.5.21 does not serve)")
         if not self.wait_timeout_s > 0:
             raise ConfigError(f"--wait-timeout-s must be > 0, got {self.wait_timeout_s}")
         python = Path(self.workdir) / self.server_python  # an absolute server_python stays as it is
@@ -87,11 +111,49 @@ class FleetJob:
         if clash:
             raise ConfigError(f"overrides {clash} are set by the job itself (its own servers and router)")
         trainer = [*self.overrides, *fleet]
-        return load_recipe(self.config, [_placeholder_hosts(o) for o in trainer]), trainer
+        cfg = load_recipe(self.config, [_placeholder_hosts(o) for o in trainer])
+        self._check_launch_line(cfg)
+        return cfg, trainer
+
+    def _check_launch_line(self, cfg) -> None:
+        """The servers' flags against the trainer's own server checks, before anything runs."""
+        from .rollout.launch_check import launch_line_problem
+        from .rollout.server_facts import checkpoint_quantization
+
+        args = shlex.split(self.sglang_args)
+        taken = sorted({a.split("=", 1)[0] for a in args} & set(SET_BY_LAUNCHER))
+        if taken:
+            raise ConfigError(f"--sglang-args sets {', '.join(taken)}, which the launcher sets itself "
+                              "(--server-model-path, --nodes-per-server)")
+        fp8 = cfg.rollout.precision == "fp8"
+        path = self.server_model_path or cfg.model.path
+        if fp8 and self.server_model_path in (None, cfg.model.path):
+            raise ConfigError(
+                "rollout.precision is fp8: the servers must load an FP8-serialized export of the policy, made with "
+                f"`python tools/convert.py megatron-to-hf --hf {cfg.model.path} --out <dir> --fp8`; pass it as "
+                "--server-model-path <dir> (SGLang's --quantization fp8 on the BF16 checkpoint quantizes online, "
+                "into a layout a weight sync cannot write)")
+        found = checkpoint_quantization(path)  # readable from here (a shared file system): what it holds
+        served = found if found is not False else (_FP8_EXPORT if fp8 else None)
+        problem = launch_line_problem(["--model-path", path, *args], cfg.rollout.precision,
+                                      cfg.algorithm.routing_replay == "r3", served)
+        if problem:
+            raise ConfigError(f"--sglang-args: {problem}")
 
     @property
     def worker_urls(self) -> list[str]:
-        return [f"http://{{het:{1 + i}}}:{SGLANG_PORT}" for i in range(self.inference_nodes)]
+        """Each server's first node: the one that serves HTTP."""
+        return [f"http://{{het:{1 + i}}}:{SGLANG_PORT}" for i in range(0, self.inference_nodes, self.nodes_per_server)]
+
+    def server_command(self, node: int, model: str) -> list[str]:
+        """SGLang on inference node ``node`` (0-based): a whole server, or one node of one."""
+        command = [self.server_python, "-m", "sglang.launch_server", "--model-path", model,
+                   "--host", "0.0.0.0", "--port", str(SGLANG_PORT), *shlex.split(self.sglang_args)]
+        if self.nodes_per_server > 1:
+            first = 1 + node - node % self.nodes_per_server
+            command += ["--nnodes", str(self.nodes_per_server), "--node-rank", str(node % self.nodes_per_server),
+                        "--dist-init-addr", f"{{het:{first}}}:{SGLANG_DIST_PORT}"]
+        return command
 
     @property
     def router_url(self) -> str:
@@ -109,19 +171,19 @@ class FleetJob:
         def role(name: str, command: list[str], resource, waits: Sequence[str] = (), replicas: int = 1):
             args = ["-m", "sorl_megatron.cluster", "exec", *wait, *(a for u in waits for a in ("--wait", u)), "--",
                     *command]
+            env = {} if self.socket_ifname is None else {"NCCL_SOCKET_IFNAME": self.socket_ifname,
+                                                          "GLOO_SOCKET_IFNAME": self.socket_ifname}
             return specs.Role(name=name, image=self.workdir, entrypoint="python", args=args, num_replicas=replicas,
-                              resource=resource)
+                              resource=resource, env=env)
 
         roles = []
         if self.corpus is not None:
             roles.append(role("retrieval", ["python", "-m", "sorl_megatron.retrieval.server", "--corpus", self.corpus,
                                             "--topk", str(self.retrieval_topk), "--host", "0.0.0.0",
                                             "--port", str(RETRIEVAL_PORT)], cpu))
-        model = cfg.model.path
+        model = self.server_model_path or cfg.model.path
         for i in range(self.inference_nodes):  # one role each: its own het group, its own host
-            roles.append(role(f"rollout{i}", [self.server_python, "-m", "sglang.launch_server", "--model-path", model,
-                                              "--host", "0.0.0.0", "--port", str(SGLANG_PORT),
-                                              *shlex.split(self.sglang_args)], gpu))
+            roles.append(role(f"rollout{i}", self.server_command(i, model), gpu))
         roles.append(role("router", ["python", "-m", "sorl_megatron.rollout.router", "--worker-urls",
                                      *self.worker_urls, "--policy", self.router_policy, "--host", "0.0.0.0",
                                      "--port", str(ROUTER_PORT)], cpu, waits=self.worker_urls))
@@ -134,6 +196,9 @@ class FleetJob:
                 "--rdzv-id", "sorl", "-m", "sorl_megatron.train", "--config", self.config, *trainer_overrides,
             ], gpu, waits=needs))
         return specs.AppDef(name="sorl", roles=roles)
+
+
+_FP8_EXPORT = {"quant_method": "fp8", "weight_block_size": [128, 128]}  # what convert.py --fp8 writes
 
 
 def _placeholder_hosts(text: str) -> str:
@@ -175,7 +240,8 @@ def _slurm(args: argparse.Namespace) -> int:
         training_nodes=args.training_nodes, gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node,
         mem_mb_per_node=args.mem_mb_per_node, sglang_args=args.sglang_args, corpus=args.corpus,
         router_policy=args.router_policy, workdir=args.workdir, wait_timeout_s=args.wait_timeout_s,
-        server_python=args.server_python)
+        server_python=args.server_python, server_model_path=args.server_model_path,
+        nodes_per_server=args.nodes_per_server, socket_ifname=args.socket_ifname)
     try:
         from torchx.schedulers.slurm_scheduler import create_scheduler
     except ImportError:
@@ -202,17 +268,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="what", required=True)
     s = sub.add_parser("slurm", help="render (--dry-run) or submit the run as one heterogeneous Slurm job")
     s.add_argument("--config", required=True, help="the training recipe")
-    s.add_argument("--inference-nodes", type=int, default=1, help="SGLang servers, one per node (default 1)")
+    s.add_argument("--inference-nodes", type=int, default=1,
+                   help="nodes for the SGLang servers, one server per --nodes-per-server of them (default 1)")
+    s.add_argument("--nodes-per-server", type=int, default=1,
+                   help="nodes one SGLang server spans, for a model that does not fit one node (default 1)")
     s.add_argument("--training-nodes", type=int, default=1, help="torchrun nodes (default 1)")
     s.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, every component (default 8)")
     s.add_argument("--cpus-per-node", type=int, default=32, help="CPUs per node, every component (default 32)")
     s.add_argument("--mem-mb-per-node", type=int, default=512_000, help="memory per node in MB (default 512000)")
-    s.add_argument("--sglang-args", default="", help="flags of sglang.launch_server, e.g. '--tp 8 --quantization fp8'")
+    s.add_argument("--sglang-args", default="",
+                   help="flags of sglang.launch_server, e.g. '--tp 8 --enable-return-routed-experts' (no "
+                        "--quantization: FP8 rollouts serve an FP8 export, --server-model-path)")
+    s.add_argument("--server-model-path", default=None,
+                   help="the checkpoint the servers load (default model.path); with rollout.precision fp8 the FP8 "
+                        "export of `tools/convert.py megatron-to-hf --fp8`")
+    s.add_argument("--socket-ifname", default=None,
+                   help="network interface for NCCL and gloo (sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME)")
     s.add_argument("--server-python", default=SGLANG_PYTHON,
                    help=f"the SGLang servers' Python, relative to --workdir unless absolute (default {SGLANG_PYTHON}, "
                         "made by `make sglang-env`)")
     s.add_argument("--corpus", default=None, help="the retrieval server's JSONL corpus (else override retrieval.url)")
-    s.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "round_robin", "power_of_two"],
+    s.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
                    help="sglang-router's --policy (default cache_aware: an episode's turns stay with its prefix)")
     s.add_argument("--workdir", default=".", help="the job's directory on the shared file system (default .)")
     s.add_argument("--wait-timeout-s", type=float, default=1800.0, help="longest wait for the servers (1800)")

@@ -101,3 +101,49 @@ def struct_fields(module_source: str, cls: str) -> tuple[set[str], set[str]]:
                     required.add(item.target.id)
         todo += [b.id for b in node.bases if isinstance(b, ast.Name) and b.id in classes]
     return fields, required
+
+
+def _literal(node: ast.AST):
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return None
+
+
+def _is_bool(annotation: ast.AST) -> bool:
+    """``bool`` or ``Optional[bool]`` / ``bool | None``."""
+    text = ast.unparse(annotation).replace(" ", "")
+    return text in ("bool", "Optional[bool]", "bool|None", "None|bool")
+
+
+def launch_server_options() -> dict[str, bool]:
+    """Every option string ``sglang.launch_server`` accepts in this wheel, and whether it takes a
+    value: the ``A[T, Arg(...)]`` fields of ``sglang/srt/arg_groups/fields/*.py`` (as
+    ``add_cli_args_from_dataclass`` turns them into flags: ``--`` + the name with dashes, or
+    ``cli_name``, plus ``aliases``; a ``bool`` is ``store_true``; ``no_cli`` fields have none) and
+    the options ``ServerArgs.add_cli_args`` adds by hand."""
+    options: dict[str, bool] = {}
+    with zipfile.ZipFile(wheel()) as z:
+        members = [n for n in z.namelist() if n.startswith("sglang/srt/arg_groups/fields/") and n.endswith(".py")]
+        for member in members:
+            for node in ast.walk(ast.parse(z.read(member).decode())):
+                if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                        and isinstance(node.annotation, ast.Subscript) and ast.unparse(node.annotation.value) == "A"):
+                    continue
+                parts = node.annotation.slice.elts if isinstance(node.annotation.slice, ast.Tuple) else []
+                if len(parts) < 2:
+                    continue
+                meta = {k.arg: _literal(k.value) for k in parts[1].keywords} if isinstance(parts[1], ast.Call) else {}
+                if meta.get("no_cli"):
+                    continue
+                names = [meta.get("cli_name") or "--" + node.target.id.replace("_", "-"), *(meta.get("aliases") or [])]
+                action = meta.get("action")
+                takes = not (_is_bool(parts[0]) and action is None) and action not in ("store_true", "store_false")
+                options.update({name: takes for name in names})
+        server_args = ast.parse(z.read("sglang/srt/server_args.py").decode())
+    for node in ast.walk(server_args):
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("add_argument"):
+            names = [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")]
+            action = next((_literal(k.value) for k in node.keywords if k.arg == "action"), None)
+            options.update({name: action not in ("store_true", "store_false") for name in names})
+    return options

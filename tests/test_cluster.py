@@ -32,7 +32,7 @@ def test_dry_run_renders_the_whole_fleet(capsys, tmp_path):
     sglang_env(tmp_path)
     code = main(["slurm", "--config", RECIPE, "--workdir", str(tmp_path), "--inference-nodes", "2",
                  "--training-nodes", "2",
-                 "--gpus-per-node", "4", "--corpus", "/data/corpus.jsonl", "--sglang-args", "--tp 4 --quantization fp8",
+                 "--gpus-per-node", "4", "--corpus", "/data/corpus.jsonl", "--sglang-args", "--tp 4",
                  "--partition", "gpu", "--time", "24:00:00", "--dry-run", *BASE, "schedule.total_steps=7"])
     script = capsys.readouterr().out
     assert code == 0, script
@@ -46,7 +46,7 @@ def test_dry_run_renders_the_whole_fleet(capsys, tmp_path):
     assert "sorl_megatron.retrieval.server --corpus /data/corpus.jsonl" in retrieval
     for server in servers:
         assert (".venv-sglang/bin/python -m sglang.launch_server --model-path /models/policy --host 0.0.0.0 "
-                "--port 30000 --tp 4 --quantization fp8") in server
+                "--port 30000 --tp 4") in server
         assert "--gpus-per-task=4" not in server  # (resources: #SBATCH lines)
     assert "--wait 'http://{het:1}:30000' --wait 'http://{het:2}:30000'" in router  # starts once both answer
     assert "sorl_megatron.rollout.router --worker-urls 'http://{het:1}:30000' 'http://{het:2}:30000'" in router
@@ -59,6 +59,63 @@ def test_dry_run_renders_the_whole_fleet(capsys, tmp_path):
                          "'retrieval.url=http://{het:0}:8000'"]:
             assert override in trainer, override
     assert "SORL_ROLLOUT_API_KEY" not in script  # keys travel in the environment, not the script
+
+
+def _roles(job: FleetJob) -> dict:
+    return {role.name: role for role in job.app().roles}
+
+
+def test_a_server_spanning_nodes_is_rendered_per_node(tmp_path):
+    """DeepSeek-V3's FP8 servers need two 8-GPU nodes each: four inference nodes are two servers,
+    each node started with SGLang's --nnodes/--node-rank and the server's first node as rendezvous;
+    only first nodes serve HTTP, so only they are workers."""
+    pytest.importorskip("torchx")
+    sglang_env(tmp_path)
+    job = FleetJob(RECIPE, BASE, corpus="/c.jsonl", workdir=str(tmp_path), inference_nodes=4, nodes_per_server=2,
+                   sglang_args="--tp 16")
+    roles = _roles(job)
+    commands = [roles[f"rollout{i}"].args for i in range(4)]
+    for i, args in enumerate(commands):
+        tail = args[args.index("--tp"):]
+        first = 1 + 2 * (i // 2)
+        assert tail == ["--tp", "16", "--nnodes", "2", "--node-rank", str(i % 2), "--dist-init-addr",
+                        f"{{het:{first}}}:20000"], tail
+    assert job.worker_urls == ["http://{het:1}:30000", "http://{het:3}:30000"]
+    router = roles["router"].args
+    assert all(u in router for u in job.worker_urls) and "http://{het:2}:30000" not in router
+    with pytest.raises(ConfigError, match=r"--inference-nodes 3 is not a multiple of --nodes-per-server 2"):
+        FleetJob(RECIPE, BASE, corpus="/c", workdir=str(tmp_path), inference_nodes=3, nodes_per_server=2).validate()
+
+
+def test_the_socket_interface_reaches_nccl_and_gloo_in_every_role(tmp_path):
+    pytest.importorskip("torchx")
+    sglang_env(tmp_path)
+    job = FleetJob(RECIPE, BASE, corpus="/c.jsonl", workdir=str(tmp_path), socket_ifname="ib0")
+    for role in _roles(job).values():
+        assert role.env == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}, role.name
+    assert all(not r.env for r in _roles(FleetJob(RECIPE, BASE, corpus="/c.jsonl", workdir=str(tmp_path))).values())
+
+
+FP8_RECIPE = str(ROOT / "recipes" / "tiny_search_r3_fp8.yaml")
+
+
+def test_the_servers_launch_line_meets_the_trainers_server_checks(tmp_path):
+    """What the trainer would refuse at its first sync is refused before the job is rendered."""
+    sglang_env(tmp_path)
+    Job = functools.partial(FleetJob, corpus="/c.jsonl", workdir=str(tmp_path))
+    for job, match in [
+        (Job(RECIPE, BASE, sglang_args="--tp 4 --quantization fp8"), r"quantizes a BF16 checkpoint online"),
+        (Job(RECIPE, BASE, sglang_args="--skip-tokenizer-init"), r"--skip-tokenizer-init"),
+        (Job(RECIPE, BASE, sglang_args="--model-path /x"), r"sets --model-path, which the launcher sets"),
+        (Job(RECIPE, BASE, sglang_args="--nnodes 2"), r"sets --nnodes"),
+        (Job(FP8_RECIPE, BASE, sglang_args="--enable-return-routed-experts"), r"--server-model-path <dir>"),
+        (Job(FP8_RECIPE, BASE, server_model_path="/models/policy-fp8"), r"--enable-return-routed-experts"),
+        (Job(RECIPE, BASE, router_policy="power_of_two"), r"/get_load"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            job.validate()
+    fp8 = Job(FP8_RECIPE, BASE, server_model_path="/models/policy-fp8", sglang_args="--enable-return-routed-experts")
+    fp8.validate()
 
 
 def test_job_is_checked_before_rendering(tmp_path):

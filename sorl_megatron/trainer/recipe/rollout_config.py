@@ -68,7 +68,8 @@ class FleetConfig:
     # unless router_url names one already running in front of rollout.urls ...
     router: Literal["none", "sglang_router"] = "none"
     router_url: Optional[str] = None
-    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    # not power_of_two: sglang-router polls each worker's /get_load for it, which SGLang 0.5.21 does not serve
+    router_policy: Literal["cache_aware", "round_robin", "random"] = "cache_aware"
     # cache_aware balances (shortest queue) when in-flight calls differ by more than this between
     # servers (and by 1.5x); sglang-router's own default, 64, is for GPU servers: at rollout
     # concurrencies below it every call would go to one server
@@ -124,7 +125,8 @@ class RolloutConfig:
 
     urls: list[str] = field(default_factory=list)
     # embedded server: the precision it generates in; external servers (urls): fp8 makes each
-    # weight sync export FP8-quantized weights (launch SGLang with --quantization fp8)
+    # weight sync export block-FP8 weights (serve the FP8 export of `tools/convert.py megatron-to-hf
+    # --fp8`; SGLang's --quantization fp8 on a BF16 checkpoint is refused)
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"
     group_size: int = 4  # n rollouts per prompt
     temperature: float = 1.0
