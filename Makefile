@@ -40,10 +40,12 @@ $(DEV_STAMP): $(STAMP)
 # torch is the trainer's (the NCCL weight broadcast joins only peers of the same NCCL build).
 sglang-env: $(SGLANG_VENV)/.installed
 
-$(SGLANG_VENV)/.installed: requirements-sglang.txt
+$(SGLANG_VENV)/.installed: requirements-sglang.txt $(STAMP)
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(SGLANG_VENV)/bin/python -m pip install --quiet -r requirements-sglang.txt
+	# one NCCL in both environments (weight-update groups join ranks of each)
+	$(PY) -m sorl_megatron.common.nccl_match $(SGLANG_VENV)/bin/python
 	touch $@
 
 # The CPU demo end to end: data, tokenizer and tiny MoE model, SFT, SO-GRPO RL, validation, plots.

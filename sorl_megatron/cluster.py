@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .common import nccl_match
 from .common.typed_config import ConfigError
 from .trainer.recipe.loader import load_recipe
 from .trainer.recipe.rollout_config import FleetConfig
@@ -100,6 +101,10 @@ class FleetJob:
                 f"--server-python {self.server_python}: {python} does not exist. SGLang runs in its own environment: "
                 f"build it with `make sglang-env` in {self.workdir} (it makes {SGLANG_PYTHON}), or pass "
                 "--server-python with the interpreter of an environment that has SGLang")
+        try:  # one NCCL in both environments: the weight-update groups join ranks of each
+            nccl_match.check(str(python), timeout_s=min(self.wait_timeout_s, 300.0))
+        except nccl_match.NcclMismatchError as err:
+            raise ConfigError(f"--server-python {self.server_python}: {err}") from None
         given = {o.split("=", 1)[0].lstrip("+") for o in self.overrides}
         if self.corpus is None and "retrieval.url" not in given:
             raise ConfigError("give --corpus (a retrieval server in the job) or the override retrieval.url=...")

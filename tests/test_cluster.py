@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +20,35 @@ RECIPE = str(ROOT / "recipes" / "tiny_search_base.yaml")
 BASE = ["model.path=/models/policy", "data.train=/data/train.parquet"]
 
 
-def sglang_env(workdir: Path) -> Path:
-    """A stand-in for what `make sglang-env` builds in the job's directory."""
+def sglang_env(workdir: Path, torch_version: str | None = None) -> Path:
+    """A stand-in for what `make sglang-env` builds in the job's directory: this interpreter (the
+    same torch, hence the same NCCL), or one that reports another torch release."""
     python = workdir / ".venv-sglang" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.touch()
+    if torch_version is None:
+        python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    else:
+        python.write_text(f"#!/bin/sh\necho '{{\"torch\": \"{torch_version}\", \"cuda\": \"13.0\", \"nccl\": null}}'\n")
+    python.chmod(0o755)
     return python
+
+
+def test_the_sglang_environment_must_share_the_trainers_nccl(tmp_path):
+    sglang_env(tmp_path, torch_version="2.11.0+cu130")
+    import torch
+
+    with pytest.raises(ConfigError, match=rf"torch {re.escape(torch.__version__)} in the trainer's environment but "
+                                          r"torch 2.11.0\+cu130 in the SGLang environment .*needs one NCCL"):
+        FleetJob(RECIPE, BASE, corpus="/c.jsonl", workdir=str(tmp_path)).validate()
+
+
+def test_nccl_versions_are_compared_where_both_are_known():
+    from sorl_megatron.common.nccl_match import mismatch
+
+    a = {"torch": "2.13.0+cu130", "nccl": "2.28.3"}
+    assert mismatch(a, dict(a), "py") is None
+    assert "NCCL 2.28.3 in the trainer's environment (torch 2.13.0+cu130) but NCCL 2.27.7" in mismatch(
+        a, {"torch": "2.13.0+cu130", "nccl": "2.27.7"}, "py")
 
 
 def test_dry_run_renders_the_whole_fleet(capsys, tmp_path):

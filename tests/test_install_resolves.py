@@ -70,3 +70,21 @@ def test_the_sglang_environment_resolves_on_the_trainers_torch(index_reachable):
     pins = sglang_wheel.pins()
     assert got["sglang"] == pins["sglang"]
     assert release(got["torch"]) == pins["torch"] == sglang_wheel.trainer_torch()
+
+
+def test_the_gpu_extra_pins_transformer_engine_where_megatron_core_accepts_it():
+    """megatron-core 0.16.1 declares TE >= 2.9, < 2.12 (its dev extra); a TE outside that range
+    installs and then fails at import or at its first fused kernel. The range is read from the
+    installed megatron-core's metadata, not copied."""
+    import importlib.metadata as md
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    mcore = next(Requirement(r) for r in md.requires("megatron-core") or [] if r.startswith("transformer-engine"))
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    ours = next(Requirement(r) for r in extra if r.startswith("transformer-engine"))
+    probes = [Version(v) for v in ("2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.11.9", "2.12.0", "2.20.0")]
+    allowed = [v for v in probes if v in ours.specifier]
+    assert allowed and all(v in mcore.specifier for v in allowed), (str(ours.specifier), str(mcore.specifier))
