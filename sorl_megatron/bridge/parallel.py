@@ -8,10 +8,11 @@ be torn down and rebuilt at another layout on the same world, which the checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from datetime import timedelta
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,11 +33,16 @@ def _free_port() -> int:
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 
 
+_COLLECTIVE_TIMEOUT_S: list[float] = []  # the default group's, given to megatron's sub-groups too
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 600) -> None:
     """Create the default process group once (idempotent). ``timeout_s`` bounds every
-    collective (the recipe's ``parallelism.collective_timeout_s``)."""
+    collective (the recipe's ``parallelism.collective_timeout_s``), in the default group and in
+    every group megatron creates (:func:`init_parallel`)."""
     if dist.is_initialized():
         return
+    _COLLECTIVE_TIMEOUT_S[:] = [float(timeout_s)]
     if "RANK" not in os.environ:  # plain `python ...`: a world of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -68,15 +74,39 @@ def init_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optional[st
         )
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-    )
+    timeout = timedelta(seconds=(_COLLECTIVE_TIMEOUT_S or [600.0])[0])
+    with _groups_bounded_by(timeout):
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
+            # megatron's own default is 30 minutes; its sub-groups (TP, PP, EP, DP) keep the recipe's
+            # bound instead (timedelta takes the fraction)
+            distributed_timeout_minutes=timeout.total_seconds() / 60,
+        )
     model_parallel_cuda_manual_seed(seed)
+
+
+@contextlib.contextmanager
+def _groups_bounded_by(timeout: timedelta) -> Iterator[None]:
+    """Every group created inside gets ``timeout`` where its creator gives none: megatron-core
+    0.16.1 creates the expert-data-parallel gloo group (the distributed optimizer's checkpoint
+    gathers run on it) without one, i.e. with gloo's 30-minute default."""
+    real = dist.new_group
+
+    def new_group(*args, **kwargs):
+        if kwargs.get("timeout") is None:
+            kwargs["timeout"] = timeout
+        return real(*args, **kwargs)
+
+    dist.new_group = new_group
+    try:
+        yield
+    finally:
+        dist.new_group = real
 
 
 def destroy_parallel() -> None:
