@@ -48,7 +48,7 @@ from ..common.protocol import (
     parse_generate_output,
 )
 from .failover import ControlSet, FailureHook, GenerationServers
-from .server_facts import ServerFacts, ServerMismatchError, same_protocol
+from .server_facts import ServerFacts, ServerMismatchError, check_tensor_sync, same_protocol
 
 log = logging.getLogger("sorl_megatron.rollout.client")
 
@@ -348,11 +348,15 @@ class RolloutClient:
             self._facts = facts
         return self._facts
 
-    async def check_for_rollouts(self) -> None:
+    async def check_for_rollouts(self, tensor_sync: bool = False) -> None:
         """Refuse, naming it, a server the agent cannot use (:meth:`server_facts`, plus its flags:
-        ``--skip-tokenizer-init`` refuses every request with stop strings)."""
-        for facts in (await self.server_facts()).values():
-            facts.check_rollouts()
+        ``--skip-tokenizer-init`` refuses every request with stop strings), or one the tensor
+        transport cannot update (``tensor_sync``: only the embedded server reads its bodies)."""
+        facts = await self.server_facts()
+        for one in facts.values():
+            one.check_rollouts()
+        if tensor_sync:
+            check_tensor_sync(facts)
 
     async def weight_update_sessions(self) -> bool:
         """Whether the servers take updates only inside ``/begin_weight_update`` ...

@@ -56,6 +56,9 @@ class ServerFacts:
     skip_tokenizer_init: bool = False
     quantization: str | None = None
     model_path: str | None = None
+    # this project's embedded server reads safetensors bodies on /update_weights_from_tensor;
+    # SGLang reads there pickled tensors (CUDA IPC handles) from a process on its own GPUs
+    safetensors_updates: bool = False
 
     @property
     def weight_update_sessions(self) -> bool:
@@ -75,7 +78,8 @@ class ServerFacts:
                 f"SGLang >= {_dotted(OLDEST_SUPPORTED)} (weight-update sessions from {_dotted(SESSIONS_SINCE)})")
         return cls(url=url, version=str(info["version"]), tp_size=int(info.get("tp_size") or 1),
                    skip_tokenizer_init=bool(info.get("skip_tokenizer_init")),
-                   quantization=info.get("quantization") or None, model_path=info.get("model_path") or None)
+                   quantization=info.get("quantization") or None, model_path=info.get("model_path") or None,
+                   safetensors_updates=info.get("weight_update_body") == "safetensors")
 
     def check_rollouts(self) -> None:
         """:class:`ServerMismatchError` where the agent's requests cannot be served."""
@@ -84,6 +88,17 @@ class ServerFacts:
                 f"rollout server {self.url} was started with --skip-tokenizer-init: SGLang then refuses every "
                 "request with stop strings, and every agent turn sends them (the tool-call tags). Start it "
                 "without that flag (the client sends and reads token ids either way)")
+
+
+def check_tensor_sync(facts: dict[str, ServerFacts]) -> None:
+    """:class:`ServerMismatchError` where a server cannot take the tensor transport's bodies."""
+    other = [f.url for f in facts.values() if not f.safetensors_updates]
+    if other:
+        raise ServerMismatchError(
+            f"rollout.weight_sync.transport is tensor, which posts safetensors bodies that only this project's "
+            f"embedded server reads; {', '.join(other)} (SGLang) takes pickled tensors from a process on its own "
+            "GPUs there, and its scheduler would fail on them. Use rollout.weight_sync.transport=distributed "
+            "(or disk)")
 
 
 def same_protocol(facts: dict[str, ServerFacts]) -> bool:

@@ -160,6 +160,7 @@ class Handlers:
                 **engine.info(),
                 **self.opts.public(),  # version: the SGLang release this server answers as
                 "quantization": "fp8" if engine.cfg.precision == "fp8" else None,  # as SGLang's --quantization
+                "weight_update_body": "safetensors",  # what /update_weights_from_tensor reads (not SGLang's)
                 "tp_size": 1,  # ranks this server holds in a weight-update group
                 "device": engine.groups.device,  # where it receives weights: the trainer picks gloo or NCCL by it
                 "num_waves": engine.num_waves,  # prefill forwards (admissions into the running batch)

@@ -128,3 +128,29 @@ def test_a_stray_update_name_is_an_error_not_a_skip(personas):
     with pytest.raises(RequestRejectedError, match="unknown weight name"):
         with_client(old.url, lambda c: send_tensors(c, [("model.layers.0.mlp.nonexistent.weight", torch.ones(2))],
                                                     "never"))
+
+
+def test_the_tensor_transport_is_refused_against_sglang_at_start(personas):
+    """SGLang's /update_weights_from_tensor reads pickled tensors (CUDA IPC handles) from a process
+    on its own GPUs; the tensor transport posts safetensors bodies, which only the embedded server
+    reads. A server answering /server_info as SGLang 0.5.21 does (its arguments and version, no
+    field of this project's) is refused when the run starts, naming the transport to use."""
+    from aiohttp import web
+
+    from sorl_megatron.common.background import BackgroundServer
+
+    async def server_info(request):
+        return web.json_response({"version": "0.5.21", "model_path": "/models/policy", "tp_size": 8,
+                                  "skip_tokenizer_init": False, "quantization": None})
+
+    app = web.Application()
+    app.router.add_get("/server_info", server_info)
+    sglang = BackgroundServer(app, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{sglang.port}"
+        with pytest.raises(ServerMismatchError, match=r"transport is tensor.*transport=distributed"):
+            with_client(url, lambda c: c.check_for_rollouts(tensor_sync=True))
+        with_client(url, lambda c: c.check_for_rollouts(tensor_sync=False))  # other transports: as before
+    finally:
+        sglang.stop()
+    with_client(personas["0.5.21"].url, lambda c: c.check_for_rollouts(tensor_sync=True))  # the embedded server

@@ -76,8 +76,10 @@ class Connections:
             route_flip=(r.inject.route_flip_fraction, r.inject.seed)))
         stack.callback(self.fleet.close)
         self.rollout_urls = self.fleet.urls()
-        # refuse at once a server this run cannot use (its SGLang version, --skip-tokenizer-init)
-        aio.run(self.with_client(lambda c: c.check_for_rollouts()))
+        # refuse at once a server this run cannot use (its SGLang version, --skip-tokenizer-init, or
+        # real SGLang under the tensor transport)
+        tensor_sync = r.weight_sync.transport == "tensor"
+        aio.run(self.with_client(lambda c: c.check_for_rollouts(tensor_sync)))
 
     def get_fleet(self) -> RolloutFleet:
         """The run's fleet; one made of ``rollout_urls`` (external servers, no router) when
