@@ -271,6 +271,12 @@ def validate_layout(layout: ParallelLayout, hf_config: Any, world_size: Optional
     else:
         if experts % layout.ep:
             raise LayoutError(f"EP={layout.ep} does not divide num_experts={experts} of {name}", ("ep",))
+        if layout.tp == 1 and layout.expert_tp > 1:
+            # mbridge 0.15.1's export (_weight_merge_across_tp) returns the first shard unmerged when
+            # TP is 1, so every weight sync and HF export would fail its assertion on the experts
+            raise LayoutError(f"ETP={layout.expert_tp} with TP=1: mbridge 0.15.1 exports expert-TP shards only "
+                              f"when TP > 1; use etp=1 (experts whole on each EP rank) or tp={layout.expert_tp}",
+                              ("etp", "tp"))
         ffn = int(_cfg(hf_config, "moe_intermediate_size", "intermediate_size"))
         if ffn % layout.expert_tp:
             raise LayoutError(f"ETP={layout.expert_tp} does not divide expert ffn size {ffn} of {name}"

@@ -147,3 +147,11 @@ def test_public_api_names_resolve():
         assert getattr(api, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         api.nope  # noqa: B018
+
+
+def test_expert_tp_without_tp_is_refused_before_anything_is_built():
+    """mbridge 0.15.1 merges expert-TP shards on export only when TP > 1 (it asserts one tensor
+    when TP is 1), so tp=1, etp=2 would pass every check and fail at the first weight sync."""
+    with pytest.raises(LayoutError, match=r"ETP=2 with TP=1: mbridge 0.15.1 exports expert-TP shards only when TP > 1"):
+        validate_layout(ParallelLayout(tp=1, ep=1, etp=2), mixtral_config(), 2)
+    validate_layout(ParallelLayout(tp=2, ep=1, etp=2), mixtral_config(), 2)  # merged across TP: fine
