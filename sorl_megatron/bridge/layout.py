@@ -75,7 +75,8 @@ class ParallelLayout:
     last_stage_layers: Optional[int] = None
     collective_timeout_s: float = field(default=1800.0, compare=False)
     rank0_phase_timeout_s: float = field(default=7200.0, compare=False)
-    gpu_memory_gib: float = field(default=80.0, compare=False)
+    # None: the device's reported memory (memory plan: trainer/recipe/memory_plan.py)
+    gpu_memory_gib: Optional[float] = field(default=None, compare=False)
     recompute: Literal["none", "selective", "full"] = field(default="none", compare=False)
     planned_world_size: Optional[int] = field(default=None, compare=False)
 
@@ -271,16 +272,16 @@ def validate_layout(layout: ParallelLayout, hf_config: Any, world_size: Optional
     else:
         if experts % layout.ep:
             raise LayoutError(f"EP={layout.ep} does not divide num_experts={experts} of {name}", ("ep",))
+        ffn = int(_cfg(hf_config, "moe_intermediate_size", "intermediate_size"))
+        if ffn % layout.expert_tp:
+            raise LayoutError(f"ETP={layout.expert_tp} does not divide expert ffn size {ffn} of {name}"
+                              + ("" if layout.etp is not None else " (ETP defaults to TP)"), ("etp",))
         if layout.tp == 1 and layout.expert_tp > 1:
             # mbridge 0.15.1's export (_weight_merge_across_tp) returns the first shard unmerged when
             # TP is 1, so every weight sync and HF export would fail its assertion on the experts
             raise LayoutError(f"ETP={layout.expert_tp} with TP=1: mbridge 0.15.1 exports expert-TP shards only "
                               f"when TP > 1; use etp=1 (experts whole on each EP rank) or tp={layout.expert_tp}",
                               ("etp", "tp"))
-        ffn = int(_cfg(hf_config, "moe_intermediate_size", "intermediate_size"))
-        if ffn % layout.expert_tp:
-            raise LayoutError(f"ETP={layout.expert_tp} does not divide expert ffn size {ffn} of {name}"
-                              + ("" if layout.etp is not None else " (ETP defaults to TP)"), ("etp",))
     shared = shared_expert_size(hf_config)
     if shared and shared % layout.tp:
         raise LayoutError(f"TP={layout.tp} does not divide the shared-expert ffn size {shared} of {name}", ("tp",))

@@ -39,7 +39,7 @@ def _check_parallelism(p: ParallelLayout, prefix: str = "parallelism") -> None:
         _positive_seconds(f"{prefix}.{key}", getattr(p, key))
         if getattr(p, key) > MAX_WAIT_S:  # torch takes it as a timedelta: 1e30 s overflowed at launch
             raise RecipeError(f"{prefix}.{key} must be at most {MAX_WAIT_S} seconds (7 days), got {getattr(p, key)}")
-    if not p.gpu_memory_gib > 0:
+    if p.gpu_memory_gib is not None and not p.gpu_memory_gib > 0:
         raise RecipeError(f"{prefix}.gpu_memory_gib must be > 0, got {p.gpu_memory_gib}")
     if p.planned_world_size is not None:
         _positive_int(f"{prefix}.planned_world_size", p.planned_world_size)

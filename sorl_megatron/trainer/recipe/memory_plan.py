@@ -26,8 +26,15 @@ from ...bridge.families import first_k_dense, has_qk_norm, has_qkv_bias, shared_
 from .config import RecipeError, TrainConfig
 
 GIB = 1024**3
-# CUDA context, NCCL communicators and allocator fragmentation: not the model's, but on the GPU
+# CUDA context and allocator fragmentation, measured in a world of one (results/gpu-checks.md)
 RUNTIME_RESERVE_GIB = 3.0
+# each NCCL communicator of a group of size > 1 this rank joins: its channels' send/receive
+# buffers (NCCL_BUFFSIZE 4 MiB per channel and peer, up to 32 channels on NVLink, three
+# protocols) and its proxy state. An estimate, not measured: one GPU cannot hold two NCCL ranks.
+NCCL_COMMUNICATOR_GIB = 0.5
+# an 80 GB H100 as torch.cuda.get_device_properties reports it: the budget of a plan made where
+# there is no GPU and the recipe names none (parallelism.gpu_memory_gib)
+H100_80GB_REPORTED_GIB = 79.2
 
 
 @dataclass(frozen=True)
@@ -150,9 +157,15 @@ class MemoryPlan:
     def total_gib(self) -> float:
         return sum(i.gib for i in self.items)
 
+    budget_source: str = "parallelism.gpu_memory_gib"
+
     @property
     def fits(self) -> bool:
         return self.total_gib <= self.budget_gib
+
+    @property
+    def margin_gib(self) -> float:
+        return self.budget_gib - self.total_gib
 
     def biggest(self, n: int = 3) -> list[MemoryItem]:
         return sorted(self.items, key=lambda i: -i.gib)[:n]
@@ -161,9 +174,9 @@ class MemoryPlan:
         width = max(len(i.name) for i in self.items)
         lines = [f"memory plan per GPU ({self.layout}); peak phase: {self.phase}"]
         lines += [f"  {i.name:<{width}} {i.gib:8.2f} GiB  {i.note}".rstrip() for i in self.items]
-        verdict = "fits" if self.fits else "DOES NOT FIT"
-        lines.append(f"  {'total':<{width}} {self.total_gib:8.2f} GiB  {verdict} parallelism.gpu_memory_gib="
-                     f"{self.budget_gib:g}")
+        verdict = f"fits, {self.margin_gib:.2f} GiB to spare" if self.fits else "DOES NOT FIT"
+        lines.append(f"  {'total':<{width}} {self.total_gib:8.2f} GiB  {verdict} in {self.budget_gib:.1f} GiB "
+                     f"({self.budget_source})")
         if self.other_phase:
             lines.append(f"  ({self.other_phase})")
         lines.append("  biggest: " + ", ".join(f"{i.name} {i.gib:.1f} GiB" for i in self.biggest()))
@@ -178,6 +191,33 @@ def _world_dp(cfg: TrainConfig, world_size: Optional[int]) -> tuple[int, int]:
     if world_size is None:
         world_size = p.planned_world_size or mp * expert_mp // _gcd(mp, expert_mp)
     return max(1, world_size // mp), max(1, world_size // expert_mp)
+
+
+def memory_budget(cfg: TrainConfig) -> tuple[float, str]:
+    """(GiB, where it comes from): ``parallelism.gpu_memory_gib``, else this GPU's reported
+    memory, else (no GPU here) an 80 GB H100's."""
+    if cfg.parallelism.gpu_memory_gib is not None:
+        return cfg.parallelism.gpu_memory_gib, "parallelism.gpu_memory_gib"
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.total_memory / GIB, f"the memory {props.name} reports"
+    return H100_80GB_REPORTED_GIB, "an 80 GB H100's reported memory: no GPU here, no parallelism.gpu_memory_gib"
+
+
+def nccl_groups(cfg: TrainConfig, dp: tuple[int, int], routed: bool) -> list[str]:
+    """The NCCL groups of size > 1 a rank of the layout joins (megatron's, and the weight-update
+    group of a stage's sender): each holds a communicator's buffers on the GPU."""
+    p = cfg.parallelism
+    sizes = [("TP", p.tp), ("PP", p.pp), ("DP", dp[0]), ("TP x PP", p.tp * p.pp if p.tp > 1 and p.pp > 1 else 1),
+             ("embedding", 2 if p.pp > 1 else 1)]
+    if routed:
+        sizes += [("EP", p.ep), ("expert-TP", p.expert_tp), ("expert-DP", dp[1]),
+                  ("EP x expert-TP", p.ep * p.expert_tp if p.ep > 1 and p.expert_tp > 1 else 1)]
+    groups = [name for name, size in sizes if size > 1]
+    return groups + (["weight update"] if cfg.rollout.urls or cfg.rollout.weight_sync.transport == "distributed"
+                     else [])
 
 
 def _gcd(a: int, b: int) -> int:
@@ -267,8 +307,12 @@ def plan_memory(cfg: TrainConfig, c: Any, critic_config: Any = None, world_size:
     offload = cfg.model.offload_idle
     tokens = micro_batch_tokens(cfg)
     in_flight = min(p.pp * p.vpp, max(1, cfg.schedule.mini_batch_size)) if p.pp > 1 else 1
+    groups = nccl_groups(cfg, dp, routed_experts(c) > 0) if on_gpu else []
     reserve = [MemoryItem("runtime reserve", RUNTIME_RESERVE_GIB if on_gpu else 0.0,
-                          "CUDA context, NCCL, allocator fragmentation")]
+                          "CUDA context, allocator fragmentation"),
+               MemoryItem("NCCL communicators", len(groups) * NCCL_COMMUNICATOR_GIB,
+                          f"{len(groups)} x ~{NCCL_COMMUNICATOR_GIB:g} GiB (estimate)" + (": " + ", ".join(groups)
+                                                                                        if groups else ""))]
 
     torch_adam = on_gpu and not megatron_adam_is_fused()
     actor = _states(cfg, c, "actor", dp, bf16, trainable=True)
@@ -307,11 +351,12 @@ def plan_memory(cfg: TrainConfig, c: Any, critic_config: Any = None, world_size:
     world = world_size or p.planned_world_size
     layout = (f"{world} GPUs: " if world else "") + f"{p.describe()}, DP {dp[0]}" + (
         f", expert-DP {dp[1]}" if routed_experts(c) else "")
+    budget, source = memory_budget(cfg)
     if critic_phase and total[1] > total[0]:
-        return MemoryPlan(critic_phase, "critic update", p.gpu_memory_gib, layout,
-                          f"actor update: {total[0]:.1f} GiB")
+        return MemoryPlan(critic_phase, "critic update", budget, layout, f"actor update: {total[0]:.1f} GiB",
+                          budget_source=source)
     other = f"critic update: {total[1]:.1f} GiB" if critic_phase else ""
-    return MemoryPlan(actor_phase, "actor update", p.gpu_memory_gib, layout, other)
+    return MemoryPlan(actor_phase, "actor update", budget, layout, other, budget_source=source)
 
 
 # what shrinks each kind of item (by the item name's last word), named in the refusal
@@ -373,6 +418,6 @@ def check_memory_for_launch(cfg: TrainConfig, world_size: int, on_gpu: bool) -> 
     keys = "; ".join(f"{i.name} {i.gib:.1f} GiB: {hint_for(i)}" for i in plan.biggest())
     raise RecipeError(
         f"the memory estimate {plan.total_gib:.1f} GiB per GPU ({plan.phase}; {source}) exceeds "
-        f"parallelism.gpu_memory_gib={plan.budget_gib:g}. Biggest items: {keys}. "
+        f"{plan.budget_gib:.1f} GiB ({plan.budget_source}). Biggest items: {keys}. "
         "See `python -m sorl_megatron.train --config RECIPE --print-memory` and docs/recipes.md#memory-plan"
     )
