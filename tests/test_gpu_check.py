@@ -24,7 +24,7 @@ def _env(**extra) -> dict:
 def test_cpu_checks_pass(tmp_path):
     """Every check that needs no CUDA: the kernels interpreted, the engine on gloo, an RL step
     per weight-sync transport, three under the study's stress injectors, a resume with the
-    distributed optimizer; FP8 is a SKIP without
+    distributed optimizer, a PPO step with the critic and reference offloaded between passes; FP8 is a SKIP without
     TransformerEngine, the memory plan's check a SKIP without CUDA."""
     proc = subprocess.run([sys.executable, str(TOOL), "--device", "cpu", "--quick", "--jobs", "2", "--timeout", "900",
                            "--work", str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
@@ -32,11 +32,11 @@ def test_cpu_checks_pass(tmp_path):
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     for name in ("env", "kernel_logprobs", "kernel_segment", "kernel_surrogate", "engine", "rl_step_distributed",
-                 "rl_step_tensor", "rl_step_disk", "rl_step_stress", "resume_dist_opt"):
+                 "rl_step_tensor", "rl_step_disk", "rl_step_stress", "resume_dist_opt", "rl_step_ppo_offload"):
         assert f"PASS {name}: " in out, out
     assert "fp8_forward: " in out and "FAIL" not in out
     assert "SKIP memory_plan: needs CUDA (it reads the CUDA allocator's peak)" in out, out
-    assert "summary: 10 passed, 0 failed, 2 skipped" in out or "summary: 11 passed, 0 failed, 1 skipped" in out, out
+    assert "summary: 11 passed, 0 failed, 2 skipped" in out or "summary: 12 passed, 0 failed, 1 skipped" in out, out
 
 
 def test_a_missing_package_is_one_line_with_the_install_command(tmp_path):

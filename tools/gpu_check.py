@@ -185,7 +185,8 @@ def check_kernel_logprobs(args) -> str:
     from sorl_megatron.algorithms import dispatch
 
     device = cuda_device(args)
-    rows, widths = (16, (1000, 1031)) if args.quick or device == "cpu" else (4096, (152064, 151665))
+    # Qwen3's real vocabulary (151,936), Qwen2.5's (152,064) and an odd width
+    rows, widths = (16, (1000, 1031)) if args.quick or device == "cpu" else (4096, (151936, 152064, 151665))
     details = []
     for vocab in widths:
         g = torch.Generator(device=device).manual_seed(vocab)
@@ -207,9 +208,31 @@ def check_kernel_logprobs(args) -> str:
         d_grad = _assert_close(f"d logits [{rows}, {vocab}]", got[2].float(), ref[2].float(), atol=1e-4, rtol=1e-2)
         del ref, got
         timing = _compare_timings(lambda: run("torch"), lambda: run("triton"), args.reps, device)
+        memory = _peak_memory(run, device)
         details.append(f"bf16 [{rows}, {vocab}] fwd+bwd max diff lp {d_lp:.1e} ent {d_ent:.1e} "
-                       f"grad {d_grad:.1e}; {timing}")
+                       f"grad {d_grad:.1e}; {timing}{memory}")
     return " | ".join(details)
+
+
+def _peak_memory(run, device: str) -> str:
+    """Each backend's peak allocation above the inputs for one forward and backward (CUDA only):
+    the fused kernel must not hold more than torch's materialized fp32 log-softmax."""
+    if device != "cuda":
+        return ""
+    import torch
+
+    peaks = {}
+    for name in ("torch", "triton"):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run(name)
+        torch.cuda.synchronize()
+        peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    if peaks["triton"] > peaks["torch"] * 1.05:
+        raise AssertionError(f"the log-prob kernel's peak {peaks['triton']:.2f} GiB exceeds torch's "
+                             f"{peaks['torch']:.2f} GiB")
+    return f"; peak above inputs torch {peaks['torch']:.2f} GiB, triton {peaks['triton']:.2f} GiB"
 
 
 def check_kernel_segment(args) -> str:
@@ -449,6 +472,11 @@ TINY_RUN = [
 ]
 
 
+# PPO with its critic, the reference and the critic parked on the CPU between their passes
+PPO_OFFLOAD = ("algorithm.loss.name=ppo", "algorithm.advantage.estimator=gae", "algorithm.loss.kl_coef=0.01",
+               "model.offload_idle=true")
+
+
 def _tiny_data(work: Path, hidden_size: int | None = None) -> Path:
     """The synthetic set and model (the generator's default hidden size unless given)."""
     data = work / ("data" if hidden_size is None else f"data_h{hidden_size}")
@@ -595,6 +623,7 @@ CHECKS = {
     "memory_plan": (check_memory_plan, 300),
     "rl_step_stress": (check_rl_step_stress, 300),
     "resume_dist_opt": (check_resume_dist_opt, 420),
+    "rl_step_ppo_offload": (lambda a: run_rl_steps(a, "tensor", extra=PPO_OFFLOAD, name="ppo_offload")[0], 300),
 }
 
 
