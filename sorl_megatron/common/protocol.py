@@ -231,6 +231,14 @@ def encode_routed_experts(experts: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(experts, dtype="<i4").tobytes()).decode("ascii")
 
 
+def compact_route_dtype(routes: np.ndarray) -> np.dtype:
+    """The smallest integer type that holds ``routes`` (expert ids, -1 for none): int8 below 128
+    experts (Qwen3-30B-A3B's 128 need int16), int16 below 32,768. A step's routes are the largest
+    thing rank 0 holds under R3 (``L x K`` per token), so they are kept in it from the start."""
+    top = int(routes.max()) if routes.size else 0
+    return np.dtype(np.int8 if top < 128 else np.int16 if top < 32768 else np.int32)
+
+
 def decode_routed_experts(b64: str, num_layers: int, top_k: int, num_tokens: int | None = None) -> np.ndarray:
     """base64 -> int32 ``[tokens, num_layers, top_k]``; checks the size against the shape."""
     raw = np.frombuffer(base64.b64decode(b64), dtype="<i4")

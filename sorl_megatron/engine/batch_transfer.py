@@ -57,25 +57,27 @@ def describe(batch: RLBatch) -> dict:
     fields = {name: (tuple(t.shape), t.dtype, wire_dtype(t))
               for name, t in batch.tensors().items() if name != "routed_experts"}
     r = batch.routed_experts
-    if r is not None and not isinstance(r, torch.Tensor):
-        raise TypeError(f"share_batch: rank 0's routed_experts must be a dense tensor, got {type(r).__name__}")
-    routes = None if r is None else (tuple(r.shape), r.dtype, wire_dtype(r))
+    if r is not None and not isinstance(r, (torch.Tensor, RoutedRows)):
+        raise TypeError(f"share_batch: rank 0's routed_experts must be a tensor or RoutedRows, got {type(r).__name__}")
+    wire = None if r is None else wire_dtype(r.values if isinstance(r, RoutedRows) else r)
+    routes = None if r is None else (tuple(r.shape), r.dtype, wire)
     return {"fields": fields, "routes": routes}
 
 
-def route_payload(routes: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
+def route_payload(routes: torch.Tensor | RoutedRows, attention_mask: torch.Tensor, rows: torch.Tensor,
                   wire: torch.dtype) -> torch.Tensor:
     """The routes of ``rows``' real tokens, ``[tokens, L, K]`` in ``wire`` (row by row, in order)."""
+    if isinstance(routes, RoutedRows):  # collated packed: its rows' lengths are their real tokens
+        return routes.tokens_of(rows).to(wire)
     return routes[rows][attention_mask[rows].bool()].to(wire)
 
 
 def routed_rows(payload: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
                 shape: tuple, dtype: torch.dtype) -> RoutedRows:
-    """Undo :func:`route_payload`: the rows' ``[n, S, L, K]`` routes, -1 on padding."""
+    """Undo :func:`route_payload`: the rows' routes, packed as they came (-1 read on padding)."""
     b, s = shape[:2]
-    values = torch.full((len(rows), s) + tuple(shape[2:]), -1, dtype=payload.dtype)
-    values[attention_mask[rows].bool()] = payload
-    return RoutedRows(rows=rows, values=values, batch_size=b, seq_len=s, dtype=dtype)
+    return RoutedRows(rows=rows, lengths=attention_mask[rows].sum(1), values=payload, batch_size=b, seq_len=s,
+                      dtype=dtype)
 
 
 def share_batch(batch: Optional[RLBatch], dp_rows: Callable[[RLBatch], list[torch.Tensor]],

@@ -34,16 +34,21 @@ class BatchError(ValueError):
 
 @dataclass
 class RoutedRows:
-    """Routed experts of some rows of a ``[batch_size, seq_len, L, K]`` batch: ``values[i]``
-    (``[S0, L, K]``, a compact integer type) are the routes of global row ``rows[i]`` (sorted).
+    """Routed experts of some rows of a ``[batch_size, seq_len, L, K]`` batch, packed: the routes
+    of global row ``rows[i]`` (sorted) at its first ``lengths[i]`` positions are
+    ``values[offsets[i]:offsets[i + 1]]`` (``[lengths[i], L, K]``, a compact integer type), rows
+    after one another with no padding. Rank 0 collates a step's routes this way from the start
+    (``rollout.trajectory.collate``: 1 byte per route below 128 experts), and each rank receives
+    its rows' share this way (``batch_transfer``).
 
     Indexed by global row ids like the dense tensor it stands for (``[len(ids), seq_len, L, K]``
     in ``dtype``): -1 (no route: the live router decides) for ids at or past ``batch_size`` (the
-    engine's dummy rows) and positions at or past ``S0`` (sequence padding). Asking for a row it
-    does not hold is an error: the transfer's row plan and the engine's passes disagree.
+    engine's dummy rows) and positions at or past a row's length (sequence padding). Asking for a
+    row it does not hold is an error: the transfer's row plan and the engine's passes disagree.
     """
 
     rows: torch.Tensor
+    lengths: torch.Tensor
     values: torch.Tensor
     batch_size: int
     seq_len: int
@@ -51,7 +56,7 @@ class RoutedRows:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.batch_size, self.seq_len) + tuple(self.values.shape[2:])
+        return (self.batch_size, self.seq_len) + tuple(self.values.shape[1:])
 
     def dim(self) -> int:
         return 4
@@ -59,15 +64,8 @@ class RoutedRows:
     def with_seq_len(self, seq_len: int) -> "RoutedRows":
         return dataclasses.replace(self, seq_len=seq_len)
 
-    def __getitem__(self, ids: torch.Tensor | slice) -> torch.Tensor:
-        if isinstance(ids, slice):
-            ids = torch.arange(self.batch_size)[ids]
-        ids = torch.as_tensor(ids, dtype=torch.long)
-        out = torch.full((len(ids), self.seq_len) + tuple(self.values.shape[2:]), -1, dtype=self.dtype)
-        real = ids < self.batch_size
-        want = ids[real]
-        if not len(want):
-            return out
+    def _positions(self, want: torch.Tensor) -> torch.Tensor:
+        """Where each of the global row ids ``want`` (all below ``batch_size``) is held."""
         pos = torch.searchsorted(self.rows, want).clamp(max=max(len(self.rows) - 1, 0))
         held = self.rows[pos] == want if len(self.rows) else torch.zeros_like(want, dtype=torch.bool)
         if not held.all():
@@ -75,8 +73,35 @@ class RoutedRows:
             raise BatchError(f"routed_experts: rows {missing[:8]} were not sent to this rank (it holds "
                              f"{len(self.rows)} of {self.batch_size} rows): the transfer's row plan and the "
                              "engine's passes disagree")
-        s = min(self.seq_len, self.values.shape[1])
-        out[real, :s] = self.values[pos, :s].to(self.dtype)
+        return pos
+
+    def _token_index(self, pos: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices into ``values`` of the held rows ``pos``' first ``min(length, limit)`` tokens,
+        row after row; those per-row counts), with no loop over rows."""
+        starts = torch.cumsum(self.lengths, 0) - self.lengths
+        lens = self.lengths[pos].clamp(max=limit)
+        first = torch.cumsum(lens, 0) - lens
+        within = torch.arange(int(lens.sum())) - torch.repeat_interleave(first, lens)
+        return torch.repeat_interleave(starts[pos], lens) + within, lens
+
+    def tokens_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The routes of rows ``ids``' real tokens, ``[tokens, L, K]`` row after row (its dtype)."""
+        index, _ = self._token_index(self._positions(torch.as_tensor(ids, dtype=torch.long)), self.seq_len)
+        return self.values[index]
+
+    def __getitem__(self, ids: torch.Tensor | slice) -> torch.Tensor:
+        if isinstance(ids, slice):
+            ids = torch.arange(self.batch_size)[ids]
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        out = torch.full((len(ids), self.seq_len) + tuple(self.values.shape[1:]), -1, dtype=self.dtype)
+        real = ids < self.batch_size
+        want = ids[real]
+        if not len(want):
+            return out
+        index, lens = self._token_index(self._positions(want), self.seq_len)
+        held = torch.full((len(want), self.seq_len) + tuple(self.values.shape[1:]), -1, dtype=self.dtype)
+        held[torch.arange(self.seq_len)[None, :] < lens[:, None]] = self.values[index].to(self.dtype)
+        out[real] = held
         return out
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..common.http import RequestRejectedError, ServerError
-from ..common.protocol import GenerateOutput, SamplingParams
+from ..common.protocol import GenerateOutput, SamplingParams, compact_route_dtype
 from ..retrieval.corpus import Passage, format_passages
 from .trajectory import Trajectory, version_number
 
@@ -186,7 +186,7 @@ class _Builder:
         if self.routing is None or not self.routing:
             return None
         got = np.concatenate(self.routing)
-        out = np.full((self.length, *got.shape[1:]), -1, np.int32)
+        out = np.full((self.length, *got.shape[1:]), -1, compact_route_dtype(got))
         out[: got.shape[0]] = got
         return out
 

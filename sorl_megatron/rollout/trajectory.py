@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..engine.rl_batch import RoutedRows
+
 _VERSION_DIGITS = re.compile(r"(\d+)$")
 
 
@@ -52,7 +54,7 @@ class Trajectory:
     finish_reason: str  # answer | max_turns | max_length | eos | error
     num_turns: int
     num_searches: int  # search actions of the policy (failed ones included)
-    routed_experts: np.ndarray | None = None  # int32 [N, layers, top_k]
+    routed_experts: np.ndarray | None = None  # [N, layers, top_k], the smallest integer type (compact_route_dtype)
     answer: str | None = None
     response_text: str = ""  # decoded response incl. observations: for logs, never for rewards
     turn_texts: list[str] = field(default_factory=list)  # decoded policy turns: what rewards read
@@ -110,7 +112,9 @@ def collate(
     Returns ``input_ids``, ``attention_mask``, ``position_ids``, ``loss_mask`` (long),
     ``turn_ids`` (long, -1 off-policy), ``rollout_logprobs`` (float32), ``prompt_lens``,
     ``seq_lens``, ``num_searches``, ``num_turns`` (``[batch]`` long) and, when every trajectory
-    has routing, ``routed_experts`` (int32 ``[batch, seq, layers, top_k]``, -1 padding).
+    has routing, ``routed_experts``: a :class:`~..engine.rl_batch.RoutedRows` standing for int32
+    ``[batch, seq, layers, top_k]`` (-1 padding), packed (each row's real tokens, no padding) in the
+    trajectories' compact integer type, so the step's routes are never held dense.
     """
     if not trajectories:
         raise ValueError("collate: no trajectories")
@@ -141,8 +145,7 @@ def collate(
         shapes = {t.routed_experts.shape[1:] for t in trajectories}  # type: ignore[union-attr]
         if len(shapes) != 1:
             raise ValueError(f"collate: trajectories disagree on routed_experts shape {sorted(shapes)}")
-        layers, top_k = shapes.pop()
-        routed = torch.full((len(trajectories), width, layers, top_k), -1, dtype=torch.int32)
-        routed[valid] = torch.from_numpy(np.concatenate([t.routed_experts for t in trajectories]))  # type: ignore[misc]
-        batch["routed_experts"] = routed
+        values = torch.from_numpy(np.concatenate([t.routed_experts for t in trajectories]))  # type: ignore[misc]
+        batch["routed_experts"] = RoutedRows(rows=torch.arange(len(trajectories)), lengths=lens, values=values,
+                                             batch_size=len(trajectories), seq_len=width, dtype=torch.int32)
     return batch

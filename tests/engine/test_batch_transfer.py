@@ -52,6 +52,20 @@ def test_routes_of_some_rows_read_like_the_dense_tensor():
         held[torch.tensor([0, 1])]
 
 
+def test_packed_routes_send_what_the_dense_ones_do():
+    """Rank 0's routes as collate packs them (no padding, compact type) give each rank the payload
+    the dense tensor gave, and read as it does."""
+    b = _batch()
+    att = b.attention_mask.bool()
+    packed = RoutedRows(rows=torch.arange(4), lengths=att.sum(1), values=b.routed_experts[att].to(torch.int8),
+                        batch_size=4, seq_len=8, dtype=torch.int32)
+    assert describe(b.replace(routed_experts=packed))["routes"] == describe(b)["routes"]
+    for rows in (torch.tensor([0, 2]), torch.tensor([3]), torch.tensor([1, 2, 3])):
+        assert torch.equal(route_payload(packed, b.attention_mask, rows, torch.int8),
+                           route_payload(b.routed_experts, b.attention_mask, rows, torch.int8))
+    assert torch.equal(packed[torch.arange(4)], b.routed_experts)
+
+
 def test_validation_reads_the_held_rows():
     b = _batch(experts=4)
     rows = torch.tensor([1, 3])

@@ -25,6 +25,15 @@ def _grads(engine) -> dict[str, torch.Tensor]:
     return {n: p.main_grad.clone() for c in engine.model.chunks for n, p in c.named_parameters()}
 
 
+def packed(batch: RLBatch) -> RLBatch:
+    """``batch`` with its dense routes as collate packs them: each row's real tokens, compact type."""
+    r, att = batch.routed_experts, batch.filled().attention_mask.bool()
+    values = r[att].to(torch.int8 if int(r.max()) < 128 else torch.int16)
+    return batch.replace(routed_experts=RoutedRows(rows=torch.arange(batch.batch_size), lengths=att.sum(1),
+                                                   values=values, batch_size=batch.batch_size,
+                                                   seq_len=batch.seq_len, dtype=r.dtype))
+
+
 def op_transfer(case: dict, models: str, work: str, full: RLBatch) -> dict:
     """Old and new path: the R3 old-logprob pass, then one update (two epochs of two shuffled
     mini-batches: four optimizer steps, what the transfer planned for) of ``full`` (a
@@ -45,7 +54,8 @@ def op_transfer(case: dict, models: str, work: str, full: RLBatch) -> dict:
     engines = {"old": actor(), "new": actor()}
     received = {
         "old": comm.broadcast_object(full if rank0 else None),
-        "new": share_batch(full if rank0 else None, engines["new"].dp_rows, engines["new"].ranks["dp_rank"]),
+        # rank 0 holds the routes packed, as rollout.trajectory.collate gives them
+        "new": share_batch(packed(full) if rank0 else None, engines["new"].dp_rows, engines["new"].ranks["dp_rank"]),
     }
     out = {}
     for path, engine in engines.items():

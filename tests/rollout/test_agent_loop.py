@@ -242,7 +242,16 @@ def test_run_many_concurrent_and_collate(tokenizer, prompt):
     n = len(trajs[short])
     assert (batch["input_ids"][short, n:] == tokenizer.pad_token_id).all()
     assert (batch["loss_mask"][short, n:] == 0).all() and (batch["turn_ids"][short, n:] == -1).all()
-    assert (batch["rollout_logprobs"][short, n:] == 0).all() and (batch["routed_experts"][short, n - 1 :] == -1).all()
+    assert (batch["rollout_logprobs"][short, n:] == 0).all()
+    # the routes are packed (each row's real tokens, in the smallest type that holds them: the fake
+    # ids here reach 1013, so int16) and read as the dense int32 tensor they stand for: -1 past each row's end
+    routes = batch["routed_experts"]
+    assert routes.values.dtype == torch.int16 and routes.values.shape == (sum(len(t) for t in trajs), LAYERS, TOPK)
+    dense = torch.full((6, width, LAYERS, TOPK), -1, dtype=torch.int32)
+    for i, t in enumerate(trajs):
+        dense[i, : len(t)] = torch.from_numpy(t.routed_experts.astype(np.int32))
+    assert torch.equal(routes[torch.arange(6)], dense) and (dense[short, n - 1 :] == -1).all()
+    assert torch.equal(routes[torch.tensor([5, 2])], dense[[5, 2]])
     assert torch.equal(batch["loss_mask"][short, :n], torch.from_numpy(trajs[short].loss_mask).long())
     assert batch["seq_lens"].tolist() == [len(t) for t in trajs] and batch["num_searches"].tolist() == [1] * 6
     assert batch["attention_mask"].sum().item() == sum(len(t) for t in trajs)
