@@ -22,7 +22,7 @@ from .common.run_lock import RunLockedError, RunLockError, acquire_run_lock
 from .common.typed_config import ConfigError
 from .trainer.recipe.config import CONFIG_GROUPS
 from .trainer.recipe.inputs import InputError
-from .trainer.recipe.launch_checks import validate_layout_for_launch
+from .trainer.recipe.launch_checks import validate_layout_for_launch, validate_model_for_plan
 from .trainer.recipe.loader import dump_config, load_recipe
 from .trainer.recipe.memory_plan import check_memory_for_launch, model_config_for, plan_memory
 
@@ -71,6 +71,9 @@ def env_int(name: str, default: Optional[int] = None, minimum: int = 0) -> Optio
 def _print_memory(cfg, model_config: str | None) -> int:
     """The memory plan as a report (a GPU run's estimate, whatever this machine has)."""
     c, critic, source = model_config_for(cfg, model_config)
+    validate_model_for_plan(cfg, c, source)  # tp=3 on 28 heads: the layout error, not a plan
+    if critic is not None:
+        validate_model_for_plan(cfg, critic, f"model.critic_path={cfg.model.critic_path}")
     world = env_int("WORLD_SIZE", minimum=1)
     plan = plan_memory(cfg, c, critic, world, on_gpu=True)
     print(f"{plan.report()}\n  (model config: {source})")
