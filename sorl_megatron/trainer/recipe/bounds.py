@@ -10,6 +10,7 @@ docs/security.md is :func:`markdown_table`'s (a test holds the page to it).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -89,5 +90,12 @@ def markdown_table() -> str:
     return "\n".join(["| key | maximum | what it bounds |", "|---|---|---|", *rows])
 
 
-if __name__ == "__main__":  # the table docs/security.md shows
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="python -m sorl_megatron.trainer.recipe.bounds",
+                            description="Print the table of the recipe's maxima that docs/security.md shows.",
+                            ).parse_args(argv)
     print(markdown_table())
+
+
+if __name__ == "__main__":
+    main()
