@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .common import nccl_match
+from .common.cli_range import WEEK, count, seconds
 from .common.typed_config import ConfigError
 from .trainer.recipe.loader import load_recipe
 from .trainer.recipe.rollout_config import FleetConfig
@@ -273,14 +274,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="what", required=True)
     s = sub.add_parser("slurm", help="render (--dry-run) or submit the run as one heterogeneous Slurm job")
     s.add_argument("--config", required=True, help="the training recipe")
-    s.add_argument("--inference-nodes", type=int, default=1,
+    s.add_argument("--inference-nodes", type=count(1, 4096), default=1,
                    help="nodes for the SGLang servers, one server per --nodes-per-server of them (default 1)")
-    s.add_argument("--nodes-per-server", type=int, default=1,
+    s.add_argument("--nodes-per-server", type=count(1, 64), default=1,
                    help="nodes one SGLang server spans, for a model that does not fit one node (default 1)")
-    s.add_argument("--training-nodes", type=int, default=1, help="torchrun nodes (default 1)")
-    s.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, every component (default 8)")
-    s.add_argument("--cpus-per-node", type=int, default=32, help="CPUs per node, every component (default 32)")
-    s.add_argument("--mem-mb-per-node", type=int, default=512_000, help="memory per node in MB (default 512000)")
+    s.add_argument("--training-nodes", type=count(1, 4096), default=1, help="torchrun nodes (default 1)")
+    s.add_argument("--gpus-per-node", type=count(1, 64), default=8, help="GPUs per node, every component (default 8)")
+    s.add_argument("--cpus-per-node", type=count(1, 4096), default=32,
+                   help="CPUs per node, every component (default 32)")
+    s.add_argument("--mem-mb-per-node", type=count(1, 1 << 26), default=512_000,
+                   help="memory per node in MB (default 512000)")
     s.add_argument("--sglang-args", default="",
                    help="flags of sglang.launch_server, e.g. '--tp 8 --enable-return-routed-experts' (no "
                         "--quantization: FP8 rollouts serve an FP8 export, --server-model-path)")
@@ -296,14 +299,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
                    help="sglang-router's --policy (default cache_aware: an episode's turns stay with its prefix)")
     s.add_argument("--workdir", default=".", help="the job's directory on the shared file system (default .)")
-    s.add_argument("--wait-timeout-s", type=float, default=1800.0, help="longest wait for the servers (1800)")
+    s.add_argument("--wait-timeout-s", type=seconds(WEEK), default=1800.0, help="longest wait for the servers (1800)")
     s.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's)")
     s.add_argument("--time", default=None, help="Slurm time limit, e.g. 24:00:00")
     s.add_argument("--dry-run", action="store_true", help="print the sbatch script instead of submitting it")
     s.add_argument("overrides", nargs="*", help="the trainer's dotted overrides")
     e = sub.add_parser("exec", help="(inside the job) fill in the hosts, wait for servers, run a command")
     e.add_argument("--wait", action="append", default=[], help="a URL whose /health must answer first")
-    e.add_argument("--wait-timeout-s", type=float, default=1800.0, help="longest wait for each --wait URL (1800)")
+    e.add_argument("--wait-timeout-s", type=seconds(WEEK), default=1800.0,
+                   help="longest wait for each --wait URL (1800)")
     e.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     return parser
 

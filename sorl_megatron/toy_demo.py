@@ -31,6 +31,7 @@ from sorl_megatron.algorithms import (
     compute_pvpo_advantages,
     static_values_from_rollouts,
 )
+from sorl_megatron.common.cli_range import Range, count
 
 
 @dataclass
@@ -144,14 +145,14 @@ def train(loss_name: str, estimator: str, task: ToyTask, steps: int, delta: floa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=25, help="RL steps per loss (default 25)")
+    parser.add_argument("--steps", type=count(1, 100_000), default=25, help="RL steps per loss (default 25)")
     parser.add_argument(
         "--runs",
         default=",".join(f"{n}:{e}" for n, e in default_runs()),
         help="comma-separated LOSS:ESTIMATOR pairs (estimators: gae, grpo, pvpo); default: every registered loss",
     )
     parser.add_argument(
-        "--delta", type=float, default=1e-3,
+        "--delta", type=Range(float, 0.0, 1e6, open_low=True), default=1e-3,
         help="clip-bias delta (default 1e-3: this toy's logprob-space norms are ~1e-3, far below the paper's "
         "delta=1, which was set for its own ||C|| scale)",
     )

@@ -22,7 +22,7 @@ from .common.run_lock import RunLockedError, RunLockError, acquire_run_lock
 from .common.typed_config import ConfigError
 from .trainer.recipe.config import CONFIG_GROUPS
 from .trainer.recipe.inputs import InputError
-from .trainer.recipe.launch_checks import validate_layout_for_launch
+from .trainer.recipe.launch_checks import validate_layout_for_launch, validate_model_for_plan
 from .trainer.recipe.loader import dump_config, load_recipe
 from .trainer.recipe.memory_plan import check_memory_for_launch, model_config_for, plan_memory
 
@@ -44,8 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--print-memory",
         action="store_true",
-        help="print the per-GPU memory estimate at the recipe's layout and exit (1 when it exceeds "
-        "parallelism.gpu_memory_gib); reads model.path's config.json, else model.config_for_planning",
+        help="print the per-GPU memory estimate at the recipe's layout and exit (1 when it exceeds the GPU's "
+        "memory, or parallelism.gpu_memory_gib); reads model.path's config.json, else model.config_for_planning",
+    )
+    parser.add_argument(
+        "--print-sync-plan",
+        action="store_true",
+        help="print the weight sync at the recipe's full size, layout and planned world (groups, and per sending "
+        "rank its tensors, buckets and bytes; built on the meta device, nothing allocated) and exit",
     )
     parser.add_argument("--model-config", help="an HF config.json (file or directory) for --print-memory")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. schedule.total_steps=5")
@@ -71,6 +77,9 @@ def env_int(name: str, default: Optional[int] = None, minimum: int = 0) -> Optio
 def _print_memory(cfg, model_config: str | None) -> int:
     """The memory plan as a report (a GPU run's estimate, whatever this machine has)."""
     c, critic, source = model_config_for(cfg, model_config)
+    validate_model_for_plan(cfg, c, source)  # tp=3 on 28 heads: the layout error, not a plan
+    if critic is not None:
+        validate_model_for_plan(cfg, critic, f"model.critic_path={cfg.model.critic_path}")
     world = env_int("WORLD_SIZE", minimum=1)
     plan = plan_memory(cfg, c, critic, world, on_gpu=True)
     print(f"{plan.report()}\n  (model config: {source})")
@@ -99,6 +108,12 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         if args.print_memory:
             return _print_memory(cfg, args.model_config)
+        if args.print_sync_plan:
+            from .trainer.recipe.sync_plan import plan_configs
+            from .weight_sync.plan import summary
+
+            print(summary(plan_configs([cfg])[0]))
+            return 0
         world_size = env_int("WORLD_SIZE", 1, minimum=1)
         validate_layout_for_launch(cfg, world_size)
         # a GPU run whose estimate exceeds parallelism.gpu_memory_gib stops here (CPU runs: no check)

@@ -255,7 +255,7 @@ def test_the_trainer_never_branches_on_the_rollout_mode_or_the_sync_transport():
         reads = _reads_outside(path, {"mode"}, "rollout", "source_class" if path.name == "modes.py" else None)
         assert reads == [], f"{path.relative_to(REPO)} reads rollout.mode at lines {reads}"
     for path in sorted(PACKAGE.rglob("*.py")):
-        picker = "make_weight_sync" if path.relative_to(PACKAGE).as_posix() == "weight_sync/factory.py" else None
+        picker = "transport_class" if path.relative_to(PACKAGE).as_posix() == "weight_sync/factory.py" else None
         reads = _reads_outside(path, {"transport"}, "weight_sync", picker)
         assert reads == [], f"{path.relative_to(REPO)} reads rollout.weight_sync.transport at lines {reads}"
 

@@ -677,22 +677,27 @@ def run_check(name: str, args, work: str) -> tuple[str, str, float, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        from sorl_megatron.common.cli_range import DAY, count
+    except ModuleNotFoundError:  # this python has not got the project installed: not its environment
+        print(f"tools/gpu_check.py: sorl_megatron cannot be imported by {sys.executable}, which is not the project's "
+              "virtual environment; run: source .venv/bin/activate (or make setup)", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda (default): everything on the GPU; cpu: the checks that need no CUDA")
     parser.add_argument("--quick", action="store_true", help="small shapes and few repeats (the test suite)")
     parser.add_argument("--only", action="append", choices=sorted(CHECKS), help="run only this check (repeatable)")
-    parser.add_argument("--timeout", type=int, default=0, help="seconds per check (default: each check's own)")
-    parser.add_argument("--reps", type=int, default=0, help="timed repeats per kernel (default 10, 1 with --quick)")
+    parser.add_argument("--timeout", type=count(0, DAY), default=0,
+                        help="seconds per check (default: each check's own)")
+    parser.add_argument("--reps", type=count(0, 10_000), default=0,
+                        help="timed repeats per kernel (default 10, 1 with --quick)")
     parser.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
-    parser.add_argument("--jobs", type=int, default=1,
+    parser.add_argument("--jobs", type=count(1, 64), default=1,
                         help="checks run side by side (default 1: GPU timings want the device alone)")
     parser.add_argument("--verbose", action="store_true", help="print a failed check's traceback")
     parser.add_argument("--child", choices=sorted(CHECKS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for flag, low, high in (("timeout", 0, 86_400), ("reps", 0, 10_000), ("jobs", 1, 64)):
-        if not low <= getattr(args, flag) <= high:
-            parser.error(f"--{flag} must be in [{low}, {high}], got {getattr(args, flag)}")
     args.reps = args.reps or (1 if args.quick or args.device == "cpu" else 10)
     if args.child:
         return run_child(args)

@@ -19,20 +19,21 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
-    parser.add_argument("--out", required=True, help="output directory for the PNGs")
-    parser.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
-    parser.add_argument("--smooth", type=float, default=0.0,
-                        help="EMA smoothing weight in [0, 1) as TensorBoard's slider (default 0: raw curves); "
-                        "the raw curve stays drawn faintly")
-    args = parser.parse_args(argv)
     try:
+        from sorl_megatron.common.cli_range import Range
         from sorl_megatron.common.environment import require_environment
     except ModuleNotFoundError:  # this python has not got the project installed: not its environment
         print(f"tools/plot.py: sorl_megatron cannot be imported by {sys.executable}, which is not the project's "
               "virtual environment; run: source .venv/bin/activate (or make setup)", file=sys.stderr)
         return 2
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
+    parser.add_argument("--out", required=True, help="output directory for the PNGs")
+    parser.add_argument("--labels", default=None, help="comma-separated legend labels, one per run")
+    parser.add_argument("--smooth", type=Range(float, 0.0, 0.999), default=0.0,
+                        help="EMA smoothing weight in [0, 1) as TensorBoard's slider (default 0: raw curves); "
+                        "the raw curve stays drawn faintly")
+    args = parser.parse_args(argv)
     require_environment("tools/plot.py")  # before the heavy imports
     from sorl_megatron.trainer.metrics.plots import plot_runs
 

@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Optional
 
+from ..common.cli_range import MAX_SEED, count, number
+
 # torch/megatron are imported inside the commands so that --help answers instantly.
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
@@ -41,17 +43,14 @@ def _size(text: str) -> int:
     return int(t)
 
 
-# the verify command's counts: a run of random tokens, not a benchmark (the caps stop a typo's
-# allocation: --batch 1e9 x --seq-len 1e9 logits)
-COUNT_BOUNDS = {"batch": (1, 4096), "seq_len": (1, 1 << 20), "seed": (0, 2**63 - 1)}
+# the verify command's counts and tolerances (Range types: argparse refuses a value out of range
+# naming the flag); the caps stop a typo's allocation: --batch 1e9 x --seq-len 1e9 logits
+BATCH, SEQ_LEN, SEED = count(1, 4096), count(1, 1 << 20), count(0, MAX_SEED)
+RTOL, ATOL = number(0.0, 100.0), number(0.0, 1e6)
 
 
-def _bad_count(args: argparse.Namespace) -> Optional[str]:
-    """Why a count flag is out of range, or None (checked before any work)."""
-    for key, (low, high) in COUNT_BOUNDS.items():
-        value = getattr(args, key, None)
-        if value is not None and not low <= value <= high:
-            return f"--{key.replace('_', '-')} must be in [{low}, {high}], got {value}"
+def _bad_size(args: argparse.Namespace) -> Optional[str]:
+    """Why ``--max-shard-size`` is not a size, or None (checked before any work)."""
     shard = getattr(args, "max_shard_size", None)
     if shard is not None:
         try:
@@ -382,15 +381,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--ckpt", help="Megatron checkpoint to check instead of converting --hf on the fly")
     v.add_argument("--layout", default="", help="layout to run Megatron at")
     v.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU)")
-    v.add_argument("--batch", type=int, default=2, help="random token sequences compared (default 2)")
-    v.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
-    v.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
+    v.add_argument("--batch", type=BATCH, default=2, help="random token sequences compared (default 2)")
+    v.add_argument("--seq-len", type=SEQ_LEN, default=32, help="tokens per sequence (default 32)")
+    v.add_argument("--seed", type=SEED, default=0, help="seed of the random tokens (default 0)")
     v.add_argument("--attention", choices=("sdpa", "unfused"), default="sdpa",
                    help="core attention without TransformerEngine: sdpa (torch's, default) or unfused (megatron's)")
-    v.add_argument("--rtol", type=float, default=None,
+    v.add_argument("--rtol", type=RTOL, default=None,
                    help="logits agree when max |diff| <= rtol x max |logit| + atol (default 1e-4 fp32, 0.25 bf16)")
-    v.add_argument("--atol", type=float, default=None, help="see --rtol (default 1e-6 fp32, 5e-2 bf16)")
-    v.add_argument("--tolerance", type=float, default=None,
+    v.add_argument("--atol", type=ATOL, default=None, help="see --rtol (default 1e-6 fp32, 5e-2 bf16)")
+    v.add_argument("--tolerance", type=ATOL, default=None,
                    help="an absolute bound on max |diff| instead (rtol 0, atol TOLERANCE)")
     v.add_argument("--json", action="store_true",
                    help="print the result as one JSON line: stdout carries only it, every other line goes to stderr")
@@ -404,12 +403,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if overlap:
         print(f"error: {overlap}", file=sys.stderr, flush=True)
         return 2
-    bad_tol = [f"--{k} {v}" for k in ("rtol", "atol", "tolerance")
-               if (v := getattr(args, k, None)) is not None and not 0 <= v < float("inf")]
-    if bad_tol:
-        print(f"error: {bad_tol[0]} must be a finite number >= 0", file=sys.stderr, flush=True)
-        return 2
-    bad = _bad_count(args)
+    bad = _bad_size(args)
     if bad:
         print(f"error: {bad}", file=sys.stderr, flush=True)
         return 2

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..common.cli_range import MAX_SEED, count
 from .qa import QARow, make_row, write_parquet
 
 _SYLLABLES = [
@@ -223,14 +224,17 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sorl_megatron.data.synthetic", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument(
-        "--num-people", type=int, default=200, help="people in the knowledge base (4 questions each; default 200)"
+        "--num-people", type=count(1, 1_000_000), default=200,
+        help="people in the knowledge base (4 questions each; default 200)"
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=count(0, MAX_SEED), default=0, help="random seed (default 0)")
     p.add_argument(
         "--make-model", action="store_true", help="also train a tokenizer and save a tiny random Qwen3-MoE in OUT/model"
     )
-    p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size with --make-model (default 2048)")
-    p.add_argument("--hidden-size", type=int, default=64, help="tiny model hidden size, a multiple of 16 (default 64)")
+    p.add_argument("--vocab-size", type=count(256, 1 << 20), default=2048,
+                   help="BPE vocabulary size with --make-model (default 2048)")
+    p.add_argument("--hidden-size", type=count(16, 8192), default=64,
+                   help="tiny model hidden size, a multiple of 16 (default 64)")
     p.add_argument("--tie-embeddings", action="store_true", help="tie the tiny model's input and output embeddings")
     args = p.parse_args(argv)
     paths = write_dataset(

@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from ..common.background import BackgroundServer
+from ..common.cli_range import MAX_PORT, count, number
 from ..common.protocol import RETRIEVAL_API_KEY_ENV, check_text, short
 from ..common.serving import BodyError, MiB, OffLoop, api_key_middlewares, check_api_key, parse_json, read_body
 from .bm25 import BM25Index, check_bm25_params
@@ -152,13 +153,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help='JSONL corpus, one {"id", "contents"} per line; contents = title line, then text',
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    p.add_argument("--topk", type=int, default=3, help="passages per query when a request gives no topk (default 3)")
-    p.add_argument("--max-topk", type=int, default=100, help="largest topk a request may ask for (default 100)")
-    p.add_argument("--max-queries", type=int, default=1024, help="most queries in one request (default 1024)")
-    p.add_argument("--max-query-chars", type=int, default=4096, help="longest query in characters (default 4096)")
+    p.add_argument("--port", type=count(0, MAX_PORT), default=8000, help="TCP port (default 8000)")
+    p.add_argument("--topk", type=count(1, 1 << 20), default=3,
+                   help="passages per query when a request gives no topk (default 3)")
+    p.add_argument("--max-topk", type=count(1, 1 << 20), default=100,
+                   help="largest topk a request may ask for (default 100)")
+    p.add_argument("--max-queries", type=count(1, 1 << 20), default=1024,
+                   help="most queries in one request (default 1024)")
+    p.add_argument("--max-query-chars", type=count(1, 1 << 24), default=4096,
+                   help="longest query in characters (default 4096)")
     p.add_argument(
-        "--max-body-mb", type=int, default=32, help="largest request body in MiB, refused with 413 (default 32)"
+        "--max-body-mb", type=count(1, 1 << 14), default=32,
+        help="largest request body in MiB, refused with 413 (default 32)"
     )
     p.add_argument(
         "--api-key",
@@ -166,8 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="require 'Authorization: Bearer KEY' on every method and path but GET /health (non-empty); default: "
         f"the environment variable {RETRIEVAL_API_KEY_ENV}, which unlike argv is not visible to other local users",
     )
-    p.add_argument("--bm25-k1", type=float, default=1.5, help="BM25 k1, finite and >= 0 (default 1.5)")
-    p.add_argument("--bm25-b", type=float, default=0.75, help="BM25 b, in [0, 1] (default 0.75)")
+    p.add_argument("--bm25-k1", type=number(0.0, 100.0), default=1.5, help="BM25 k1, finite and >= 0 (default 1.5)")
+    p.add_argument("--bm25-b", type=number(0.0, 1.0), default=0.75, help="BM25 b, in [0, 1] (default 0.75)")
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)
     if args.api_key is None:

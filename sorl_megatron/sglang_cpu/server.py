@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from ..common.background import BackgroundServer
+from ..common.cli_range import DAY, MAX_PORT, MAX_SEED, count, number, seconds
 from ..common.protocol import PRECISIONS, ROLLOUT_API_KEY_ENV
 from ..common.serving import check_api_key
 from .options import EngineConfig, ServerOptions
@@ -65,32 +66,8 @@ def start_rollout_server(
     return RolloutServer(engine, http.start())
 
 
-# flags that are counts or sizes (>= 1; None: the default applies) and bounds in seconds (> 0, finite):
-# a 0 or a negative one started a server that refused or broke every request
-_AT_LEAST_ONE = ("fp8_block_size", "max_running_requests", "context_length", "prefix_cache_max_tokens",
-                 "max_body_mb", "max_weight_body_mb", "max_prompts_per_request", "max_tokens_per_request",
-                 "num_threads", "max_weight_group_joins")
-_SECONDS = ("weight_group_timeout_s", "weight_group_join_timeout_s", "control_timeout_s", "weight_body_wait_s")
-
-
 def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every numeric flag in its range, else argparse's one-line error naming the flag."""
-    for name in _AT_LEAST_ONE:
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in _SECONDS:
-        value = getattr(args, name)
-        if not 0 < value < float("inf"):
-            p.error(f"--{name.replace('_', '-')} must be a finite number of seconds > 0, got {value}")
-    if not 0 <= args.port <= 65535:
-        p.error(f"--port must be in [0, 65535], got {args.port}")
-    if not 0 <= args.random_seed < 2**63:
-        p.error(f"--random-seed must be in [0, 2^63), got {args.random_seed}")
-    if not 0.0 <= args.inject_route_flip_fraction <= 1.0:
-        p.error(f"--inject-route-flip-fraction must be in [0, 1], got {args.inject_route_flip_fraction}")
-    if not 0 <= args.inject_route_flip_seed < 2**31:
-        p.error(f"--inject-route-flip-seed must be in [0, 2^31), got {args.inject_route_flip_seed}")
+    """What a flag's type cannot check alone (each numeric flag's range is its cli_range type)."""
     from ..rollout.server_facts import parse_version
 
     if parse_version(args.sglang_version) is None:
@@ -106,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", required=True, help="HF model directory (config.json + *.safetensors [+ tokenizer])")
     p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: --model-path)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, default=30000, help="TCP port (default 30000, as SGLang)")
+    p.add_argument("--port", type=count(0, MAX_PORT), default=30000, help="TCP port (default 30000, as SGLang)")
     p.add_argument(
         "--precision",
         choices=PRECISIONS,
@@ -121,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="SGLang-style alias: bfloat16 = --precision bf16",
     )
     p.add_argument("--quantization", choices=["fp8"], default=None, help="SGLang-style alias: fp8 = --precision fp8")
-    p.add_argument("--fp8-block-size", type=int, default=128, help="block edge of the FP8 weight scales (default 128)")
+    p.add_argument("--fp8-block-size", type=count(1, 4096), default=128,
+                   help="block edge of the FP8 weight scales (default 128)")
     p.add_argument(
         "--enable-return-routed-experts",
         action="store_true",
@@ -133,21 +111,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(the trainer refuses such a server: its agent sends stop strings)"
     )
     p.add_argument(
-        "--max-running-requests", type=int, default=32, help="most sequences decoded together in one batch (default 32)"
+        "--max-running-requests", type=count(1, 1 << 16), default=32,
+        help="most sequences decoded together in one batch (default 32)"
     )
     p.add_argument(
         "--context-length",
-        type=int,
+        type=count(1, 1 << 24),
         default=None,
         help="max prompt+completion tokens (default: max_position_embeddings)",
     )
     p.add_argument(
-        "--random-seed", type=int, default=0, help="seed of the sampler for requests without sampling_seed (default 0)"
+        "--random-seed", type=count(0, MAX_SEED), default=0,
+        help="seed of the sampler for requests without sampling_seed (default 0)"
     )
     p.add_argument(
         "--weight-version", default="default", help="initial weight_version reported in meta_info (default 'default')"
     )
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
+    p.add_argument("--num-threads", type=count(1, 4096), default=None,
+                   help="torch intra-op CPU threads (default: torch's choice)")
     p.add_argument(
         "--disable-radix-cache",
         action="store_true",
@@ -155,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--prefix-cache-max-tokens",
-        type=int,
+        type=count(1, 1 << 32),
         default=1 << 16,
         help="most tokens of KV the prefix cache keeps, least recently used dropped first (default 65536)",
     )
@@ -173,55 +154,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "local users",
     )
     p.add_argument(
-        "--max-body-mb", type=int, default=64, help="largest body of /generate and control requests in MiB (default 64)"
+        "--max-body-mb", type=count(1, 1 << 20), default=64,
+        help="largest body of /generate and control requests in MiB (default 64)"
     )
     p.add_argument(
         "--max-weight-body-mb",
-        type=int,
+        type=count(1, 1 << 20),
         default=1024,
         help="largest body of /update_weights_from_tensor in MiB (default 1024)",
     )
     p.add_argument(
         "--max-prompts-per-request",
-        type=int,
+        type=count(1, 1 << 20),
         default=1024,
         help="most sequences one /generate may ask for, prompts x n (default 1024)",
     )
     p.add_argument(
         "--max-tokens-per-request",
-        type=int,
+        type=count(1, 1 << 34),
         default=1 << 20,
         help="most tokens one /generate may ask for: prompt + max_new_tokens per sequence, summed (default 1048576)",
     )
     p.add_argument(
         "--weight-group-timeout-s",
-        type=float,
+        type=seconds(DAY),
         default=600.0,
         help="bound in seconds on each broadcast in a weight-update group (default 600)",
     )
     p.add_argument(
         "--weight-group-join-timeout-s",
-        type=float,
+        type=seconds(DAY),
         default=60.0,
         help="bound in seconds on joining a weight-update group (default 60; at most --weight-group-timeout-s)",
     )
     p.add_argument(
         "--max-weight-group-joins",
-        type=int,
+        type=count(1, 256),
         default=4,
         help="most /init_weights_update_group calls in flight, in a pool of their own; one more is refused with "
         "503 at once (default 4)",
     )
     p.add_argument(
         "--control-timeout-s",
-        type=float,
+        type=seconds(DAY),
         default=60.0,
         help="bound in seconds on /flush_cache, /pause_generation and /continue_generation waiting for the "
         "scheduler (they run at its next step; default 60); past it, or with the scheduler dead, they answer 5xx",
     )
     p.add_argument(
         "--weight-body-wait-s",
-        type=float,
+        type=seconds(DAY),
         default=60.0,
         help="bound in seconds on a /update_weights_from_tensor waiting for its turn: one such body is read, "
         "decoded and applied at a time (default 60); past it the call answers 503 with Retry-After",
@@ -234,12 +216,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "refuses tensor and distributed updates outside them",
     )
     p.add_argument(
-        "--inject-route-flip-fraction", type=float, default=0.0,
+        "--inject-route-flip-fraction", type=number(0.0, 1.0), default=0.0,
         help="STUDY INJECTOR, not an SGLang flag: replace one top-k expert of this fraction of the (token, MoE "
         "layer) routing choices by another expert and compute with it (returned routes are the ones used); "
         "default 0 (off)",
     )
-    p.add_argument("--inject-route-flip-seed", type=int, default=0,
+    p.add_argument("--inject-route-flip-seed", type=count(0, 2**31 - 1), default=0,
                    help="seed of the route-flip injector's hash (default 0)")
     p.add_argument("--log-level", default="info", help="python logging level (default info)")
     args = p.parse_args(argv)

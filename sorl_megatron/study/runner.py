@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from ..common.cli_range import count
 from ..common.run_lock import RunLockError, acquire_run_lock
 from ..common.typed_config import ConfigError, build_dataclass
 from ..trainer.metrics.logger import read_metrics
@@ -482,15 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sorl_megatron.study", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="study recipe (YAML)")
-    parser.add_argument("--parallel", type=int, default=None, help="cells at once (default: the recipe's)")
+    parser.add_argument("--parallel", type=count(1, 1024), default=None, help="cells at once (default: the recipe's)")
     parser.add_argument("--summarize", action="store_true", help="only rewrite the summary and the figures")
     parser.add_argument("--export", metavar="DIR", default=None,
                         help="only write the grid's record (its runs' metrics cut to what the summary reads) to "
                              "DIR/runs; summarize it with --summarize out=DIR")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the study recipe, e.g. seeds=[1]")
     args = parser.parse_args(argv)
-    if args.parallel is not None and not 1 <= args.parallel <= 1024:
-        parser.error(f"--parallel must be in [1, 1024], got {args.parallel}")
     try:
         cfg = load_study(args.config, args.overrides)
         if args.export is not None:

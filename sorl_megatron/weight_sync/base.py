@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import ClassVar, Optional, Protocol
 
 import torch
 
@@ -83,6 +83,11 @@ class SyncStats:
 
 class WeightSync(ABC):
     """One per run and rank: ``sync`` after each step (every rank calls it), ``close`` at the end."""
+
+    # it joins an NCCL weight-update group with the servers (the memory plan counts its communicator)
+    update_group: ClassVar[bool] = False
+    # it posts bodies only this project's embedded server reads (a run refuses any other server)
+    embedded_servers_only: ClassVar[bool] = False
 
     def __init__(self, settings: SyncSettings, run_dir: str | Path):
         self.settings = settings

@@ -300,6 +300,7 @@ async def end_update(client: RolloutClient, version: str, ok: bool = True, flush
 
 
 class DistributedWeightSync(WeightSync):
+    update_group = True
     """The transport on every rank: each stage's sender keeps its :class:`DistributedSender` (and
     its group) from one sync to the next; ``close`` leaves the groups."""
 

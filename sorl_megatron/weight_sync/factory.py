@@ -20,11 +20,16 @@ TRANSPORTS: dict[str, type[WeightSync]] = {
 }
 
 
-def make_weight_sync(settings: SyncSettings, run_dir: str | Path) -> WeightSync:
-    """The run's weight sync: ``settings.weight_sync.transport`` names the transport (the
-    recipe's ``rollout`` section); ``run_dir`` is where a transport may write (disk: the checkpoint)."""
+def transport_class(settings: SyncSettings) -> type[WeightSync]:
+    """The transport ``settings.weight_sync.transport`` names (the recipe's ``rollout`` section);
+    what a transport needs of the layout and the servers is its class's to say (``WeightSync``)."""
     transport = settings.weight_sync.transport
     cls = TRANSPORTS.get(transport)
     if cls is None:
         raise ValueError(f"rollout.weight_sync.transport: {transport!r} is not one of {sorted(TRANSPORTS)}")
-    return cls(settings, run_dir)
+    return cls
+
+
+def make_weight_sync(settings: SyncSettings, run_dir: str | Path) -> WeightSync:
+    """The run's weight sync; ``run_dir`` is where a transport may write (disk: the checkpoint)."""
+    return transport_class(settings)(settings, run_dir)

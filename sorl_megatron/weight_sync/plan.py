@@ -46,6 +46,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..common.buckets import buckets
+from ..common.cli_range import count
 
 WEIGHT_FORMATS = ("bf16", "block_fp8")
 
@@ -296,9 +297,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("config", nargs="?", help="an HF config.json (or a model directory)")
     ap.add_argument("--layout", default="", help="tp=..,pp=..,ep=..,etp=..,first_stage_layers=..")
-    ap.add_argument("--world", type=int)
+    ap.add_argument("--world", type=count(1, 1 << 20))
     ap.add_argument("--format", default="bf16", choices=WEIGHT_FORMATS)
-    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--bucket-mb", type=count(1, 1 << 20), default=512)
     ap.add_argument("--jobs", help="a JSON list of {config, layout, world, format, bucket_mb or bucket_bytes} "
                                    "to plan instead")
     ap.add_argument("--json", help="write the plan (with --jobs: the list of plans) here")

@@ -46,6 +46,7 @@ async def send_tensors(client: RolloutClient, named: Iterable[tuple[str, torch.T
 
 
 class TensorWeightSync(WeightSync):
+    embedded_servers_only = True
     """``sync``: the whole model from rank 0 over HTTP (FP8 pairs for external FP8 servers)."""
 
     bucket_bytes = TENSOR_BUCKET_BYTES

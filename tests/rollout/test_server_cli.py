@@ -169,12 +169,12 @@ def test_an_empty_api_key_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--context-length", "-1"], "--context-length must be >= 1, got -1"),
-    (["--fp8-block-size", "0", "--quantization", "fp8"], "--fp8-block-size must be >= 1, got 0"),
-    (["--max-body-mb", "-1"], "--max-body-mb must be >= 1, got -1"),
-    (["--control-timeout-s", "nan"], "--control-timeout-s must be a finite number of seconds > 0, got nan"),
-    (["--weight-body-wait-s", "0"], "--weight-body-wait-s must be a finite number of seconds > 0, got 0.0"),
-    (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    (["--context-length", "-1"], "argument --context-length: must be in [1, 16777216], got -1"),
+    (["--fp8-block-size", "0", "--quantization", "fp8"], "argument --fp8-block-size: must be in [1, 4096], got 0"),
+    (["--max-body-mb", "-1"], "argument --max-body-mb: must be in [1, 1048576], got -1"),
+    (["--control-timeout-s", "nan"], "argument --control-timeout-s: must be in (0, 86400] seconds, got nan"),
+    (["--weight-body-wait-s", "0"], "argument --weight-body-wait-s: must be in (0, 86400] seconds, got 0"),
+    (["--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),
 ])
 def test_out_of_range_flags_stop_the_server_in_one_line(flags, message, capsys):
     """Each used to start a server that refused or broke every request."""

@@ -37,3 +37,16 @@ def test_each_gpu_recipe_is_planned_at_its_layout(recipe, config, layout, world,
 def effective(p: ParallelLayout) -> tuple:
     return (p.tp, p.pp, p.vpp, p.ep, p.expert_tp, p.cp, p.use_sequence_parallel, p.first_stage_layers,
             p.last_stage_layers)
+
+
+@pytest.mark.slow
+def test_print_sync_plan_shows_the_recipes_sync_at_full_size(capsys):
+    """``train --print-sync-plan``: the 7B recipe's one weight-update group (one pipeline stage) and
+    its sender's stream: every tensor of Qwen2.5-7B, gathered over TP 2, in 512 MiB buckets."""
+    from sorl_megatron.train import main
+
+    assert main(["--config", os.path.join(ROOT, "recipes", "gpu", "sorl_qwen2.5_7b_grpo.yaml"),
+                 "--print-sync-plan"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2 at TP=2 PP=1 EP=1 ETP=2 SP on 8 ranks, bf16, buckets of 512 MiB: 1 weight-update groups" in out
+    assert "rank 0 (stage 0" in out and "339 tensors, 30 buckets, 14.185 GiB" in out

@@ -25,6 +25,7 @@ from ...algorithms.config import PolicyLossConfig
 from ...bridge.layout import ParallelLayout
 from ...bridge.te_fp8 import Fp8Error, Fp8Options
 from ...engine.config import BatchingConfig, OptimConfig
+from .bounds import check_maxima
 from .checks import (
     RecipeError,
     _check_finite,
@@ -424,6 +425,7 @@ class TrainConfig:
         self.reward.validate()
         self.checkpoint.validate()
         self.logging.validate()
+        check_maxima(self)  # every wait and retry count at most its maximum (bounds.py)
         if self.data.max_prompt_tokens >= self.rollout.max_total_tokens:
             raise RecipeError(
                 f"data.max_prompt_tokens={self.data.max_prompt_tokens} must be < rollout.max_total_tokens="
@@ -470,6 +472,7 @@ class TrainConfig:
     def _check_modes(self) -> None:
         """What the rollout mode and dynamic sampling ask of the loss and the batch."""
         r = self.rollout
+        r.mode_settings.check_run_length("rollout", self.schedule.total_steps)
         keeps_stale = r.mode_settings.stale and r.staleness.stale_groups == "keep"
         if keeps_stale and self.algorithm.loss.is_correction.mode == "off":
             raise RecipeError("rollout.staleness.stale_groups=keep trains on groups beyond rollout.staleness.max with "

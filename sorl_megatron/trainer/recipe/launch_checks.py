@@ -6,6 +6,8 @@ server starts; ``--print-config`` skips them (it needs neither).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from ...bridge.layout import num_experts_of
 from ...bridge.te_fp8 import Fp8Error, require_fp8
 from .config import RecipeError, TrainConfig
@@ -50,6 +52,16 @@ def validate_layout_for_launch(cfg: TrainConfig, world_size: int) -> None:
             "schedule.micro_batch_size x data-parallel size "
             f"= {s.micro_batch_size} x {dp}"
         )
+
+
+def validate_model_for_plan(cfg: TrainConfig, hf_config, source: str) -> None:
+    """The layout rules that need only the model (heads, vocabulary, layers, experts against
+    tp, pp, vpp, ep), for ``--print-memory``: a plan of a layout that cannot run is no plan.
+    ``source`` names where the config came from (``--model-config=...``, ``model.path=...``);
+    ``hf_config`` is its JSON as attributes, experts under any family's name."""
+    from .memory_plan import routed_experts
+
+    _check_model_layout(cfg, SimpleNamespace(**{**vars(hf_config), "num_experts": routed_experts(hf_config)}), source)
 
 
 def _load_hf_config(key: str, path: str):

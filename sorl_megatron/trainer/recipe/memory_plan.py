@@ -216,8 +216,9 @@ def nccl_groups(cfg: TrainConfig, dp: tuple[int, int], routed: bool) -> list[str
         sizes += [("EP", p.ep), ("expert-TP", p.expert_tp), ("expert-DP", dp[1]),
                   ("EP x expert-TP", p.ep * p.expert_tp if p.ep > 1 and p.expert_tp > 1 else 1)]
     groups = [name for name, size in sizes if size > 1]
-    return groups + (["weight update"] if cfg.rollout.urls or cfg.rollout.weight_sync.transport == "distributed"
-                     else [])
+    from ...weight_sync.factory import transport_class
+
+    return groups + (["weight update"] if transport_class(cfg.rollout).update_group else [])
 
 
 def _gcd(a: int, b: int) -> int:

@@ -52,6 +52,9 @@ class ModeSettings:
         """What the mode asks of the shared keys when ``rollout.mode`` names it (``rollout``:
         the rollout section's prefix)."""
 
+    def check_run_length(self, rollout: str, total_steps: int) -> None:
+        """What the mode asks of ``schedule.total_steps`` when ``rollout.mode`` names it."""
+
 
 @dataclass
 class SyncMode(ModeSettings):
@@ -90,6 +93,12 @@ class LaggedMode(ModeSettings):
         if staleness.max < self.lag:
             raise RecipeError(f"{rollout}.mode=lagged trains on batches {rollout}.lagged.lag={self.lag} versions old: "
                               f"{rollout}.staleness.max={staleness.max} must be >= {self.lag}")
+
+    def check_run_length(self, rollout: str, total_steps: int) -> None:
+        if self.lag > total_steps:  # step k trains on weights k - min(k, lag): a longer lag is never reached
+            raise RecipeError(f"{rollout}.lagged.lag={self.lag} is longer than the run (schedule.total_steps="
+                              f"{total_steps}), so no step trains on a batch that old: give {rollout}.lagged.lag "
+                              f"<= {total_steps}, or more steps")
 
 
 @dataclass

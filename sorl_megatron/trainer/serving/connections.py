@@ -24,6 +24,7 @@ from ...rewards.registry import RewardRegistry
 from ...rollout.agent import AgentConfig, SearchAgent
 from ...rollout.client import PauseClock, RolloutClient, RolloutClientConfig
 from ...rollout.trajectory import Trajectory
+from ...weight_sync.factory import transport_class
 from ..groups.rollouts import RolloutResult, collect_rollouts
 from ..recipe.config import TrainConfig
 from .fleet import RolloutFleet, Worker, start_fleet
@@ -78,8 +79,8 @@ class Connections:
         self.rollout_urls = self.fleet.urls()
         # refuse at once a server this run cannot use (its SGLang version, --skip-tokenizer-init, or
         # real SGLang under the tensor transport)
-        tensor_sync = r.weight_sync.transport == "tensor"
-        aio.run(self.with_client(lambda c: c.check_for_rollouts(tensor_sync)))
+        only_embedded = transport_class(r).embedded_servers_only
+        aio.run(self.with_client(lambda c: c.check_for_rollouts(only_embedded)))
 
     def get_fleet(self) -> RolloutFleet:
         """The run's fleet; one made of ``rollout_urls`` (external servers, no router) when
