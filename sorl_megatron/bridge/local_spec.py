@@ -39,6 +39,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from .grouped_gemm import EXPERT_GEMMS, expert_linear
+
 
 def transformer_engine_available() -> bool:
     """True when TransformerEngine's torch extension imports (never on a CPU-only host)."""
@@ -108,7 +110,9 @@ class _LocalGroupedLinear(torch.nn.Module):
     """Per-expert weights `weight0..weight{n-1}` applied to contiguous token groups.
 
     Matches TE's GroupedLinear as megatron uses it for experts: no communication inside
-    (the token dispatcher does it), output/input dim divided by the expert-TP size.
+    (the token dispatcher does it), output/input dim divided by the expert-TP size. The product
+    is ``grouped_gemm.expert_linear``: one ``torch._grouped_mm`` where torch has it for the
+    device and dtype, else one ``F.linear`` per expert (``expert_gemm``: ``auto`` / ``loop``).
     """
 
     partition_dim: int = 0  # 0: column parallel (split outputs), 1: row parallel (split inputs)
@@ -126,8 +130,12 @@ class _LocalGroupedLinear(torch.nn.Module):
         is_expert: bool = True,
         tp_comm_buffer_name: Optional[str] = None,
         pg_collection: Any = None,
+        expert_gemm: str = "auto",
     ):
         super().__init__()
+        if expert_gemm not in EXPERT_GEMMS:
+            raise ValueError(f"expert_gemm must be one of {EXPERT_GEMMS}, got {expert_gemm!r}")
+        self.expert_gemm = expert_gemm
         if bias:
             raise ValueError("local grouped expert linears have no bias support (add_bias_linear must be False)")
         if not is_expert:
@@ -163,11 +171,10 @@ class _LocalGroupedLinear(torch.nn.Module):
                 param.partition_stride = 1
                 self.register_parameter(f"weight{i}", param)
 
-    def forward(self, x: torch.Tensor, m_splits: list[int]):
-        chunks = torch.split(x, list(m_splits), dim=0)
-        outs = [F.linear(c, getattr(self, f"weight{i}")) for i, c in enumerate(chunks)]
-        out = torch.cat(outs, dim=0) if outs else x.new_empty(0, 0)
-        return out, None
+    def forward(self, x: torch.Tensor, m_splits):
+        """``m_splits``: rows per expert, a list of ints (megatron's) or a tensor on any device."""
+        weights = list(self._parameters.values())  # weight0..weight{n-1}, registration order
+        return expert_linear(x, weights, m_splits, self.expert_gemm), None
 
     def backward_dw(self) -> None:
         pass
@@ -356,16 +363,19 @@ def _mla_attention_spec(local_attention: str) -> ModuleSpec:
     )
 
 
-def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False, local_attention: str = "sdpa") -> ModuleSpec:
+def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False, local_attention: str = "sdpa",
+                     expert_gemm: str = "auto") -> ModuleSpec:
     """One decoder layer, TE-named: dense layers fuse the MLP norm into fc1; MoE layers keep
-    `pre_mlp_layernorm` (as TE's spec does) and use grouped expert linears. MLA layers keep a
-    separate `input_layernorm` (TE's MLA spec does: its q / kv down projections are plain
-    linears)."""
+    `pre_mlp_layernorm` (as TE's spec does) and use grouped expert linears (``expert_gemm``:
+    ``grouped_gemm``'s mode). MLA layers keep a separate `input_layernorm` (TE's MLA spec does:
+    its q / kv down projections are plain linears)."""
     if moe:
+        gemm = {"expert_gemm": expert_gemm}
         experts = ModuleSpec(
             module=TEGroupedMLP,  # pure-torch module; only its linears come from TE normally
             submodules=MLPSubmodules(
-                linear_fc1=LocalColumnParallelGroupedLinear, linear_fc2=LocalRowParallelGroupedLinear
+                linear_fc1=ModuleSpec(module=LocalColumnParallelGroupedLinear, params=gemm),
+                linear_fc2=ModuleSpec(module=LocalRowParallelGroupedLinear, params=gemm),
             ),
         )
         shared = ModuleSpec(
@@ -399,7 +409,7 @@ def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False, local_att
 
 
 def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None, use_te: Optional[bool] = None,
-                       local_attention: str = "sdpa"):
+                       local_attention: str = "sdpa", expert_gemm: str = "auto"):
     """Block spec for this pipeline stage: TE's if TE imports (or use_te=True), else local."""
     if use_te is None:
         use_te = transformer_engine_available()
@@ -412,6 +422,7 @@ def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None
     )
     mla = bool(getattr(config, "multi_latent_attention", False))
     dense = local_layer_spec(moe=False, qk_layernorm=config.qk_layernorm, mla=mla, local_attention=local_attention)
-    moe = local_layer_spec(moe=True, qk_layernorm=config.qk_layernorm, mla=mla, local_attention=local_attention)
+    moe = local_layer_spec(moe=True, qk_layernorm=config.qk_layernorm, mla=mla, local_attention=local_attention,
+                           expert_gemm=expert_gemm)
     layers = [moe if spec.submodules.mlp.module is MoELayer else dense for spec in stock.layer_specs]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LocalRMSNorm)
