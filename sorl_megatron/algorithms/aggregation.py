@@ -50,17 +50,17 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 
 
 def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Max over selected entries; 0 when nothing is selected."""
-    if not bool(mask.any()):
-        return torch.zeros((), dtype=values.dtype, device=values.device)
-    return torch.where(mask.bool(), values, torch.full_like(values, float("-inf"))).max()
+    """Max over selected entries; 0 when nothing is selected (no host read)."""
+    m = mask.bool()
+    top = torch.where(m, values, torch.full_like(values, float("-inf"))).max()
+    return torch.where(m.any(), top, torch.zeros_like(top))
 
 
 def masked_min(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Min over selected entries; 0 when nothing is selected."""
-    if not bool(mask.any()):
-        return torch.zeros((), dtype=values.dtype, device=values.device)
-    return torch.where(mask.bool(), values, torch.full_like(values, float("inf"))).min()
+    """Min over selected entries; 0 when nothing is selected (no host read)."""
+    m = mask.bool()
+    low = torch.where(m, values, torch.full_like(values, float("inf"))).min()
+    return torch.where(m.any(), low, torch.zeros_like(low))
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:

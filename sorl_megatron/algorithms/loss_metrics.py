@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from .aggregation import masked_max, masked_min
 from .clip_bias import ClipBiasTerms
 from .config import PolicyLossConfig
 from .diagnostics import turn_ratio_spread, turn_ratio_spread_of
@@ -55,7 +54,7 @@ def _ratio_and_clip_metrics(
     n_high, n_low, n_dual = (t.sum(dtype=torch.float64) for t in (terms.clip_high, terms.clip_low, terms.dual))
     lr_sum = ratios.clamped_log_ratio.sum(dtype=torch.float64)
     ratio_sum = _sum_off_ones(ratios.token_ratio, tokens)  # sum of r over the mask (r = 1 off it)
-    lo, hi = _masked_extremes(ratios.token_log_ratio.detach(), inputs.mask, tokens)
+    lo, hi = _masked_extremes(ratios.token_log_ratio.detach(), inputs.mask)
     return {
         "pg_loss": pg_loss.detach(),
         # B^c's three parts are disjoint: A > 0 (high) and A < 0 with r < 1 - eps or r > c > 1
@@ -93,7 +92,7 @@ def _level_ratio_metrics(
 ) -> dict[str, torch.Tensor]:
     prefix = "turn_ratio" if spec.ratio_level == "turn" else "seq_ratio"
     clamp = config.log_ratio_clamp
-    level_lo, level_hi = _masked_extremes(ratios.level_log_ratio.detach(), inputs.mask, tokens)
+    level_lo, level_hi = _masked_extremes(ratios.level_log_ratio.detach(), inputs.mask)
     return {
         f"{prefix}/mean": (_sum_off_ones(ratios.ratio.detach(), tokens) / tokens.clamp(min=1)).float(),
         f"{prefix}/min": _ratio_of(level_lo, clamp, tokens),
@@ -119,22 +118,17 @@ def _sum_off_ones(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return values.sum(dtype=torch.float64) - (values.numel() - tokens)
 
 
-def _masked_extremes(
-    values: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(min, max)`` over the mask of a tensor that is exactly 0 off it: one ``aminmax`` over
-    the whole tensor, and a masked pass only when an extreme is that 0 (it may be off the mask);
-    ``(0, 0)`` without policy tokens."""
-    if not bool(tokens > 0):
-        z = torch.zeros((), dtype=values.dtype, device=values.device)
-        return z, z
-    lo, hi = torch.aminmax(values)
-    if bool(tokens < values.numel()):
-        if not bool(hi > 0):
-            hi = masked_max(values, mask)
-        if not bool(lo < 0):
-            lo = masked_min(values, mask)
-    return lo, hi
+def _masked_extremes(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` over the mask of a tensor that is exactly 0 off it, without a host read:
+    off the mask each entry takes the value of the first policy token, so one ``aminmax``
+    over the whole tensor sees the masked values only; ``(0, 0)`` without policy tokens (the
+    first entry, off the mask, is then the 0 it holds)."""
+    flat = values.reshape(-1)
+    if flat.numel() == 0:  # a shape, not a value
+        return flat.new_zeros(()), flat.new_zeros(())
+    at = mask.reshape(-1).to(torch.uint8).argmax().view(1)  # the first policy token (argmax: the first max)
+    first = flat.index_select(0, at).view(())  # a tensor index: ``flat[at]`` would read ``at`` on the host
+    return torch.aminmax(torch.where(mask, values, first))
 
 
 def _ratio_of(log_ratio: torch.Tensor, clamp: float, tokens: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,9 @@ def importance_ess(log_w: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
     batch, _ = ess_frac(None)
     rows, n = ess_frac(1)
     has = n > 0
-    per_seq = rows[has].mean() if bool(has.any()) else torch.ones((), dtype=lw.dtype, device=lw.device)
+    rows_with_tokens = has.sum(dtype=lw.dtype)  # no host read: a mean over those rows, 1 without any
+    per_seq = torch.where(has, rows, torch.zeros_like(rows)).sum() / rows_with_tokens.clamp(min=1)
+    per_seq = torch.where(rows_with_tokens > 0, per_seq, torch.ones_like(per_seq))
     return batch, per_seq
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -262,30 +263,66 @@ class LocalDotProductAttention(DotProductAttention):
         if packed_seq_params.qkv_format != "thd":
             fmt = packed_seq_params.qkv_format
             raise ValueError(f"local attention takes packed sequences in THD format, got {fmt!r}")
-        cu = packed_seq_params.cu_seqlens_q
-        if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(cu, packed_seq_params.cu_seqlens_kv):
-            raise ValueError("local packed attention is self-attention: cu_seqlens_q must equal cu_seqlens_kv")
-        cu = cu.to(device=query.device, dtype=torch.long)
-        starts, lengths = cu[:-1], cu[1:] - cu[:-1]
-        if int(cu[-1]) != query.shape[0]:
-            raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed sequence has {query.shape[0]} tokens")
-        classes = _length_classes(lengths)
-        positions, outputs = [], []
-        for c in torch.unique(classes).tolist():  # a handful of length classes, never tokens
-            sel = (classes == c) & (lengths > 0)
-            if not bool(sel.any()):
-                continue
-            width = int(lengths[sel].max())
-            t = torch.arange(width, device=query.device)
-            idx = starts[sel].unsqueeze(0) + t.unsqueeze(1)  # [width, n]: segment-major columns
-            valid = t.unsqueeze(1) < lengths[sel].unsqueeze(0)
-            idx = torch.where(valid, idx, starts[sel].unsqueeze(0))  # padding reads a real row (masked)
-            mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device=query.device), diagonal=1)
+        plan = packed_attention_plan(packed_seq_params, query.device)
+        if plan.tokens != query.shape[0]:
+            raise ValueError(f"cu_seqlens ends at {plan.tokens} but the packed sequence has {query.shape[0]} tokens")
+        outputs = []
+        for idx, keep, mask in plan.blocks:
             ctx = self._attend(query[idx], key[idx], value[idx], mask[None, None], attn_mask_type)
-            positions.append(idx[valid])
-            outputs.append(ctx[valid])
-        order = torch.argsort(torch.cat(positions))
-        return torch.cat(outputs)[order]
+            outputs.append(ctx.flatten(0, 1).index_select(0, keep))  # not ctx[valid]: a host read
+        return torch.cat(outputs)[plan.order]
+
+
+@dataclass
+class PackedAttentionPlan:
+    """How :class:`LocalDotProductAttention` gathers a packed row's segments: per length class a
+    ``[width, n]`` index of the rows to gather (padding reads a real row), the flat positions of
+    its real (not padding) entries and the ``[width, width]`` causal mask; ``order`` puts the
+    classes' outputs back in token order."""
+
+    tokens: int
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    order: torch.Tensor
+
+
+PLAN_ATTR = "sorl_attention_plan"  # where a PackedSeqParams keeps its plan: every layer reuses it
+
+
+def packed_attention_plan(params: Any, device: torch.device) -> PackedAttentionPlan:
+    """The plan of ``params.cu_seqlens_q``, built on the host once per packed row (the segment
+    widths are shapes: the host must know them) and kept on ``params``, so the layers of a
+    micro-batch read nothing back from the device. The engine builds it before the pass
+    (``MicroBatcher``) from the host's boundaries; otherwise the first layer does."""
+    plan = getattr(params, PLAN_ATTR, None)
+    if plan is None or plan.order.device != device:
+        cu, cu_kv = params.cu_seqlens_q.cpu(), params.cu_seqlens_kv
+        if cu_kv is not None and not torch.equal(cu, cu_kv.cpu()):
+            raise ValueError("local packed attention is self-attention: cu_seqlens_q must equal cu_seqlens_kv")
+        plan = build_attention_plan(cu, device)
+        setattr(params, PLAN_ATTR, plan)
+    return plan
+
+
+def build_attention_plan(cu: torch.Tensor, device: torch.device) -> PackedAttentionPlan:
+    cu = cu.to(dtype=torch.long)
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    classes = _length_classes(lengths)
+    positions, blocks = [], []
+    for c in torch.unique(classes).tolist():  # a handful of length classes, never tokens
+        sel = (classes == c) & (lengths > 0)
+        if not bool(sel.any()):
+            continue
+        width = int(lengths[sel].max())
+        t = torch.arange(width)
+        idx = starts[sel].unsqueeze(0) + t.unsqueeze(1)  # [width, n]: segment-major columns
+        valid = t.unsqueeze(1) < lengths[sel].unsqueeze(0)
+        idx = torch.where(valid, idx, starts[sel].unsqueeze(0))  # padding reads a real row (masked)
+        mask = torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)
+        positions.append(idx[valid])
+        keep = valid.flatten().nonzero().flatten()
+        blocks.append(tuple(x.to(device) for x in (idx, keep, mask)))
+    order = torch.argsort(torch.cat(positions)) if positions else torch.zeros(0, dtype=torch.long)
+    return PackedAttentionPlan(int(cu[-1]), blocks, order.to(device))
 
 
 class LocalSdpaAttention(LocalDotProductAttention):
