@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .aggregation import masked_max, masked_min
 from .clip_bias import ClipBiasTerms
 from .config import PolicyLossConfig
 from .diagnostics import turn_ratio_spread, turn_ratio_spread_of
@@ -118,14 +119,41 @@ def _sum_off_ones(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return values.sum(dtype=torch.float64) - (values.numel() - tokens)
 
 
+# Device types whose values the host reads without waiting for a queue of work: there the extremes
+# branch on a value (the cheapest pass), elsewhere they take the branch-free passes.
+HOST_READ_FREE_DEVICES = ("cpu",)
+
+
 def _masked_extremes(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(min, max)`` over the mask of a tensor that is exactly 0 off it, without a host read:
-    off the mask each entry takes the value of the first policy token, so one ``aminmax``
-    over the whole tensor sees the masked values only; ``(0, 0)`` without policy tokens (the
-    first entry, off the mask, is then the 0 it holds)."""
+    """``(min, max)`` over the mask of a tensor that is exactly 0 off it; ``(0, 0)`` without
+    policy tokens. Both ways give the same numbers (min and max are exact)."""
+    if values.numel() == 0:  # a shape, not a value
+        return values.new_zeros(()), values.new_zeros(())
+    if values.device.type in HOST_READ_FREE_DEVICES:
+        return _extremes_branching(values, mask)
+    return _extremes_on_device(values, mask)
+
+
+def _extremes_branching(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ``aminmax`` over the whole tensor, and a masked pass only when an extreme is the 0
+    that may come from off the mask."""
+    lo, hi = torch.aminmax(values)
+    tokens = int(mask.sum())
+    if tokens == 0:
+        return torch.zeros_like(lo), torch.zeros_like(hi)
+    if tokens < values.numel():
+        if not bool(hi > 0):
+            hi = masked_max(values, mask)
+        if not bool(lo < 0):
+            lo = masked_min(values, mask)
+    return lo, hi
+
+
+def _extremes_on_device(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """No host read: off the mask each entry takes the value of the first policy token, so one
+    ``aminmax`` sees the masked values only (without policy tokens the first entry, off the mask,
+    holds the 0 it gives)."""
     flat = values.reshape(-1)
-    if flat.numel() == 0:  # a shape, not a value
-        return flat.new_zeros(()), flat.new_zeros(())
     at = mask.reshape(-1).to(torch.uint8).argmax().view(1)  # the first policy token (argmax: the first max)
     first = flat.index_select(0, at).view(())  # a tensor index: ``flat[at]`` would read ``at`` on the host
     return torch.aminmax(torch.where(mask, values, first))

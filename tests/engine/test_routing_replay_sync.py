@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sorl_megatron.algorithms import PolicyLossConfig, compute_policy_loss, loss_denominators
+from sorl_megatron.algorithms import PolicyLossConfig, compute_policy_loss, loss_denominators, loss_metrics
 from sorl_megatron.algorithms.diagnostics import abs_log_ratio_histogram
 from sorl_megatron.bridge.local_spec import LocalDotProductAttention
 from sorl_megatron.engine import routing_replay
@@ -176,10 +176,16 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    """The loss metrics' GPU path on the CPU: no device type whose values the host reads for free."""
+    monkeypatch.setattr(loss_metrics, "HOST_READ_FREE_DEVICES", ())
+
+
 def _update_bookkeeping(loss: str, micro: int, diagnostics: bool = False) -> Counter:
     """What the actor's update does per micro-batch besides the model (``ActorEngine._train_mini_batch``'s
     ``loss_fn``: the loss and its metrics, the clipping flag, the metric partials, the histogram),
-    then the one read of the partials; the host reads it made."""
+    then the one read of the partials; the host reads it made (the GPU path: ``as_on_a_gpu``)."""
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     from common import multi_turn_batch
 
@@ -203,14 +209,14 @@ def _update_bookkeeping(loss: str, micro: int, diagnostics: bool = False) -> Cou
 
 
 @pytest.mark.parametrize("loss", ["ppo", "grpo", "sapo", "cispo"])
-def test_a_token_level_update_reads_its_metrics_once_whatever_the_micro_batches(loss):
+def test_a_token_level_update_reads_its_metrics_once_whatever_the_micro_batches(as_on_a_gpu, loss):
     for micro in (1, 4):
         assert _update_bookkeeping(loss, micro) == Counter(cpu=1, tolist=1), (loss, micro)
 
 
 @pytest.mark.parametrize("loss,diagnostics", [("so_ppo", False), ("turn_ppo", False), ("gspo", False),
                                               ("ppo", True)])
-def test_turn_and_sequence_losses_read_only_their_segment_counts(loss, diagnostics):
+def test_turn_and_sequence_losses_read_only_their_segment_counts(as_on_a_gpu, loss, diagnostics):
     """Turn / sequence segmentation (of the loss, or of ``loss.diagnostics``' turn-ratio spread)
     sizes its tensors by the number of segments: a shape the host must know (``nonzero``), once
     or twice per micro-batch. Nothing else is read per micro-batch."""
@@ -259,3 +265,29 @@ def test_packed_attention_reads_its_segments_once_per_micro_batch(layers, planne
                                 torch.triu(torch.ones(j - i, j - i, dtype=torch.bool), 1), None)[:, 0]
               for i, j in zip(a, b) if j > i]
     assert all(torch.allclose(out, torch.cat(causal), atol=1e-6) for out in outs)
+
+
+@pytest.mark.parametrize("case", ["mixed", "all_negative", "all_positive", "full", "empty", "zero_extreme"])
+def test_the_loss_extremes_are_the_same_on_either_path(case):
+    """The CPU's branching extremes (one ``aminmax``, a masked pass when an extreme is an
+    off-mask 0) and the GPU's branch-free ones give the same numbers (min / max are exact)."""
+    g = torch.Generator().manual_seed(7)
+    mask = torch.rand(6, 9, generator=g) < 0.6
+    values = torch.randn(6, 9, generator=g)
+    if case == "all_negative":
+        values = -values.abs() - 0.1
+    elif case == "all_positive":
+        values = values.abs() + 0.1
+    elif case == "full":
+        mask[:] = True
+    elif case == "empty":
+        mask[:] = False
+    elif case == "zero_extreme":  # a policy token's 0 is the max; the off-mask 0s may not decide it
+        values = -values.abs()
+        values[mask.nonzero()[0].tolist()] = 0.0
+    values = torch.where(mask, values, torch.zeros(()))
+    branching = loss_metrics._extremes_branching(values, mask)
+    on_device = loss_metrics._extremes_on_device(values, mask)
+    assert [t.item() for t in branching] == [t.item() for t in on_device]
+    want = (values[mask].min().item(), values[mask].max().item()) if mask.any() else (0.0, 0.0)
+    assert tuple(t.item() for t in on_device) == want
