@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .aggregation import masked_max, masked_min
+from .aggregation import count64, masked_max, masked_min, sum64
 from .clip_bias import ClipBiasTerms
 from .config import PolicyLossConfig
 from .diagnostics import turn_ratio_spread, turn_ratio_spread_of
@@ -28,7 +28,7 @@ def loss_metrics(
 ) -> dict[str, torch.Tensor]:
     """The detached metrics of one call: means over its policy tokens, plus additive sums
     (``clip_bias/scalar``, ``sq_sum``, the turn counts) an engine adds over micro-batches."""
-    tokens = inputs.mask.sum(dtype=torch.float64)
+    tokens = count64(inputs.mask)
     metrics = _ratio_and_clip_metrics(inputs, config, ratios, terms, pg_loss, tokens)
     if bias is not None:
         metrics["clip_bias/scalar"] = bias.scalar
@@ -38,7 +38,7 @@ def loss_metrics(
     if spec.ratio_level != "token":
         metrics.update(_level_ratio_metrics(inputs, config, spec, ratios, tokens))
     metrics.update(is_metrics)
-    metrics.update(_clip_count_metrics(inputs, config, ratios, tokens))
+    metrics.update(_clip_count_metrics(inputs, config, spec, ratios, tokens))
     return metrics
 
 
@@ -52,8 +52,8 @@ def _ratio_and_clip_metrics(
 ) -> dict[str, torch.Tensor]:
     clamp = config.log_ratio_clamp
     count = tokens.clamp(min=1)
-    n_high, n_low, n_dual = (t.sum(dtype=torch.float64) for t in (terms.clip_high, terms.clip_low, terms.dual))
-    lr_sum = ratios.clamped_log_ratio.sum(dtype=torch.float64)
+    n_high, n_low, n_dual = (count64(t) for t in (terms.clip_high, terms.clip_low, terms.dual))
+    lr_sum = sum64(ratios.clamped_log_ratio)
     ratio_sum = _sum_off_ones(ratios.token_ratio, tokens)  # sum of r over the mask (r = 1 off it)
     lo, hi = _masked_extremes(ratios.token_log_ratio.detach(), inputs.mask)
     return {
@@ -102,11 +102,16 @@ def _level_ratio_metrics(
 
 
 def _clip_count_metrics(
-    inputs: LossInputs, config: PolicyLossConfig, ratios: Ratios, tokens: torch.Tensor
+    inputs: LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: Ratios, tokens: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Leading indicators: tokens clipped by their own ratio, turns by their turn ratio (SORL eq. 4)."""
+    """Leading indicators: tokens clipped by their own ratio, turns by their turn ratio (SORL eq. 4).
+    A turn-level loss's own turn log-ratios (the same float32 sums) are read, not summed again."""
+    own = None
+    if (spec.ratio_level == "turn" and not spec.token_gradient and ratios.turns is not None
+            and ratios.token_log_ratio.dtype == torch.float32):
+        own = ratios.turns.per_segment(ratios.level_log_ratio)
     counts = clip_counts(ratios.token_log_ratio, inputs.advantages, inputs.mask, config.clip_low, config.clip_high,
-                         ratios.turns, config.log_ratio_clamp)
+                         ratios.turns, config.log_ratio_clamp, turn_log_ratio=own)
     metrics = {"clip_frac/token": (counts["tokens_clipped"] / tokens.clamp(min=1)).float()}
     if ratios.turns is not None:  # sums: an engine adds them over micro-batches (clip_frac/turn)
         metrics["clip/turns_clipped"] = counts["turns_clipped"]
@@ -116,7 +121,7 @@ def _clip_count_metrics(
 
 def _sum_off_ones(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Sum over the mask of a tensor that is exactly 1 off the mask (a ratio), in float64."""
-    return values.sum(dtype=torch.float64) - (values.numel() - tokens)
+    return sum64(values) - (values.numel() - tokens)
 
 
 # Device types whose values the host reads without waiting for a queue of work: there the extremes
