@@ -6,6 +6,7 @@ of the minimum times) and the machine load. Targets (issue 17): ``ppo`` <= 1.1x 
 <= 1.3x the reference at B=256, T=4096.
 
     .venv/bin/python benchmarks/bench_policy_loss.py [--size full|quick] [--batch B --seq T] [--turns 5]
+        [--cpu-time]   # thread CPU seconds instead of wall time, on a loaded machine
 
 The reference is what every framework ships as its vanilla PPO loss: the ratio, the clipped
 surrogate, the masked aggregation, and the two metrics all of them log (clip fraction and the
@@ -15,6 +16,7 @@ k1 KL estimate). Before timing, ``ppo`` is checked against it (same loss and gra
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from common import interleaved, load, multi_turn_batch, report
@@ -52,6 +54,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--agg", choices=["token-mean", "seq-mean-token-mean"], default="token-mean")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time the thread's CPU seconds instead of wall time (a loaded machine)")
     args = ap.parse_args()
     batch, seq = SIZES[args.size]
     batch, seq = args.batch or batch, args.seq or seq
@@ -85,7 +89,9 @@ def main() -> None:
     assert float(m["clip_bias/norm"]) > 0  # the SO-PPO extras really ran
     print(f"so_ppo: clip_frac={float(m['clip_frac']):.4f} clip_bias/norm={float(m['clip_bias/norm']):.3g}")
 
-    times = interleaved({"vanilla_ppo": reference, "ppo": ours("ppo"), "so_ppo": ours("so_ppo")}, args.repeats)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    times = interleaved({"vanilla_ppo": reference, "ppo": ours("ppo"), "so_ppo": ours("so_ppo")}, args.repeats,
+                        clock=clock)
     report(times, "vanilla_ppo", targets={"ppo": 1.1, "so_ppo": 1.3})
 
 

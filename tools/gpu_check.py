@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import subprocess
@@ -498,6 +499,50 @@ def check_memory_plan(args) -> str:
     return check_rl_step(args, "tensor", hidden_size=2048)
 
 
+def _expert_gemm_equal(device: str) -> str:
+    """``torch._grouped_mm`` against the loop over experts on CUDA in bf16 (forward, input and
+    weight gradients; 16 experts, some without tokens, group sizes not multiples of 8)."""
+    import torch
+
+    from sorl_megatron.bridge.grouped_gemm import grouped_available, grouped_linear, loop_linear
+
+    g = torch.Generator(device=device).manual_seed(0)
+    counts = [0, 37, 5, 0, 61, 1, 90, 13, 0, 24, 77, 3, 0, 50, 9, 30]
+    x = torch.randn(sum(counts), 2048, device=device, generator=g).to(torch.bfloat16)
+    ws = [(torch.randn(1536, 2048, device=device, generator=g) / 45).to(torch.bfloat16) for _ in counts]
+    if not grouped_available(x, 1536):
+        return "no grouped kernel for bf16 on this GPU (the experts loop)"
+    grad = torch.randn(sum(counts), 1536, device=device, generator=g).to(torch.bfloat16)
+
+    def run(fn):
+        leaves = [t.detach().requires_grad_(True) for t in (x, *ws)]
+        fn(leaves[0], leaves[1:], torch.tensor(counts, device=device)).backward(grad)
+        return [fn(x, ws, counts).float(), *(t.grad.float() for t in leaves)]
+
+    worst = max(_assert_close(f"grouped expert GEMM part {i}", a, b, atol=0.05, rtol=0.02)
+                for i, (a, b) in enumerate(zip(run(grouped_linear), run(loop_linear))))
+    return f"grouped expert GEMM = loop (bf16, fwd + bwd, 16 experts, 4 empty): max diff {worst:.1e}"
+
+
+def check_moe_slice(args) -> str:
+    """Qwen3-30B-A3B at its real width, two layers (``benchmarks/bench_moe_slice.py``): the grouped
+    expert GEMM against the loop on CUDA, then the update's and the log-prob pass's tokens/s and
+    model TFLOPS with the split, experts grouped and looped (the report lines). Optional: a SKIP
+    without CUDA (the suite runs the benchmark's ``--small`` CPU half)."""
+    if cuda_device(args) != "cuda":
+        raise Skip("needs CUDA (a real-width benchmark; tests/test_bench_moe_slice.py runs its CPU half)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_moe_slice
+
+    equal = _expert_gemm_equal("cuda")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        bench_moe_slice.main(["--layers", "2", "--reps", "1" if args.quick else "3"])
+    for line in out.getvalue().splitlines():  # the check's report lines
+        print("  " + line, flush=True)
+    return equal + "; timings in the lines above"
+
+
 # The second study's worst stress (docs/study.md, recipes/study/round2_*.yaml): 3% of the rollout
 # server's (token, layer) top-k choices flipped, rollouts two weight versions old, R3 replaying the
 # rollout's routes in the trainer; three steps, so the last trains on a lagged batch
@@ -624,6 +669,7 @@ CHECKS = {
     "rl_step_stress": (check_rl_step_stress, 300),
     "resume_dist_opt": (check_resume_dist_opt, 420),
     "rl_step_ppo_offload": (lambda a: run_rl_steps(a, "tensor", extra=PPO_OFFLOAD, name="ppo_offload")[0], 300),
+    "moe_slice": (check_moe_slice, 420),
 }
 
 

@@ -49,18 +49,34 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return sq / denom.clamp(min=1)
 
 
+def count64(indicator: torch.Tensor) -> torch.Tensor:
+    """The number of true entries of a bool tensor as a float64 scalar: the value of
+    ``indicator.sum(dtype=torch.float64)`` (counts are exact in float64), by an integer count,
+    10x cheaper on the CPU."""
+    return torch.count_nonzero(indicator).to(torch.float64)
+
+
+def sum64(values: torch.Tensor) -> torch.Tensor:
+    """``values.sum(dtype=torch.float64)``, bit for bit. On the CPU the cast first and the sum in
+    float64 after: the same cascade of float64 additions (tests/algorithms/test_sum64.py),
+    3x cheaper than the sum that casts as it reads."""
+    if values.device.type == "cpu":
+        return values.to(torch.float64).sum()
+    return values.sum(dtype=torch.float64)
+
+
 def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Max over selected entries; 0 when nothing is selected."""
-    if not bool(mask.any()):
-        return torch.zeros((), dtype=values.dtype, device=values.device)
-    return torch.where(mask.bool(), values, torch.full_like(values, float("-inf"))).max()
+    """Max over selected entries; 0 when nothing is selected (no host read)."""
+    m = mask.bool()
+    top = torch.where(m, values, torch.full_like(values, float("-inf"))).max()
+    return torch.where(m.any(), top, torch.zeros_like(top))
 
 
 def masked_min(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Min over selected entries; 0 when nothing is selected."""
-    if not bool(mask.any()):
-        return torch.zeros((), dtype=values.dtype, device=values.device)
-    return torch.where(mask.bool(), values, torch.full_like(values, float("inf"))).min()
+    """Min over selected entries; 0 when nothing is selected (no host read)."""
+    m = mask.bool()
+    low = torch.where(m, values, torch.full_like(values, float("inf"))).min()
+    return torch.where(m.any(), low, torch.zeros_like(low))
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:

@@ -119,16 +119,19 @@ class Histogram:
 
 
 def histogram(values: torch.Tensor, mask: torch.Tensor, edges: torch.Tensor) -> Histogram:
-    """Histogram of ``values[mask]`` in the bins of ``edges`` (one ``bucketize`` + ``bincount``)."""
-    v = values.detach().double()[mask.bool()]
+    """Histogram of ``values[mask]`` in the bins of ``edges`` (one ``bucketize`` + a masked
+    ``scatter_add``), built without a host read: no boolean indexing."""
+    m = mask.bool().reshape(-1)
+    v = values.detach().double().reshape(-1)
     edges = edges.to(v.device)
+    if v.numel() == 0:  # a shape, not a value: no host read
+        m, v = torch.zeros(1, dtype=torch.bool, device=v.device), torch.zeros(1, dtype=v.dtype, device=v.device)
     index = torch.bucketize(v, edges[1:-1], right=True)  # bin i holds edges[i] <= v < edges[i + 1]
-    counts = torch.bincount(index, minlength=len(edges) - 1).double()
-    if v.numel():
-        lo, hi = v.min(), v.max()
-    else:
-        lo, hi = torch.tensor(float("inf"), device=v.device), torch.tensor(float("-inf"), device=v.device)
-    return Histogram(edges, counts, v.sum(), (v * v).sum(), lo.double(), hi.double())
+    counts = torch.zeros(len(edges) - 1, dtype=torch.float64, device=v.device).scatter_add_(0, index, m.double())
+    kept = torch.where(m, v, torch.zeros_like(v))
+    inf = torch.full_like(v, float("inf"))
+    lo, hi = torch.where(m, v, inf).min(), torch.where(m, v, -inf).max()  # +-inf without values
+    return Histogram(edges, counts, kept.sum(), (kept * kept).sum(), lo, hi)
 
 
 def abs_log_ratio_histogram(logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> Histogram:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .aggregation import masked_max, masked_min
+from .aggregation import count64, masked_max, masked_min, sum64
 from .clip_bias import ClipBiasTerms
 from .config import PolicyLossConfig
 from .diagnostics import turn_ratio_spread, turn_ratio_spread_of
@@ -28,7 +28,7 @@ def loss_metrics(
 ) -> dict[str, torch.Tensor]:
     """The detached metrics of one call: means over its policy tokens, plus additive sums
     (``clip_bias/scalar``, ``sq_sum``, the turn counts) an engine adds over micro-batches."""
-    tokens = inputs.mask.sum(dtype=torch.float64)
+    tokens = count64(inputs.mask)
     metrics = _ratio_and_clip_metrics(inputs, config, ratios, terms, pg_loss, tokens)
     if bias is not None:
         metrics["clip_bias/scalar"] = bias.scalar
@@ -38,7 +38,7 @@ def loss_metrics(
     if spec.ratio_level != "token":
         metrics.update(_level_ratio_metrics(inputs, config, spec, ratios, tokens))
     metrics.update(is_metrics)
-    metrics.update(_clip_count_metrics(inputs, config, ratios, tokens))
+    metrics.update(_clip_count_metrics(inputs, config, spec, ratios, tokens))
     return metrics
 
 
@@ -52,10 +52,10 @@ def _ratio_and_clip_metrics(
 ) -> dict[str, torch.Tensor]:
     clamp = config.log_ratio_clamp
     count = tokens.clamp(min=1)
-    n_high, n_low, n_dual = (t.sum(dtype=torch.float64) for t in (terms.clip_high, terms.clip_low, terms.dual))
-    lr_sum = ratios.clamped_log_ratio.sum(dtype=torch.float64)
+    n_high, n_low, n_dual = (count64(t) for t in (terms.clip_high, terms.clip_low, terms.dual))
+    lr_sum = sum64(ratios.clamped_log_ratio)
     ratio_sum = _sum_off_ones(ratios.token_ratio, tokens)  # sum of r over the mask (r = 1 off it)
-    lo, hi = _masked_extremes(ratios.token_log_ratio.detach(), inputs.mask, tokens)
+    lo, hi = _masked_extremes(ratios.token_log_ratio.detach(), inputs.mask)
     return {
         "pg_loss": pg_loss.detach(),
         # B^c's three parts are disjoint: A > 0 (high) and A < 0 with r < 1 - eps or r > c > 1
@@ -93,7 +93,7 @@ def _level_ratio_metrics(
 ) -> dict[str, torch.Tensor]:
     prefix = "turn_ratio" if spec.ratio_level == "turn" else "seq_ratio"
     clamp = config.log_ratio_clamp
-    level_lo, level_hi = _masked_extremes(ratios.level_log_ratio.detach(), inputs.mask, tokens)
+    level_lo, level_hi = _masked_extremes(ratios.level_log_ratio.detach(), inputs.mask)
     return {
         f"{prefix}/mean": (_sum_off_ones(ratios.ratio.detach(), tokens) / tokens.clamp(min=1)).float(),
         f"{prefix}/min": _ratio_of(level_lo, clamp, tokens),
@@ -102,11 +102,16 @@ def _level_ratio_metrics(
 
 
 def _clip_count_metrics(
-    inputs: LossInputs, config: PolicyLossConfig, ratios: Ratios, tokens: torch.Tensor
+    inputs: LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: Ratios, tokens: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Leading indicators: tokens clipped by their own ratio, turns by their turn ratio (SORL eq. 4)."""
+    """Leading indicators: tokens clipped by their own ratio, turns by their turn ratio (SORL eq. 4).
+    A turn-level loss's own turn log-ratios (the same float32 sums) are read, not summed again."""
+    own = None
+    if (spec.ratio_level == "turn" and not spec.token_gradient and ratios.turns is not None
+            and ratios.token_log_ratio.dtype == torch.float32):
+        own = ratios.turns.per_segment(ratios.level_log_ratio)
     counts = clip_counts(ratios.token_log_ratio, inputs.advantages, inputs.mask, config.clip_low, config.clip_high,
-                         ratios.turns, config.log_ratio_clamp)
+                         ratios.turns, config.log_ratio_clamp, turn_log_ratio=own)
     metrics = {"clip_frac/token": (counts["tokens_clipped"] / tokens.clamp(min=1)).float()}
     if ratios.turns is not None:  # sums: an engine adds them over micro-batches (clip_frac/turn)
         metrics["clip/turns_clipped"] = counts["turns_clipped"]
@@ -116,25 +121,47 @@ def _clip_count_metrics(
 
 def _sum_off_ones(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Sum over the mask of a tensor that is exactly 1 off the mask (a ratio), in float64."""
-    return values.sum(dtype=torch.float64) - (values.numel() - tokens)
+    return sum64(values) - (values.numel() - tokens)
 
 
-def _masked_extremes(
-    values: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(min, max)`` over the mask of a tensor that is exactly 0 off it: one ``aminmax`` over
-    the whole tensor, and a masked pass only when an extreme is that 0 (it may be off the mask);
-    ``(0, 0)`` without policy tokens."""
-    if not bool(tokens > 0):
-        z = torch.zeros((), dtype=values.dtype, device=values.device)
-        return z, z
+# Device types whose values the host reads without waiting for a queue of work: there the extremes
+# branch on a value (the cheapest pass), elsewhere they take the branch-free passes.
+HOST_READ_FREE_DEVICES = ("cpu",)
+
+
+def _masked_extremes(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` over the mask of a tensor that is exactly 0 off it; ``(0, 0)`` without
+    policy tokens. Both ways give the same numbers (min and max are exact)."""
+    if values.numel() == 0:  # a shape, not a value
+        return values.new_zeros(()), values.new_zeros(())
+    if values.device.type in HOST_READ_FREE_DEVICES:
+        return _extremes_branching(values, mask)
+    return _extremes_on_device(values, mask)
+
+
+def _extremes_branching(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ``aminmax`` over the whole tensor, and a masked pass only when an extreme is the 0
+    that may come from off the mask."""
     lo, hi = torch.aminmax(values)
-    if bool(tokens < values.numel()):
+    tokens = int(mask.sum())
+    if tokens == 0:
+        return torch.zeros_like(lo), torch.zeros_like(hi)
+    if tokens < values.numel():
         if not bool(hi > 0):
             hi = masked_max(values, mask)
         if not bool(lo < 0):
             lo = masked_min(values, mask)
     return lo, hi
+
+
+def _extremes_on_device(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """No host read: off the mask each entry takes the value of the first policy token, so one
+    ``aminmax`` sees the masked values only (without policy tokens the first entry, off the mask,
+    holds the 0 it gives)."""
+    flat = values.reshape(-1)
+    at = mask.reshape(-1).to(torch.uint8).argmax().view(1)  # the first policy token (argmax: the first max)
+    first = flat.index_select(0, at).view(())  # a tensor index: ``flat[at]`` would read ``at`` on the host
+    return torch.aminmax(torch.where(mask, values, first))
 
 
 def _ratio_of(log_ratio: torch.Tensor, clamp: float, tokens: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .aggregation import count64
 from .kl import kl_penalty
 from .turns import TurnSegments, segment_sum
 
@@ -47,7 +48,9 @@ def importance_ess(log_w: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
     batch, _ = ess_frac(None)
     rows, n = ess_frac(1)
     has = n > 0
-    per_seq = rows[has].mean() if bool(has.any()) else torch.ones((), dtype=lw.dtype, device=lw.device)
+    rows_with_tokens = has.sum(dtype=lw.dtype)  # no host read: a mean over those rows, 1 without any
+    per_seq = torch.where(has, rows, torch.zeros_like(rows)).sum() / rows_with_tokens.clamp(min=1)
+    per_seq = torch.where(rows_with_tokens > 0, per_seq, torch.ones_like(per_seq))
     return batch, per_seq
 
 
@@ -77,13 +80,15 @@ def clip_counts(
     high: float,
     turns: TurnSegments | None = None,
     clamp: float = 20.0,
+    turn_log_ratio: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Clipped tokens and turns: ``{"tokens_clipped", "tokens", "turns_clipped", "turns"}`` (sums).
 
     A token is clipped when ``A_t > 0`` and ``r_t > high`` or ``A_t < 0`` and ``r_t < low``,
     ``r_t = exp(token_log_ratio)``; a turn likewise with its ratio ``w_k`` (eq. 4, the log
     clamped to ``[-clamp, clamp]``) and its tokens' mean advantage. Without ``turns`` only the
-    token counts."""
+    token counts. ``turn_log_ratio``: the ``[S]`` mean log-ratio of each turn when the caller
+    has it (a turn-level loss's own: the same float32 sums), else it is summed here."""
     m = mask.bool()
     with torch.no_grad():
         lr = token_log_ratio.detach().float()
@@ -92,12 +97,13 @@ def clip_counts(
             adv = adv[:, None].expand_as(lr)
         log_low, log_high = torch.log(torch.tensor(low)), torch.log(torch.tensor(high))
         tok = (((adv > 0) & (lr > log_high)) | ((adv < 0) & (lr < log_low))) & m
-        out = {"tokens_clipped": tok.sum(dtype=torch.float64), "tokens": m.sum(dtype=torch.float64)}
+        out = {"tokens_clipped": count64(tok), "tokens": count64(m)}
         if turns is not None:
             length = turns.segment_length.float()
-            w = (segment_sum(lr, turns) / length).clamp(-clamp, clamp)
+            mean = segment_sum(lr, turns) / length if turn_log_ratio is None else turn_log_ratio.detach()
+            w = mean.clamp(-clamp, clamp)
             a = segment_sum(adv, turns) / length
             clipped = ((a > 0) & (w > log_high)) | ((a < 0) & (w < log_low))
-            out["turns_clipped"] = clipped.sum(dtype=torch.float64)
+            out["turns_clipped"] = count64(clipped)
             out["turns"] = torch.tensor(float(turns.num_segments), dtype=torch.float64)
         return out

@@ -143,7 +143,7 @@ def _make_bridge(hf_config: PretrainedConfig, layout: ParallelLayout, options: M
     def layer_spec(self, vp_stage: Optional[int] = None):
         self.has_vp_stage = True
         return decoder_block_spec(self.config, vp_stage=vp_stage, use_te=use_te,
-                                  local_attention=options.local_attention)
+                                  local_attention=options.local_attention, expert_gemm=options.expert_gemm)
 
     bridge._get_transformer_layer_spec = types.MethodType(layer_spec, bridge)
     return bridge

@@ -12,6 +12,7 @@ maps and the dist-checkpoint keys are identical whichever spec built the model.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -38,6 +39,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from .grouped_gemm import EXPERT_GEMMS, expert_linear
 from .te_probe import transformer_engine_available
 
 
@@ -98,7 +100,9 @@ class _LocalGroupedLinear(torch.nn.Module):
     """Per-expert weights `weight0..weight{n-1}` applied to contiguous token groups.
 
     Matches TE's GroupedLinear as megatron uses it for experts: no communication inside
-    (the token dispatcher does it), output/input dim divided by the expert-TP size.
+    (the token dispatcher does it), output/input dim divided by the expert-TP size. The product
+    is ``grouped_gemm.expert_linear``: one ``torch._grouped_mm`` where torch has it for the
+    device and dtype, else one ``F.linear`` per expert (``expert_gemm``: ``auto`` / ``loop``).
     """
 
     partition_dim: int = 0  # 0: column parallel (split outputs), 1: row parallel (split inputs)
@@ -116,8 +120,12 @@ class _LocalGroupedLinear(torch.nn.Module):
         is_expert: bool = True,
         tp_comm_buffer_name: Optional[str] = None,
         pg_collection: Any = None,
+        expert_gemm: str = "auto",
     ):
         super().__init__()
+        if expert_gemm not in EXPERT_GEMMS:
+            raise ValueError(f"expert_gemm must be one of {EXPERT_GEMMS}, got {expert_gemm!r}")
+        self.expert_gemm = expert_gemm
         if bias:
             raise ValueError("local grouped expert linears have no bias support (add_bias_linear must be False)")
         if not is_expert:
@@ -153,11 +161,10 @@ class _LocalGroupedLinear(torch.nn.Module):
                 param.partition_stride = 1
                 self.register_parameter(f"weight{i}", param)
 
-    def forward(self, x: torch.Tensor, m_splits: list[int]):
-        chunks = torch.split(x, list(m_splits), dim=0)
-        outs = [F.linear(c, getattr(self, f"weight{i}")) for i, c in enumerate(chunks)]
-        out = torch.cat(outs, dim=0) if outs else x.new_empty(0, 0)
-        return out, None
+    def forward(self, x: torch.Tensor, m_splits):
+        """``m_splits``: rows per expert, a list of ints (megatron's) or a tensor on any device."""
+        weights = list(self._parameters.values())  # weight0..weight{n-1}, registration order
+        return expert_linear(x, weights, m_splits, self.expert_gemm), None
 
     def backward_dw(self) -> None:
         pass
@@ -245,30 +252,66 @@ class LocalDotProductAttention(DotProductAttention):
         if packed_seq_params.qkv_format != "thd":
             fmt = packed_seq_params.qkv_format
             raise ValueError(f"local attention takes packed sequences in THD format, got {fmt!r}")
-        cu = packed_seq_params.cu_seqlens_q
-        if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(cu, packed_seq_params.cu_seqlens_kv):
-            raise ValueError("local packed attention is self-attention: cu_seqlens_q must equal cu_seqlens_kv")
-        cu = cu.to(device=query.device, dtype=torch.long)
-        starts, lengths = cu[:-1], cu[1:] - cu[:-1]
-        if int(cu[-1]) != query.shape[0]:
-            raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed sequence has {query.shape[0]} tokens")
-        classes = _length_classes(lengths)
-        positions, outputs = [], []
-        for c in torch.unique(classes).tolist():  # a handful of length classes, never tokens
-            sel = (classes == c) & (lengths > 0)
-            if not bool(sel.any()):
-                continue
-            width = int(lengths[sel].max())
-            t = torch.arange(width, device=query.device)
-            idx = starts[sel].unsqueeze(0) + t.unsqueeze(1)  # [width, n]: segment-major columns
-            valid = t.unsqueeze(1) < lengths[sel].unsqueeze(0)
-            idx = torch.where(valid, idx, starts[sel].unsqueeze(0))  # padding reads a real row (masked)
-            mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device=query.device), diagonal=1)
+        plan = packed_attention_plan(packed_seq_params, query.device)
+        if plan.tokens != query.shape[0]:
+            raise ValueError(f"cu_seqlens ends at {plan.tokens} but the packed sequence has {query.shape[0]} tokens")
+        outputs = []
+        for idx, keep, mask in plan.blocks:
             ctx = self._attend(query[idx], key[idx], value[idx], mask[None, None], attn_mask_type)
-            positions.append(idx[valid])
-            outputs.append(ctx[valid])
-        order = torch.argsort(torch.cat(positions))
-        return torch.cat(outputs)[order]
+            outputs.append(ctx.flatten(0, 1).index_select(0, keep))  # not ctx[valid]: a host read
+        return torch.cat(outputs)[plan.order]
+
+
+@dataclass
+class PackedAttentionPlan:
+    """How :class:`LocalDotProductAttention` gathers a packed row's segments: per length class a
+    ``[width, n]`` index of the rows to gather (padding reads a real row), the flat positions of
+    its real (not padding) entries and the ``[width, width]`` causal mask; ``order`` puts the
+    classes' outputs back in token order."""
+
+    tokens: int
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    order: torch.Tensor
+
+
+PLAN_ATTR = "sorl_attention_plan"  # where a PackedSeqParams keeps its plan: every layer reuses it
+
+
+def packed_attention_plan(params: Any, device: torch.device) -> PackedAttentionPlan:
+    """The plan of ``params.cu_seqlens_q``, built on the host once per packed row (the segment
+    widths are shapes: the host must know them) and kept on ``params``, so the layers of a
+    micro-batch read nothing back from the device. The engine builds it before the pass
+    (``MicroBatcher``) from the host's boundaries; otherwise the first layer does."""
+    plan = getattr(params, PLAN_ATTR, None)
+    if plan is None or plan.order.device != device:
+        cu, cu_kv = params.cu_seqlens_q.cpu(), params.cu_seqlens_kv
+        if cu_kv is not None and not torch.equal(cu, cu_kv.cpu()):
+            raise ValueError("local packed attention is self-attention: cu_seqlens_q must equal cu_seqlens_kv")
+        plan = build_attention_plan(cu, device)
+        setattr(params, PLAN_ATTR, plan)
+    return plan
+
+
+def build_attention_plan(cu: torch.Tensor, device: torch.device) -> PackedAttentionPlan:
+    cu = cu.to(dtype=torch.long)
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    classes = _length_classes(lengths)
+    positions, blocks = [], []
+    for c in torch.unique(classes).tolist():  # a handful of length classes, never tokens
+        sel = (classes == c) & (lengths > 0)
+        if not bool(sel.any()):
+            continue
+        width = int(lengths[sel].max())
+        t = torch.arange(width)
+        idx = starts[sel].unsqueeze(0) + t.unsqueeze(1)  # [width, n]: segment-major columns
+        valid = t.unsqueeze(1) < lengths[sel].unsqueeze(0)
+        idx = torch.where(valid, idx, starts[sel].unsqueeze(0))  # padding reads a real row (masked)
+        mask = torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)
+        positions.append(idx[valid])
+        keep = valid.flatten().nonzero().flatten()
+        blocks.append(tuple(x.to(device) for x in (idx, keep, mask)))
+    order = torch.argsort(torch.cat(positions)) if positions else torch.zeros(0, dtype=torch.long)
+    return PackedAttentionPlan(int(cu[-1]), blocks, order.to(device))
 
 
 class LocalSdpaAttention(LocalDotProductAttention):
@@ -346,16 +389,19 @@ def _mla_attention_spec(local_attention: str) -> ModuleSpec:
     )
 
 
-def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False, local_attention: str = "sdpa") -> ModuleSpec:
+def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False, local_attention: str = "sdpa",
+                     expert_gemm: str = "auto") -> ModuleSpec:
     """One decoder layer, TE-named: dense layers fuse the MLP norm into fc1; MoE layers keep
-    `pre_mlp_layernorm` (as TE's spec does) and use grouped expert linears. MLA layers keep a
-    separate `input_layernorm` (TE's MLA spec does: its q / kv down projections are plain
-    linears)."""
+    `pre_mlp_layernorm` (as TE's spec does) and use grouped expert linears (``expert_gemm``:
+    ``grouped_gemm``'s mode). MLA layers keep a separate `input_layernorm` (TE's MLA spec does:
+    its q / kv down projections are plain linears)."""
     if moe:
+        gemm = {"expert_gemm": expert_gemm}
         experts = ModuleSpec(
             module=TEGroupedMLP,  # pure-torch module; only its linears come from TE normally
             submodules=MLPSubmodules(
-                linear_fc1=LocalColumnParallelGroupedLinear, linear_fc2=LocalRowParallelGroupedLinear
+                linear_fc1=ModuleSpec(module=LocalColumnParallelGroupedLinear, params=gemm),
+                linear_fc2=ModuleSpec(module=LocalRowParallelGroupedLinear, params=gemm),
             ),
         )
         shared = ModuleSpec(
@@ -389,7 +435,7 @@ def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False, local_att
 
 
 def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None, use_te: Optional[bool] = None,
-                       local_attention: str = "sdpa"):
+                       local_attention: str = "sdpa", expert_gemm: str = "auto"):
     """Block spec for this pipeline stage: TE's if TE imports (or use_te=True), else local."""
     if use_te is None:
         use_te = transformer_engine_available()
@@ -402,6 +448,7 @@ def decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None
     )
     mla = bool(getattr(config, "multi_latent_attention", False))
     dense = local_layer_spec(moe=False, qk_layernorm=config.qk_layernorm, mla=mla, local_attention=local_attention)
-    moe = local_layer_spec(moe=True, qk_layernorm=config.qk_layernorm, mla=mla, local_attention=local_attention)
+    moe = local_layer_spec(moe=True, qk_layernorm=config.qk_layernorm, mla=mla, local_attention=local_attention,
+                           expert_gemm=expert_gemm)
     layers = [moe if spec.submodules.mlp.module is MoELayer else dense for spec in stock.layer_specs]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LocalRMSNorm)

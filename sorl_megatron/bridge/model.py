@@ -9,6 +9,7 @@ from typing import Any, Iterator, Optional
 import torch
 from transformers import PretrainedConfig
 
+from .grouped_gemm import EXPERT_GEMMS
 from .layout import ParallelLayout
 from .te_fp8 import Fp8Options
 
@@ -27,6 +28,8 @@ class ModelOptions:
     wrap_with_ddp / ddp_config: passed to mbridge's get_model (training wants DDP).
     seed: RNG seed for parallel init when build_model initializes the groups itself.
     fp8: TransformerEngine FP8 (``te_fp8.py``); None or disabled = the model's dtype only.
+    local_attention / expert_gemm: the TE-less spec's core attention and expert linears
+    (``local_spec.LOCAL_ATTENTION``, ``grouped_gemm``); TE's spec runs its own.
     offload_idle: the engines of a frozen model (the reference) and of a critic keep it, its
     gradients and optimizer state on the CPU between their passes (``EngineBase.on_device``).
     """
@@ -41,10 +44,13 @@ class ModelOptions:
     fp8: Optional[Fp8Options] = None
     offload_idle: bool = False
     local_attention: str = "sdpa"
+    expert_gemm: str = "auto"
 
     def __post_init__(self) -> None:
         if self.local_attention not in LOCAL_ATTENTIONS:
             raise ValueError(f"local_attention must be one of {LOCAL_ATTENTIONS}, got {self.local_attention!r}")
+        if self.expert_gemm not in EXPERT_GEMMS:
+            raise ValueError(f"expert_gemm must be one of {EXPERT_GEMMS}, got {self.expert_gemm!r}")
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype is not None:

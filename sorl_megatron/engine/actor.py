@@ -314,7 +314,7 @@ class PolicyEngine(EngineBase):
         def micro_loss(mb, logits, denominator):
             lp, _ = self._token_outputs(mb, logits, False)
             loss, metrics = sft_loss(lp, mb["loss_mask"], agg, denominator)
-            return loss, metrics, float(metrics["policy_tokens"])
+            return loss, metrics, metrics["policy_tokens"]
 
         return self._fit_mini_batch(batch, rows, mbs, agg, micro_loss)
 
@@ -368,7 +368,7 @@ class PolicyEngine(EngineBase):
         self.stepper.zero_grads()
         # ||C|| in parameter space: the param_grad mode's factor, or a diagnostic for any loss
         measure_c = (spec.clip_normalized and mode == "param_grad") or loss_cfg.clip_bias.diagnostics
-        acc: dict[str, list[float]] = {}
+        acc: dict[str, list] = {}  # device partials, read once (reduce_metrics)
         log_ratios: list[Histogram] = []
         clipping = torch.zeros(len(micro), dtype=torch.float32, device=device())  # per micro-batch: C != 0
 
@@ -381,8 +381,8 @@ class PolicyEngine(EngineBase):
                 **self._loss_kwargs(mb, denominator, ent),
             )
             if measure_c:  # sum_t c_t^2 = 0 exactly when dS/dlog pi = 0, i.e. C = 0 on this micro-batch
-                clipping[len(log_ratios)] = float(metrics["clip_bias/sq_sum"] > 0)
-            accumulate_metrics(acc, metrics, weight=float(metrics["policy_tokens"]))
+                clipping[len(log_ratios)] = (metrics["clip_bias/sq_sum"] > 0).float()  # stays on the device
+            accumulate_metrics(acc, metrics, weight=metrics["policy_tokens"])
             log_ratios.append(abs_log_ratio_histogram(lp, old, mb["loss_mask"]))
             return loss * scale, {}
 

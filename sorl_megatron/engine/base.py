@@ -91,29 +91,54 @@ def _kind(name: str) -> str:
     return "mean"
 
 
-def accumulate_metrics(acc: dict[str, list[float]], metrics: dict[str, torch.Tensor], weight: float) -> None:
-    """Fold one micro-batch's metrics into `acc` (name -> [value, weight])."""
+def accumulate_metrics(acc: dict[str, list], metrics: dict[str, torch.Tensor], weight) -> None:
+    """Fold one micro-batch's metrics into `acc` (name -> [value, weight], float64 tensors on the
+    metrics' device): nothing is read back to the host here; :func:`reduce_metrics` reads every
+    partial in one copy. ``weight``: a number or a scalar tensor (a mean's weight)."""
+    w = _scalar64(weight, _device_of(metrics, weight))
     for name, value in metrics.items():
-        v = float(value.detach().float().sum()) if isinstance(value, torch.Tensor) else float(value)
+        v = _scalar64(value.detach().float().sum() if isinstance(value, torch.Tensor) else value, w.device)
         kind = _kind(name)
         if name not in acc:
-            acc[name] = [v * weight, weight] if kind == "mean" else [v, 1.0]
+            acc[name] = [v * w, w] if kind == "mean" else [v, torch.ones_like(w)]
             continue
         a = acc[name]
         if kind == "sum":
-            a[0] += v
+            a[0] = a[0] + v
         elif kind == "min":
-            a[0] = min(a[0], v)
+            a[0] = torch.minimum(a[0], v)
         elif kind == "max":
-            a[0] = max(a[0], v)
+            a[0] = torch.maximum(a[0], v)
         else:
-            a[0] += v * weight
-            a[1] += weight
+            a[0] = a[0] + v * w
+            a[1] = a[1] + w
 
 
-def reduce_metrics(acc: dict[str, list[float]], contributes: bool) -> dict[str, float]:
+def _device_of(metrics: dict[str, Any], weight) -> torch.device:
+    for x in (weight, *metrics.values()):
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
+def _scalar64(x, dev: torch.device) -> torch.Tensor:
+    """``x`` as a float64 scalar tensor on ``dev`` (the float32 -> float64 step of ``float(t)``)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device=dev, dtype=torch.float64)
+    return torch.tensor(float(x), dtype=torch.float64, device=dev)
+
+
+def metrics_to_host(acc: dict[str, list]) -> dict[str, list[float]]:
+    """The partials of :func:`accumulate_metrics` as numbers: one device-to-host copy."""
+    if not acc:
+        return {}
+    flat = torch.stack([t for pair in acc.values() for t in pair]).cpu().tolist()
+    return {name: flat[2 * i: 2 * i + 2] for i, name in enumerate(acc)}
+
+
+def reduce_metrics(acc: dict[str, list], contributes: bool) -> dict[str, float]:
     """Combine the partials of all ranks (only `contributes` ranks count: last stage, TP rank 0)."""
-    parts = comm.all_gather_object(acc if contributes else {})
+    parts = comm.all_gather_object(metrics_to_host(acc) if contributes else {})
     merged: dict[str, list[float]] = {}
     for part in parts:
         for name, (v, w) in (part or {}).items():
@@ -397,7 +422,7 @@ class EngineBase(Offloadable):
         denominator = aggregation_denominator(batch.loss_mask[rows], loss_agg).to(device())
         _, micro = self.batcher.micro_batches(batch, rows, mbs, "batching.mini_batch_size")
         scale = float(len(micro) * self.ranks["dp"])  # undo megatron's 1/num_microbatches and DDP's 1/dp
-        acc: dict[str, list[float]] = {}
+        acc: dict[str, list] = {}  # device partials, read once (reduce_metrics)
 
         def loss_fn(mb, out):
             loss, metrics, weight = micro_loss(mb, out, denominator)

@@ -127,6 +127,6 @@ class ValueEngine(EngineBase):
         def micro_loss(mb, out, denominator):
             loss, metrics = value_loss(self._values(mb, out), mb.get("values"), mb["returns"], mb["loss_mask"],
                                        self.cfg.value_clip, self.cfg.loss_agg, denominator)
-            return loss, metrics, float(metrics["tokens"])
+            return loss, metrics, metrics["tokens"]
 
         return self._fit_mini_batch(batch, rows, mbs, self.cfg.loss_agg, micro_loss)

@@ -93,16 +93,18 @@ class MicroBatcher:
         """Pack the rows ``ids`` into one ``[1, T]`` row: the model's inputs go to ``mb['model']``."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        from ..bridge.local_spec import PLAN_ATTR, build_attention_plan
+
         dev = device()
         p = PackedRow.build(ids, lengths, seq_len)
-        model = {
-            "input_ids": p.pack(batch.input_ids).to(dev),
-            "position_ids": p.pack_positions().to(dev),
-            "packed_seq_params": PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=p.cu_seqlens.to(dev), cu_seqlens_kv=p.cu_seqlens.to(dev),
-                max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen,
-            ),
-        }
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=p.cu_seqlens.to(dev), cu_seqlens_kv=p.cu_seqlens.to(dev),
+            max_seqlen_q=p.max_seqlen, max_seqlen_kv=p.max_seqlen,
+        )
+        # the TE-less attention's gather plan, from the host's boundaries: its layers read nothing back
+        setattr(params, PLAN_ATTR, build_attention_plan(p.cu_seqlens, dev))
+        model = {"input_ids": p.pack(batch.input_ids).to(dev), "position_ids": p.pack_positions().to(dev),
+                 "packed_seq_params": params}
         if "routed_experts" in mb:  # the rows' routes, already gathered in the order of ids
             local = PackedRow.build(torch.arange(len(ids)), lengths, seq_len)
             model["routed_experts"] = local.pack(mb["routed_experts"], fill=-1).to(dev)

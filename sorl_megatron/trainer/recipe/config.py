@@ -56,6 +56,9 @@ class ModelConfig:
     # torch's fused scaled_dot_product_attention, or megatron's unfused softmax math (what every
     # run before 2026-11-26 used; the study's recipes keep it so their cells stay comparable)
     local_attention: Literal["sdpa", "unfused"] = "sdpa"
+    # the TE-less spec's expert linears: torch's grouped matmul where it has one for the device and
+    # dtype (CUDA sm90 bf16), else a loop over experts; `loop` always loops (bridge/grouped_gemm.py)
+    expert_gemm: Literal["auto", "loop"] = "auto"
     # an HF config.json the memory plan reads when model.path has none (recipes/gpu/model_configs/)
     config_for_planning: Optional[str] = None
 
