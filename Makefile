@@ -60,7 +60,7 @@ test: dev-setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
-# The first thing to run on a GPU machine (docs/gpu.md): environment, Triton kernels, the engine,
+# The first thing to run on a GPU machine (docs/how-to/gpu-check.md): environment, Triton kernels, the engine,
 # FP8, one RL step per weight-sync transport. Not part of `make test` (tests/test_gpu_check.py
 # runs its --device cpu half). Uses .venv's python when there is one, else the system python3
 # (a GPU machine without network, with the wheels of `make gpu-wheels` installed).

@@ -1,5 +1,5 @@
 """The first thing to run on a machine with one GPU (H100 / H200): is everything there, and do
-the GPU paths give what their CPU references give? (docs/gpu.md)
+the GPU paths give what their CPU references give? (docs/how-to/gpu-check.md)
 
     python tools/gpu_check.py                    # every check on CUDA (under 8 minutes on an H100)
     python tools/gpu_check.py --device cpu --quick   # what needs no CUDA (the test suite runs this)
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MARK = "GPU_CHECK_RESULT "  # the child's last line: MARK + {"status", "detail"}
 
 # What the checks import, the distribution that provides it, and where it comes from on a GPU
-# machine without network (docs/gpu.md): "device" = preinstalled there, "wheels" = the folder
+# machine without network (docs/how-to/gpu-check.md): "device" = preinstalled there, "wheels" = the folder
 # tools/gpu_wheels.sh builds (GPU_WHEELS_ALL=1 adds the "device" ones the lent image already
 # has), "optional" = a SKIP, not a FAIL, when absent.
 PACKAGES = [

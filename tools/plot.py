@@ -9,7 +9,7 @@ SFT loss, ...) and summary.png with all of them, runs overlaid (line style and m
 identical curves named, legend beside the panels), titled with the run names (and for one run
 its recipe). Axes: whole steps (a tick on each validation step); y labelled, scores on [0, 1],
 other metrics scaled to their data (log when spread over two decades); the symbols explained
-under each figure (docs/recipes.md).
+under each figure (docs/how-to/write-a-recipe.md).
 """
 
 from __future__ import annotations

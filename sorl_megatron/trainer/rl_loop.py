@@ -6,7 +6,7 @@ health (:class:`~.serving.connections.Connections`, which only rank 0 builds) an
 batch to the other ranks as tensors (the R3 routes only for the rows each data-parallel rank's
 passes read, ``engine/batch_transfer.py``), which then cut their own data-parallel rows, except in the
 distributed weight sync, where every sending rank announces its own buckets to the servers
-(docs/rollout.md). The off-policyness is explicit in the recipe: ``schedule.batch_size x
+(docs/concepts/weight-sync.md). The off-policyness is explicit in the recipe: ``schedule.batch_size x
 rollout.group_size`` trajectories per step, split into mini-batches of
 ``schedule.mini_batch_size`` (one optimizer step each) over ``schedule.ppo_epochs`` epochs
 (SORL appendix A.5). Everything is seeded per step, so a run killed at any point and resumed

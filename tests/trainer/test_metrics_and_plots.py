@@ -263,7 +263,7 @@ def test_overlaid_runs_name_identical_curves_keep_legends_outside_and_explain_sy
 
 
 def test_gpu_memory_metrics_are_the_allocator_peaks_and_restart_them(monkeypatch):
-    # Mocked: there is no GPU here. The trainer logs CUDA's peaks per step (docs/gpu.md compares
+    # Mocked: there is no GPU here. The trainer logs CUDA's peaks per step (docs/how-to/gpu-check.md compares
     # them with the memory plan on an H100); without CUDA it logs nothing.
     import torch
 

@@ -79,7 +79,7 @@ def load_tokenizer(path: str):
     """The model's tokenizer (transformers, never the checkpoint's own code: no
     ``trust_remote_code``); an InputError naming ``model.path`` when transformers cannot build
     one, e.g. a tiktoken tokenizer shipped as custom code (Moonlight): convert it to a
-    ``tokenizer.json`` first (docs/conversion.md)."""
+    ``tokenizer.json`` first (docs/how-to/convert.md)."""
     from transformers import AutoTokenizer
 
     try:
