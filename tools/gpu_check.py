@@ -629,6 +629,23 @@ def run_check(name: str, args, work: str) -> tuple[str, str, float, list[str]]:
     return res["status"], res["detail"], seconds, info
 
 
+def _in_project_venv() -> bool:
+    return sys.prefix != sys.base_prefix
+
+
+def _stop_reason(status: str, detail: str, args) -> str:
+    """Why the other checks would all fail the same way, or "" when they are worth running."""
+    if status != "FAIL" and not (args.device == "cuda" and "no CUDA device" in detail):
+        return ""
+    if status == "FAIL":
+        reason = detail
+        if not _in_project_venv() and (ROOT / ".venv").is_dir():
+            reason += f" and this is {sys.executable}, not the project's virtual environment; " \
+                      "run: source .venv/bin/activate (or make setup)"
+        return reason
+    return "no CUDA device is visible (run with --device cpu for the checks that need none)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -641,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1,
                         help="checks run side by side (default 1: GPU timings want the device alone)")
     parser.add_argument("--verbose", action="store_true", help="print a failed check's traceback")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="run every check even when the environment check failed (default: stop there, "
+                             "since the others would fail the same way)")
     parser.add_argument("--child", choices=sorted(CHECKS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for flag, low, high in (("timeout", 0, 86_400), ("reps", 0, 10_000), ("jobs", 1, 64)):
@@ -665,6 +685,23 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = args.work or tmp
+        stopped = False
+        if "env" in names and len(names) > 1 and not args.keep_going:
+            # the environment first: without CUDA or a package every other check fails the same
+            # way, so say it once and stop (a missing package is listed once, above)
+            names.remove("env")
+            status, detail, seconds, info = run_check("env", args, work)
+            counts[status] += 1
+            for line in info:
+                print(line, flush=True)
+            print(f"{status} env: {detail} [{seconds:.0f} s]", flush=True)
+            stop = _stop_reason(status, detail, args)
+            stopped = bool(stop)
+            if stop:
+                counts["SKIP"] += len(names)
+                print(f"stopped after the environment check: {stop}; the other {len(names)} check(s) were not run "
+                      "(--keep-going runs them anyway)", flush=True)
+                names = []
         if args.jobs <= 1:
             for name in names:
                 one(name)
@@ -676,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - start
     print(f"summary: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in {total:.0f} s",
           flush=True)
-    return 1 if counts["FAIL"] else 0
+    return 1 if counts["FAIL"] or stopped else 0
 
 
 if __name__ == "__main__":
