@@ -61,6 +61,18 @@ class FleetJob:
     workdir: str = "."  # the job's working directory on the shared file system (TorchX's Slurm "image")
     wait_timeout_s: float = 1800.0  # the longest wait of a command for the servers it needs
     server_python: str = SGLANG_PYTHON  # the SGLang servers' interpreter; relative: to workdir
+    # a submitted job needs the interpreter; a dry run only renders the job, so it renders
+    # without it and says what submitting would need (missing_server_python)
+    require_server_python: bool = True
+
+    def missing_server_python(self) -> str:
+        """Why the servers' interpreter is not there ("" when it is)."""
+        python = Path(self.workdir) / self.server_python  # an absolute server_python stays as it is
+        if python.is_file():
+            return ""
+        return (f"--server-python {self.server_python}: {python} does not exist. SGLang runs in its own environment: "
+                f"build it with `make sglang-env` in {self.workdir} (it makes {SGLANG_PYTHON}), or pass "
+                "--server-python with the interpreter of an environment that has SGLang")
 
     def validate(self):
         """The trainer's recipe and overrides (the fleet's keys added), checked against the
@@ -70,12 +82,9 @@ class FleetJob:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.wait_timeout_s > 0:
             raise ConfigError(f"--wait-timeout-s must be > 0, got {self.wait_timeout_s}")
-        python = Path(self.workdir) / self.server_python  # an absolute server_python stays as it is
-        if not python.is_file():
-            raise ConfigError(
-                f"--server-python {self.server_python}: {python} does not exist. SGLang runs in its own environment: "
-                f"build it with `make sglang-env` in {self.workdir} (it makes {SGLANG_PYTHON}), or pass "
-                "--server-python with the interpreter of an environment that has SGLang")
+        missing = self.missing_server_python()
+        if missing and self.require_server_python:
+            raise ConfigError(missing)
         given = {o.split("=", 1)[0].lstrip("+") for o in self.overrides}
         if self.corpus is None and "retrieval.url" not in given:
             raise ConfigError("give --corpus (a retrieval server in the job) or the override retrieval.url=...")
@@ -175,7 +184,7 @@ def _slurm(args: argparse.Namespace) -> int:
         training_nodes=args.training_nodes, gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node,
         mem_mb_per_node=args.mem_mb_per_node, sglang_args=args.sglang_args, corpus=args.corpus,
         router_policy=args.router_policy, workdir=args.workdir, wait_timeout_s=args.wait_timeout_s,
-        server_python=args.server_python)
+        server_python=args.server_python, require_server_python=not args.dry_run)
     try:
         from torchx.schedulers.slurm_scheduler import create_scheduler
     except ImportError:
@@ -191,6 +200,8 @@ def _slurm(args: argparse.Namespace) -> int:
     info = scheduler.submit_dryrun(app, cfg)
     if args.dry_run:
         print(info.request.materialize())
+        if missing := job.missing_server_python():
+            print(f"note: submitting this job would be refused: {missing}", file=sys.stderr)
         return 0
     print(f"submitted: {scheduler.schedule(info)}")
     return 0
