@@ -10,7 +10,7 @@ PURELIB = "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 
 SGLANG_VENV := .venv-sglang
 
-.PHONY: setup dev-setup sglang-env demo toy-demo test clean gpu-check gpu-wheels
+.PHONY: setup dev-setup sglang-env demo toy-demo test test-quick clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -43,7 +43,10 @@ sglang-env: $(SGLANG_VENV)/.installed
 $(SGLANG_VENV)/.installed: requirements-sglang.txt $(STAMP)
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(SGLANG_VENV)/bin/python -m pip install --quiet -r requirements-sglang.txt
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -r requirements-sglang.txt || { \
+	  echo "make sglang-env failed. SGLang 0.5.21 depends on cuda-tile, whose install step downloads from"; \
+	  echo "NVIDIA's package index (pypi.nvidia.com): build this environment on a machine that reaches it (a GPU"; \
+	  echo "node), or point python -m sorl_megatron.cluster at another SGLang with --server-python."; exit 1; } >&2
 	# one NCCL in both environments (weight-update groups join ranks of each)
 	$(PY) -m sorl_megatron.common.nccl_match $(SGLANG_VENV)/bin/python
 	touch $@
@@ -58,11 +61,23 @@ demo: setup
 toy-demo: setup
 	$(PY) -m sorl_megatron.toy_demo
 
+# The whole suite, every test, on TEST_WORKERS processes (pytest-xdist; one per core, at most 4:
+# the end-to-end tests start servers and torchrun ranks of their own). Each test file stays on
+# one worker (--dist loadfile), so a file's module fixtures are built once. pytest prints the
+# wall time at the end, after the 15 slowest tests. test-quick leaves out the tests marked slow
+# (multi-process and end-to-end); CI runs `make test`.
+TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, os.cpu_count() or 1))' 2>/dev/null || echo 2)
+PYTEST_ARGS = -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+
 test: dev-setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest $(PYTEST_ARGS) tests
 
-# The first thing to run on a GPU machine (docs/gpu.md): environment, Triton kernels, the engine,
+test-quick: dev-setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
+
+# The first thing to run on a GPU machine (docs/how-to/gpu-check.md): environment, Triton kernels, the engine,
 # FP8, one RL step per weight-sync transport. Not part of `make test` (tests/test_gpu_check.py
 # runs its --device cpu half). Uses .venv's python when there is one, else the system python3
 # (a GPU machine without network, with the wheels of `make gpu-wheels` installed).

@@ -80,6 +80,18 @@ class FleetJob:
     server_model_path: Optional[str] = None  # what the servers load (default model.path)
     nodes_per_server: int = 1  # nodes one SGLang server spans (multi-node TP/EP serving)
     socket_ifname: Optional[str] = None  # NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME of every role
+    # a submitted job needs the interpreter; a dry run only renders the job, so it renders
+    # without it and says what submitting would need (missing_server_python)
+    require_server_python: bool = True
+
+    def missing_server_python(self) -> str:
+        """Why the servers' interpreter is not there ("" when it is)."""
+        python = Path(self.workdir) / self.server_python  # an absolute server_python stays as it is
+        if python.is_file():
+            return ""
+        return (f"--server-python {self.server_python}: {python} does not exist. SGLang runs in its own environment: "
+                f"build it with `make sglang-env` in {self.workdir} (it makes {SGLANG_PYTHON}), or pass "
+                "--server-python with the interpreter of an environment that has SGLang")
 
     def validate(self):
         """The trainer's recipe and overrides (the fleet's keys added), checked against the
@@ -96,16 +108,15 @@ class FleetJob:
                               "(power_of_two polls /get_load, which SGLang 0.5.21 does not serve)")
         if not self.wait_timeout_s > 0:
             raise ConfigError(f"--wait-timeout-s must be > 0, got {self.wait_timeout_s}")
-        python = Path(self.workdir) / self.server_python  # an absolute server_python stays as it is
-        if not python.is_file():
-            raise ConfigError(
-                f"--server-python {self.server_python}: {python} does not exist. SGLang runs in its own environment: "
-                f"build it with `make sglang-env` in {self.workdir} (it makes {SGLANG_PYTHON}), or pass "
-                "--server-python with the interpreter of an environment that has SGLang")
-        try:  # one NCCL in both environments: the weight-update groups join ranks of each
-            nccl_match.check(str(python), timeout_s=min(self.wait_timeout_s, 300.0))
-        except nccl_match.NcclMismatchError as err:
-            raise ConfigError(f"--server-python {self.server_python}: {err}") from None
+        missing = self.missing_server_python()
+        if missing and self.require_server_python:
+            raise ConfigError(missing)
+        if not missing:  # one NCCL in both environments: the weight-update groups join ranks of each
+            try:
+                python = str(Path(self.workdir) / self.server_python)
+                nccl_match.check(python, timeout_s=min(self.wait_timeout_s, 300.0))
+            except nccl_match.NcclMismatchError as err:
+                raise ConfigError(f"--server-python {self.server_python}: {err}") from None
         given = {o.split("=", 1)[0].lstrip("+") for o in self.overrides}
         if self.corpus is None and "retrieval.url" not in given:
             raise ConfigError("give --corpus (a retrieval server in the job) or the override retrieval.url=...")
@@ -247,7 +258,8 @@ def _slurm(args: argparse.Namespace) -> int:
         mem_mb_per_node=args.mem_mb_per_node, sglang_args=args.sglang_args, corpus=args.corpus,
         router_policy=args.router_policy, workdir=args.workdir, wait_timeout_s=args.wait_timeout_s,
         server_python=args.server_python, server_model_path=args.server_model_path,
-        nodes_per_server=args.nodes_per_server, socket_ifname=args.socket_ifname)
+        nodes_per_server=args.nodes_per_server, socket_ifname=args.socket_ifname,
+        require_server_python=not args.dry_run)
     try:
         from torchx.schedulers.slurm_scheduler import create_scheduler
     except ImportError:
@@ -263,6 +275,8 @@ def _slurm(args: argparse.Namespace) -> int:
     info = scheduler.submit_dryrun(app, cfg)
     if args.dry_run:
         print(info.request.materialize())
+        if missing := job.missing_server_python():
+            print(f"note: submitting this job would be refused: {missing}", file=sys.stderr)
         return 0
     print(f"submitted: {scheduler.schedule(info)}")
     return 0

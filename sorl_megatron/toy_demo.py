@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\ndelta*factor = delta/max(||C||, delta) with delta={args.delta:g}: how much s_ppo / so_ppo / so_grpo "
         "down-weighted their mini-batches on average (1.000 = never). The constant 1/delta itself is cancelled by "
-        "Adam; set delta near the usual ||C|| of your run (docs/algorithms.md)."
+        "Adam; set delta near the usual ||C|| of your run (docs/concepts/algorithms.md)."
     )
     return 0
 

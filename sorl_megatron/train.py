@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sorl_megatron.train",
         description=__doc__,
-        epilog=f"config groups (see recipes/ and docs/recipes.md):\n{groups}",
+        epilog=f"config groups (see recipes/ and docs/how-to/write-a-recipe.md):\n{groups}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, help="recipe YAML (NeMo style, with optional defaults: list)")

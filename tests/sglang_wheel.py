@@ -10,6 +10,7 @@ SGLang is kept in this repository. Without a reachable package index the tests s
 from __future__ import annotations
 
 import ast
+import fcntl
 import os
 import re
 import subprocess
@@ -48,9 +49,17 @@ def wheel(timeout_s: float = 180.0) -> Path:
     """The cached SGLang wheel; fetched first if absent, or the test skips (no index reachable)."""
     version = pins()["sglang"]
     where = cache_dir() / "sglang"
+    where.mkdir(parents=True, exist_ok=True)
+    # one fetch at a time: make test's workers (pytest-xdist) may ask at once, and pip copies the
+    # wheel into place, so another process could read it half written
+    with open(where / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetched(where, version, timeout_s)
+
+
+def _fetched(where: Path, version: str, timeout_s: float) -> Path:
     found = sorted(where.glob(f"sglang-{version}-*.whl"))
     if not found:
-        where.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--timeout", "15", "--retries", "1",
                "-d", str(where), f"sglang=={version}"]
         try:

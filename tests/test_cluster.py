@@ -206,3 +206,19 @@ def test_exec_waits_for_the_servers_then_runs_the_command(tmp_path):
         [sys.executable, "-m", "sorl_megatron.cluster", "exec", "--wait-timeout-s", "1", "--wait",
          "http://{het:0}:9", "--", "true"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode != 0 and "http://127.0.0.1:9/health did not answer 200 within 1 s" in out.stderr
+
+
+def test_a_dry_run_renders_without_sglangs_environment_and_says_what_submitting_needs(capsys, tmp_path):
+    """Issue 48: ``--dry-run`` is how a newcomer reads the job before building anything; it
+    renders without ``.venv-sglang/`` and names `make sglang-env` in one note, where a
+    submission is refused."""
+    pytest.importorskip("torchx")
+    code = main(["slurm", "--config", RECIPE, "--workdir", str(tmp_path), "--corpus", "/data/corpus.jsonl",
+                 "--dry-run", *BASE])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "sglang.launch_server" in out
+    assert "note: submitting this job would be refused: --server-python .venv-sglang/bin/python" in err
+    assert "`make sglang-env`" in err
+    with pytest.raises(ConfigError, match=r"`make sglang-env`"):
+        FleetJob(RECIPE, BASE, corpus="/c.jsonl", workdir=str(tmp_path)).validate()

@@ -17,3 +17,27 @@ def test_demo_cli_runs_and_rejects_unknown_names(capsys):
     with pytest.raises(SystemExit):
         demo.main(["--runs", "ppo3"])
     assert "unknown loss 'ppo3'" in capsys.readouterr().err
+
+
+def test_the_cpu_demo_started_elsewhere_says_where_it_builds(tmp_path, monkeypatch):
+    """Issue 48: tools/demo.py run from another directory, while the repository holds the demo's
+    data, says that it builds a second data set there instead of doing so silently."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("_demo_cli", root / "tools" / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fake_root = tmp_path / "repo"
+    (fake_root / "runs" / "tiny" / "model").mkdir(parents=True)
+    (fake_root / "runs" / "tiny" / "model" / "config.json").write_text("{}")
+    monkeypatch.setattr(module, "ROOT", fake_root)
+    monkeypatch.chdir(fake_root)
+    assert module.elsewhere_note(Path("runs/tiny")) == ""  # in the repository: nothing to say
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path / "other")
+    note = module.elsewhere_note(Path("runs/tiny"))
+    assert f"relative to the working directory {tmp_path / 'other'}, not to the repository" in note
+    assert f"run it from {fake_root}" in note
+    assert module.elsewhere_note(tmp_path / "abs") == ""  # an absolute --data means what it says

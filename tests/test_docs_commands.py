@@ -1,4 +1,4 @@
-"""Every shell command in README.md and docs/*.md runs as written (issue 21).
+"""Every shell command in README.md and docs/**/*.md runs as written (issue 21).
 
 The commands assume the README's set-up: ``make setup`` (or ``make demo``), then
 ``source .venv/bin/activate``, so ``python`` and ``torchrun`` are the virtual environment's.
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 VENV_BIN = Path(sys.executable).parent
 EXTERNAL = {"sglang.launch_server", "sglang_router.launch_router", "pytest"}  # other projects' modules
 # their first word is a subcommand
@@ -307,15 +307,18 @@ def test_every_cli_flag_has_help(monkeypatch):
 
 
 # -- Python snippets ----------------------------------------------------------------------------
-# Every ```python block of README.md and docs/*.md runs, unless the line before its opening
+# Every ```python block of README.md and docs/**/*.md runs, unless the line before its opening
 # fence is `<!-- not run: REASON -->` (a fragment, or one that needs GPUs, torchrun or a model
 # directory). A snippet talks to the servers at the addresses the docs give them (rollout
 # http://127.0.0.1:30000, retrieval http://127.0.0.1:8000) and reads the demo's files under
 # runs/tiny/: the test starts both embedded servers on a tiny model and data set and rewrites
-# those addresses and that directory to its own.
+# those addresses and that directory to its own. The snippets read the files the by-hand server
+# commands serve (data/synth/ of "Starting the servers by hand"), so a snippet run as written
+# talks to a server on the same model (a tokenizer or routing shape of another model: HTTP 400).
 
 NOT_RUN = re.compile(r"<!--\s*not run\b(.*)-->")
 SERVED = {"http://127.0.0.1:30000": "rollout", "http://127.0.0.1:8000": "retrieval"}
+SNIPPET_DATA = ("data/synth/", "runs/tiny/")  # the by-hand servers' data, the demo's
 
 
 @dataclass
@@ -327,7 +330,7 @@ class Snippet:
 
     @property
     def needs_servers(self) -> bool:
-        return any(url in self.code for url in SERVED) or "runs/tiny/" in self.code
+        return any(url in self.code for url in SERVED) or any(d in self.code for d in SNIPPET_DATA)
 
 
 def python_snippets() -> list[Snippet]:
@@ -352,7 +355,29 @@ SNIPPETS = python_snippets()
 def test_the_python_snippets_are_found():
     runs = {(s.doc, s.needs_servers) for s in SNIPPETS if s.run}
     assert {("algorithms.md", False), ("rollout.md", True)} <= runs
-    assert {s.doc for s in SNIPPETS if not s.run} >= {"conversion.md", "engine.md", "kernels.md"}
+    assert {s.doc for s in SNIPPETS if not s.run} >= {"convert.md", "engine.md", "kernels.md"}
+
+
+def test_snippets_read_the_model_the_by_hand_server_serves():
+    """A snippet that talks to the rollout server at 127.0.0.1:30000 loads the model directory
+    the doc's by-hand ``sglang_cpu.server --model-path`` command serves (issue 48: the client
+    snippet once read the demo's hidden-128 model while the command served a hidden-64 one)."""
+    served: dict[str, str] = {}  # the page's first such command: "Starting the servers by hand"
+    for c in OURS:
+        if c.target == "sorl_megatron.sglang_cpu.server" and "--model-path" in c.text:
+            words = shlex.split(c.text)
+            served.setdefault(c.doc, words[words.index("--model-path") + 1])
+    checked = 0
+    for snippet in SNIPPETS:
+        if "http://127.0.0.1:30000" not in snippet.code:
+            continue
+        assert snippet.doc in served, f"{snippet.doc}:{snippet.line}: no by-hand server command in the same page"
+        read = set(re.findall(r'(?:load_hf_config|from_pretrained|update_weights_from_disk)\(\s*"([^"]+)"',
+                              snippet.code))
+        assert read == {served[snippet.doc]}, (f"{snippet.doc}:{snippet.line} reads {sorted(read)}; the page's "
+                                               f"server serves {served[snippet.doc]}")
+        checked += 1
+    assert checked >= 2
 
 
 @pytest.fixture(scope="module")
@@ -373,6 +398,7 @@ def test_python_snippets_run(snippet, request, capsys):
         data, servers = request.getfixturevalue("doc_servers")
         for url, name in SERVED.items():
             code = code.replace(url, servers[name])
-        code = code.replace("runs/tiny/", f"{data}/")
+        for directory in SNIPPET_DATA:
+            code = code.replace(directory, f"{data}/")
     # compiled under the doc's name: a failure's traceback names the page and the snippet's line
     exec(compile(code, f"{snippet.doc}:{snippet.line}", "exec"), {"__name__": "__doc_snippet__"})

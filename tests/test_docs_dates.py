@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 _MONTHS = ("January|February|March|April|May|June|July|August|September|October|November|December"
            "|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec")
@@ -71,3 +71,55 @@ def test_relative_links_resolve(page):
         if path and not (page.parent / path).exists():
             missing.append(target)
     assert not missing, f"{page.relative_to(ROOT)}: links to missing files {missing}"
+
+
+# -- a measured number in a concept or how-to page links to its results file -----------------
+
+# What marks a sentence as reporting a measurement: the word "measured", a throughput, a
+# speed-up, or how long something took. Such a sentence must also carry a number (a decimal,
+# a power of ten, or a count with a unit) to count: "peak memory has not been measured" is not
+# a result. Estimates and other projects' figures ("expected", "nominal", "reported
+# elsewhere") are not this project's measurements.
+_MARK = re.compile(
+    r"\bmeasured\b"
+    r"|\d[\d.,]*\s*(?:tokens/s|tok/s|steps/s|samples/s|it/s|[GMK]B/s|rows/s)"
+    r"|\b\d+(?:\.\d+)?\s*x (?:faster|slower|the speed|as fast)"
+    r"|\b(?:took|takes|ran in|finished in|in about)\s+(?:about\s+)?\d+(?:\.\d+)?\s*"
+    r"(?:ms|s|sec|seconds|min|minutes|h|hours)\b",
+    re.I)
+_NUMBER = re.compile(r"\b\d+\.\d+|\b\d+(?:\.\d+)?e-?\d+\b|\b\d+(?:\.\d+)?\s*(?:%|x\b|ms\b|s\b|min\b|[KMG]i?B\b|nats\b)")
+_NOT_OURS = re.compile(r"\b(?:expected|estimated?|nominal|reported elsewhere)\b", re.I)
+MEASUREMENT_PAGES = [ROOT / "docs" / "quickstart.md", *sorted((ROOT / "docs" / "concepts").glob("*.md")),
+                     *sorted((ROOT / "docs" / "how-to").glob("*.md"))]
+
+
+def unlinked_measurements(text: str) -> list[str]:
+    """The sentences of ``text`` that report a measured number in a paragraph (a table is one)
+    without a link into results/."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    found = []
+    for para in re.split(r"\n\s*\n", text):
+        if "results/" in para:
+            continue
+        for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z(`*])|\n(?=\|)", para):
+            if _MARK.search(sentence) and _NUMBER.search(sentence) and not _NOT_OURS.search(sentence):
+                found.append(" ".join(sentence.split())[:160])
+    return found
+
+
+def test_the_measurement_rule_flags_numbers_and_nothing_else():
+    assert unlinked_measurements("Packing measured 2.73x on long tails.")
+    assert unlinked_measurements("The demo took 4 min on 2 cores.")
+    assert unlinked_measurements("| a | b |\n|---|---|\n| 1.2 GB/s | x |")
+    assert not unlinked_measurements("Packing measured 2.73x ([results/packing.md](../../results/packing.md)).")
+    assert not unlinked_measurements("Peak memory during a sync has not been measured here.")
+    assert not unlinked_measurements("The expected sync is 61 GB / 45 GB/s = 1.4 s.")
+    assert not unlinked_measurements("```\nmeasured 2.5 s\n```\nNo number here.")
+
+
+@pytest.mark.parametrize("page", MEASUREMENT_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_measured_numbers_link_to_their_results_file(page):
+    found = unlinked_measurements(page.read_text())
+    assert not found, (f"{page.relative_to(ROOT)} reports measured numbers without a link to results/ in the same "
+                       f"paragraph: {found}. Move the measurement to its results file (command, machine, load, "
+                       "commit) and link it, or link the file that holds it")

@@ -44,14 +44,14 @@ def test_cpu_checks_pass(tmp_path):
 def test_a_missing_package_is_one_line_with_the_install_command(tmp_path):
     """``megatron`` found but failing to import (a shadow package on PYTHONPATH): the env check
     names it with the wheels install hint, another check that needs it fails in one line, and
-    the exit status says so."""
+    the exit status says so (``--keep-going``: by default the check stops after the environment)."""
     shadow = tmp_path / "shadow" / "megatron"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('megatron is shadowed for this test')\n")
     env = _env()
     env["PYTHONPATH"] = f"{tmp_path / 'shadow'}{os.pathsep}{env['PYTHONPATH']}"
     proc = subprocess.run([sys.executable, str(TOOL), "--device", "cpu", "--quick", "--only", "env",
-                           "--only", "engine", "--work", str(tmp_path / "work")], cwd=ROOT, env=env,
+                           "--only", "engine", "--keep-going", "--work", str(tmp_path / "work")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout
     assert proc.returncode == 1, out
@@ -74,3 +74,41 @@ def test_cuda_checks_fail_clearly_without_a_gpu(tmp_path):
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert "FAIL kernel_surrogate: no CUDA device is visible (run with --device cpu" in proc.stdout
+
+
+def _shadowed_megatron(tmp_path) -> dict:
+    shadow = tmp_path / "shadow" / "megatron"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('megatron is shadowed for this test')\n")
+    env = _env()
+    env["PYTHONPATH"] = f"{tmp_path / 'shadow'}{os.pathsep}{env['PYTHONPATH']}"
+    return env
+
+
+def test_a_missing_package_stops_the_check_after_the_environment(tmp_path):
+    """Issue 48: the missing packages are listed once, and the checks that would fail the same
+    way are not run, one line says so."""
+    proc = subprocess.run([sys.executable, str(TOOL), "--device", "cpu", "--quick", "--work", str(tmp_path / "w")],
+                          cwd=ROOT, env=_shadowed_megatron(tmp_path), capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 1, out
+    assert sum(line.strip().startswith("missing megatron.core") for line in out.splitlines()) == 1, out
+    assert "stopped after the environment check: 2 package(s) missing: megatron.core, mbridge" in out, out
+    assert "the other 10 check(s) were not run (--keep-going runs them anyway)" in out, out
+    assert "summary: 0 passed, 1 failed, 10 skipped" in out, out
+
+
+def test_without_a_gpu_the_check_stops_after_the_environment(tmp_path):
+    """Issue 48: ``make gpu-check`` on a machine without CUDA says so once, within the
+    environment check's time, instead of one "no CUDA device" failure per check."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = subprocess.run([sys.executable, str(TOOL), "--work", str(tmp_path)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 1, out
+    assert "PASS env: " in out and "no CUDA device" in out, out
+    assert "stopped after the environment check: no CUDA device is visible (run with --device cpu" in out, out
+    assert out.count("FAIL") == 0 and "summary: 1 passed, 0 failed, 10 skipped" in out, out

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sorl_megatron.common.typed_config import ConfigError
 from sorl_megatron.study.runner import Cell, cell_statistics, load_study, main, run_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,37 @@ def test_a_typo_in_the_last_cell_fails_before_the_first_trains(tmp_path, monkeyp
     with pytest.raises(RecipeError, match="schedule.ppo_epoch"):
         study_mod.run_study(cfg)
     assert started == []
+
+
+def test_only_runs_a_subset_of_the_grid_and_each_cell_says_where_it_starts(tmp_path, monkeypatch, capsys):
+    """Issue 48: the smallest shipped grid is 27 cells and overrides add to a grid; --only picks
+    cells by name, and a cell says when it starts and whether it resumes (before, the study
+    printed nothing while a cell trained)."""
+    import sorl_megatron.study.runner as study_mod
+
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "config.json").write_text("{}")
+    cfg = study_mod.StudyConfig(recipe=str(ROOT / "recipes" / "tiny_search_grpo.yaml"),
+                                start_policy=str(tmp_path / "policy"), out=str(tmp_path / "out"), seeds=[1, 2],
+                                losses={"grpo": [], "so_grpo": ["algorithm.loss.name=so_grpo"]},
+                                stress={"low": [], "high": ["schedule.ppo_epochs=2"]})
+    assert [c.name for c in study_mod.selected_cells(cfg, ["grpo__*__s1"])] == ["grpo__low__s1", "grpo__high__s1"]
+    assert len(study_mod.selected_cells(cfg)) == 8
+    with pytest.raises(ConfigError, match=r"--only 'ppo__\*' matches no cell of the grid \(8 cells: grpo__low__s1"):
+        study_mod.selected_cells(cfg, ["ppo__*"])
+
+    class Done:  # the trainer's process, finished at once
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(study_mod.subprocess, "Popen", lambda *a, **k: Done())
+    results = study_mod.run_study(cfg, 1, ["so_grpo__high__s2"])
+    assert [(c.name, code) for c, code, _ in results] == [("so_grpo__high__s2", 0)]
+    out = capsys.readouterr().out
+    run_dir = tmp_path / "out" / "runs" / "so_grpo__high__s2"
+    assert (f"[study] so_grpo__high__s2: starting, RL starts from step 0 (no RL checkpoint yet) "
+            f"(log: {run_dir / 'study.log'})") in out
+    assert "grpo__low__s1" not in out
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@
     python tools/convert.py megatron-to-hf --ckpt CKPT --out HF_OUT [--dtype bfloat16] [--fp8]
     python tools/convert.py verify --hf HF_DIR [--ckpt CKPT] --layout tp=2
 
-See docs/conversion.md. The implementation is sorl_megatron.bridge.convert_cli.
+See docs/how-to/convert.md. The implementation is sorl_megatron.bridge.convert_cli.
 """
 
 import sys

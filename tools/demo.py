@@ -23,6 +23,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def elsewhere_note(data: Path) -> str:
+    """A line for a demo started outside the repository whose relative data directory is missing
+    here but present in the repository: it would build a second data set and start a new SFT,
+    which is what the user asked for only if they meant to ("" otherwise)."""
+    if data.is_absolute() or Path.cwd().resolve() == ROOT or not (ROOT / data / "model" / "config.json").is_file():
+        return ""
+    return (f"[demo] note: {data}/ is relative to the working directory {Path.cwd()}, not to the repository, whose "
+            f"{data}/ already holds the demo's data; this run builds new data and its own SFT here (Ctrl-C, then "
+            f"run it from {ROOT} to continue the demo there)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "tiny_search_so_grpo.yaml"),
@@ -49,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
 
     data = Path(args.data)
     if not (data / "model" / "config.json").is_file():
-        print(f"[demo] generating the synthetic data set, tokenizer and tiny MoE model in {data}/", flush=True)
+        if note := elsewhere_note(data):
+            print(note, flush=True)
+        print(f"[demo] generating the synthetic data set, tokenizer and tiny MoE model in {data.resolve()}/",
+              flush=True)
         make_data(["--out", str(data), "--make-model", "--hidden-size", "128", "--tie-embeddings"])
     own = [f"model.path={data}/model", f"retrieval.corpus={data}/corpus.jsonl",
            f"data.train={data}/train.parquet", f"data.val={data}/validation.parquet"]

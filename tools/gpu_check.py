@@ -1,5 +1,5 @@
 """The first thing to run on a machine with one GPU (H100 / H200): is everything there, and do
-the GPU paths give what their CPU references give? (docs/gpu.md)
+the GPU paths give what their CPU references give? (docs/how-to/gpu-check.md)
 
     python tools/gpu_check.py                    # every check on CUDA (under 8 minutes on an H100)
     python tools/gpu_check.py --device cpu --quick   # what needs no CUDA (the test suite runs this)
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MARK = "GPU_CHECK_RESULT "  # the child's last line: MARK + {"status", "detail"}
 
 # What the checks import, the distribution that provides it, and where it comes from on a GPU
-# machine without network (docs/gpu.md): "device" = preinstalled there, "wheels" = the folder
+# machine without network (docs/how-to/gpu-check.md): "device" = preinstalled there, "wheels" = the folder
 # tools/gpu_wheels.sh builds (GPU_WHEELS_ALL=1 adds the "device" ones the lent image already
 # has), "optional" = a SKIP, not a FAIL, when absent.
 PACKAGES = [
@@ -722,6 +722,23 @@ def run_check(name: str, args, work: str) -> tuple[str, str, float, list[str]]:
     return res["status"], res["detail"], seconds, info
 
 
+def _in_project_venv() -> bool:
+    return sys.prefix != sys.base_prefix
+
+
+def _stop_reason(status: str, detail: str, args) -> str:
+    """Why the other checks would all fail the same way, or "" when they are worth running."""
+    if status != "FAIL" and not (args.device == "cuda" and "no CUDA device" in detail):
+        return ""
+    if status == "FAIL":
+        reason = detail
+        if not _in_project_venv() and (ROOT / ".venv").is_dir():
+            reason += f" and this is {sys.executable}, not the project's virtual environment; " \
+                      "run: source .venv/bin/activate (or make setup)"
+        return reason
+    return "no CUDA device is visible (run with --device cpu for the checks that need none)"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         from sorl_megatron.common.cli_range import DAY, count
@@ -742,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=count(1, 64), default=1,
                         help="checks run side by side (default 1: GPU timings want the device alone)")
     parser.add_argument("--verbose", action="store_true", help="print a failed check's traceback")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="run every check even when the environment check failed (default: stop there, "
+                             "since the others would fail the same way)")
     parser.add_argument("--child", choices=sorted(CHECKS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.reps = args.reps or (1 if args.quick or args.device == "cpu" else 10)
@@ -763,6 +783,23 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = args.work or tmp
+        stopped = False
+        if "env" in names and len(names) > 1 and not args.keep_going:
+            # the environment first: without CUDA or a package every other check fails the same
+            # way, so say it once and stop (a missing package is listed once, above)
+            names.remove("env")
+            status, detail, seconds, info = run_check("env", args, work)
+            counts[status] += 1
+            for line in info:
+                print(line, flush=True)
+            print(f"{status} env: {detail} [{seconds:.0f} s]", flush=True)
+            stop = _stop_reason(status, detail, args)
+            stopped = bool(stop)
+            if stop:
+                counts["SKIP"] += len(names)
+                print(f"stopped after the environment check: {stop}; the other {len(names)} check(s) were not run "
+                      "(--keep-going runs them anyway)", flush=True)
+                names = []
         if args.jobs <= 1:
             for name in names:
                 one(name)
@@ -774,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - start
     print(f"summary: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped in {total:.0f} s",
           flush=True)
-    return 1 if counts["FAIL"] else 0
+    return 1 if counts["FAIL"] or stopped else 0
 
 
 if __name__ == "__main__":

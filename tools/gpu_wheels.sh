@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the folder of wheels a GPU machine without network needs to run tools/gpu_check.py
-# (docs/gpu.md): the machine has Python 3.12 with torch, triton and transformers; this brings
+# (docs/how-to/gpu-check.md): the machine has Python 3.12 with torch, triton and transformers; this brings
 # megatron-core, mbridge, this package and the pure-Python / small binary packages it imports.
 # Run where PyPI is reachable:  tools/gpu_wheels.sh [OUT_DIR]   (default wheels/, gitignored)
 # Nothing here touches torch: every wheel is installed with --no-deps on the device.

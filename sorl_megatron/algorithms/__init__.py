@@ -3,7 +3,7 @@
 No distributed or Megatron imports here: the RL engine (``sorl_megatron.engine``) calls these
 functions per micro-batch and owns all cross-rank reduction. Equation numbers refer to the
 papers (SORL / ST-PPO, arXiv 2511.20718; SAPO, arXiv 2511.20347; MiniRL, arXiv 2512.01374;
-PVPO; CISPO of MiniMax-M1, arXiv 2506.13585), cited in full in ``docs/algorithms.md``.
+PVPO; CISPO of MiniMax-M1, arXiv 2506.13585), cited in full in ``docs/concepts/algorithms.md``.
 """
 
 from . import losses  # noqa: F401  (registers the losses with a surrogate of their own: losses/)

@@ -60,7 +60,7 @@ class ClipBiasConfig:
             rate: under Adam the parameter update scales by exactly the factor; the default),
             ``clipped_grad`` (the gradient after global clipping, before Adam) or ``grad`` (the
             gradient before clipping: eq. 12 literally; ``clip_grad`` and Adam's normalization
-            largely undo it, docs/algorithms.md).
+            largely undo it, docs/concepts/algorithms.md).
         indicator: which ratio decides the clipping indicators ``1[t in B^c]``:
             ``loss_ratio`` (the ratio the loss clips, eq. 5/8 as written) or ``token_ratio``
             (token-level indicators even for turn-level losses, the ST-PPO summary's reading).
@@ -180,7 +180,7 @@ class PolicyLossConfig:
         kl_coef / kl_estimator: KL-to-reference loss ``kl_coef * agg(k)``, k in k1/k2/k3.
         entropy_coef: entropy bonus ``- entropy_coef * agg(H)``.
         diagnostics: also compute what the configured loss does not need itself (the lean path
-            computes only what the loss and the standard metrics need, docs/algorithms.md): the
+            computes only what the loss and the standard metrics need, docs/concepts/algorithms.md): the
             clip-bias statistics (``clip_bias/scalar``, ``sq_sum``, ``logprob_norm``) of losses
             that are not clip-normalized, and the turn-ratio spread (``turn_ratio/*``) of losses
             without turn ratios (it segments every row into turns). Loss and gradient are the same.

@@ -114,7 +114,7 @@ def _say_skipped_mtp(model) -> None:
     n = mtp_layers(model.hf_config)
     if n:
         _say(f"note: {n} multi-token-prediction layer(s) (num_nextn_predict_layers) not converted: the Megatron "
-             "model has no MTP module and HF exports leave its weights out (docs/conversion.md#model-families)")
+             "model has no MTP module and HF exports leave its weights out (docs/how-to/convert.md#model-families)")
 
 
 def _layout(text: str):
@@ -165,7 +165,7 @@ def cmd_megatron_to_hf(args: argparse.Namespace) -> int:
 # Logits agree when max |diff| <= rtol * max |HF logit| + atol: float noise grows with the
 # logits' scale (a trained model's logits reach ~10, a random tiny model's ~0.5), so the bound
 # scales with them; atol covers logits near 0. Measured megatron vs transformers noise and the
-# choice: docs/conversion.md#verify.
+# choice: docs/how-to/convert.md#verify.
 DEFAULT_TOLERANCES = {"float32": (1e-4, 1e-6), "bfloat16": (0.25, 5e-2)}
 
 
@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and verify logits. Runs as one process or under torchrun (the layout must fit the world size).",
         epilog="Layouts are comma-separated key=value: tp, pp, vpp, ep, etp, sp, and first_stage_layers / "
         "last_stage_layers for uneven pipeline stages (e.g. 'tp=2,ep=2,etp=1', 'pp=4,first_stage_layers=16'). "
-        "See docs/conversion.md.",
+        "See docs/how-to/convert.md.",
     )
     p.add_argument("--verbose", action="store_true", help="keep library warnings")
     sub = p.add_subparsers(dest="command", required=True)

@@ -19,7 +19,7 @@ otherwise allocate it first (tools/convert.py grew to 16.7 GB before failing).
 ``check_against_model`` then compares the checkpoint with the tensors the bridge will ask
 for (every tensor used, each fits its parameter's shape), and ``FiniteIO`` checks each
 tensor's values as mbridge loads it. Both are collective: every rank raises the same error.
-``weights.load_hf_weights`` runs the three; docs/conversion.md#checkpoints-from-strangers.
+``weights.load_hf_weights`` runs the three; docs/how-to/convert.md#checkpoints-from-strangers.
 """
 
 from __future__ import annotations

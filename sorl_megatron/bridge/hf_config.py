@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 from transformers import AutoConfig, PretrainedConfig
 
+from ..common.environment import missing_path
 from .families import is_supported, rope_scaling_allowed, rope_scaling_note
 
 
@@ -128,7 +129,7 @@ def require_hf_dir(path: Union[str, os.PathLike], what: str = "HF model director
     path = os.fspath(path)
     if not os.path.exists(path):
         raise CheckpointFileError(
-            f"{what} {path!r} does not exist (a local directory is needed; nothing is downloaded)"
+            f"{what} {missing_path(path)}: a local directory is needed; nothing is downloaded"
         )
     if not os.path.isdir(path):
         raise CheckpointFileError(f"{what} {path!r} is not a directory")

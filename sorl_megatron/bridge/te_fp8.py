@@ -8,7 +8,7 @@ Off by default. When on, the TE layers of the model run their GEMMs in FP8:
   forward_only: false  the model is built with TransformerConfig ``fp8`` / ``fp8_recipe`` set,
                        so megatron runs training and forward-only passes in FP8.
 The log-probs FP8 gives differ from the training pass's: that mismatch is what the IS
-correction metrics already report (docs/algorithms.md). This module imports neither torch
+correction metrics already report (docs/concepts/algorithms.md). This module imports neither torch
 nor megatron at import time, so the recipe schema can use ``Fp8Options``.
 """
 

@@ -8,6 +8,7 @@ Standard library only: it must work where nothing else is installed.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 # the packages every entry point needs at once (the rest of pyproject's dependencies come with them)
@@ -28,3 +29,13 @@ def require_environment(program: str, names: tuple[str, ...] = REQUIRED) -> None
         print(f"{program}: {', '.join(missing)} cannot be imported by {sys.executable}, which is not the "
               f"project's virtual environment; {HINT}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def missing_path(path: "str | os.PathLike[str]") -> str:
+    """``'PATH' does not exist``, and for a relative path the directory it was looked up in:
+    every recipe and command-line path is relative to the working directory, so a command run
+    from elsewhere than the repository names where it looked."""
+    path = os.fspath(path)
+    if os.path.isabs(path):
+        return f"{path!r} does not exist"
+    return f"{path!r} does not exist (relative to the working directory {os.getcwd()})"

@@ -93,12 +93,14 @@ def check(server_python: str, timeout_s: float = 120.0) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m sorl_megatron.common.nccl_match SGLANG_PYTHON", file=sys.stderr)
-        return 2
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m sorl_megatron.common.nccl_match", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("server_python", help="the SGLang environment's interpreter, e.g. .venv-sglang/bin/python")
+    args = parser.parse_args(argv)
     try:
-        print(check(args[0]))
+        print(check(args.server_python))
     except NcclMismatchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""The subset of SGLang's native HTTP API used for RL rollouts (see docs/rollout.md).
+"""The subset of SGLang's native HTTP API used for RL rollouts (see docs/concepts/rollout.md).
 
 Typed views of ``/generate`` requests and responses, shared by the client (which builds
 requests and parses answers) and the embedded server (which validates requests). Validation

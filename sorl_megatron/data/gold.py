@@ -71,7 +71,7 @@ def cold_start_plans(rows: Sequence[Any], direct_answer_fraction: float = 0.0, s
     answer of a random row: a teacher that sometimes guesses instead of looking it up. Those
     demonstrations are usually wrong, so the cold-start policy mixes both behaviours and RL,
     rewarded by EM alone, has to learn that searching pays (the CPU demo's setting, see
-    docs/recipes.md). With 0 every demonstration is the gold plan."""
+    docs/how-to/write-a-recipe.md). With 0 every demonstration is the gold plan."""
     if not 0.0 <= direct_answer_fraction < 1.0:
         raise ValueError(f"direct_answer_fraction must be in [0, 1), got {direct_answer_fraction}")
     rng = random.Random(seed)

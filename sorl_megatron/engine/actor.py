@@ -256,7 +256,7 @@ class PolicyEngine(EngineBase):
         mini-batch only (:meth:`first_mini_batch_rows`). That mini-batch trains on the weights
         a separate old pass would read, so its forward *is* that pass (the ratio is exactly 1),
         and the pass is saved; the same to rounding (a row's result may depend on the rows that
-        share its micro-batch: docs/engine.md, tests/engine). ``self.forward_old_logprobs`` then holds
+        share its micro-batch: docs/concepts/engine.md, tests/engine). ``self.forward_old_logprobs`` then holds
         them ([B, S], 0 on the other rows).
 
         Returns metrics averaged over the optimizer steps (token-weighted over micro-batches

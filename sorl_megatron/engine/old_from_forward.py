@@ -2,7 +2,7 @@
 ``old_from_forward``).
 
 The first mini-batch of an update trains on the weights a separate old-logprob pass would read,
-so for its rows the update's forward *is* that pass (docs/engine.md): their pi_old is that
+so for its rows the update's forward *is* that pass (docs/concepts/engine.md): their pi_old is that
 forward's log-probs, detached, in the first mini-batch's passes; before its optimizer step they
 are gathered on every rank, and later epochs read those values.
 """

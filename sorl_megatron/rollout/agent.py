@@ -3,7 +3,7 @@
 Each turn sends the whole token history to the rollout server and appends the sampled ids
 exactly as returned (never re-tokenized), with their behaviour log-probs and the weight version
 that sampled each of them (so an episode that spans a weight update, a partial rollout, keeps
-both token by token; docs/rollout.md, "Rollout modes"). A turn stops at ``</search>``, ``</answer>``, EOS or
+both token by token; docs/concepts/rollout.md, "Rollout modes"). A turn stops at ``</search>``, ``</answer>``, EOS or
 its token budget. ``<search> q </search>`` calls the retriever and appends
 ``<information>...</information>`` observation tokens; a turn with neither a search nor an
 answer gets a correction message as its observation. Observations carry loss mask 0. The

@@ -7,6 +7,6 @@ Layout: ``server.py`` command line and in-process start, ``app.py`` the HTTP end
 thread, ``scheduler.py`` its continuous batching, ``forward.py`` prefill / decode / prefix cache,
 ``batch.py`` the running batch, ``sampling.py`` sampling and answers, ``model.py`` the served
 model and weight updates, ``weight_groups.py`` distributed weight updates, ``weights.py``
-checkpoint checks, ``precision.py`` fp32 / bf16 / emulated FP8. docs/rollout.md.
+checkpoint checks, ``precision.py`` fp32 / bf16 / emulated FP8. docs/concepts/rollout.md.
 The trainer starts it as a subprocess by module name and never imports it.
 """

@@ -1,6 +1,6 @@
 """The HTTP app of the CPU server: the subset of SGLang's native API that RL rollouts use.
 
-Endpoints (docs/rollout.md): ``/generate`` (single and batch, ``n``, log-probs, routed
+Endpoints (docs/concepts/rollout.md): ``/generate`` (single and batch, ``n``, log-probs, routed
 experts), weight updates from disk, from tensors and through a torch.distributed group
 (``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``; gloo on CPU) between ``/begin_weight_update`` and

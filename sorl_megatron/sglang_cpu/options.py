@@ -1,5 +1,5 @@
 """The CPU server's settings: the engine's (``EngineConfig``) and the HTTP front's
-(``ServerOptions``). The command line (``server.py``) sets them; flags in docs/rollout.md.
+(``ServerOptions``). The command line (``server.py``) sets them; flags in docs/concepts/rollout.md.
 Importing this module loads neither torch nor transformers."""
 
 from __future__ import annotations

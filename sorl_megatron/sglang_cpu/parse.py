@@ -1,4 +1,4 @@
-"""Validation of a ``/generate`` body into the engine's requests (SGLang's fields, docs/rollout.md).
+"""Validation of a ``/generate`` body into the engine's requests (SGLang's fields, docs/concepts/rollout.md).
 
 Everything is checked before anything is queued; a bad field is a ``ProtocolError`` (HTTP 400)
 naming it.

@@ -3,7 +3,7 @@
     python -m sorl_megatron.sglang_cpu.server --model-path DIR --port 30000
 
 Answers the subset of SGLang's native HTTP API that RL rollouts use (``app.py``,
-docs/rollout.md) with HF transformers on CPU (``engine.py``). A malformed request gets HTTP 400
+docs/concepts/rollout.md) with HF transformers on CPU (``engine.py``). A malformed request gets HTTP 400
 with ``{"error": {"message": ...}}``; an internal failure gets 500; neither stops the server.
 ``start_rollout_server`` runs one inside this process (tests, benchmarks).
 """
@@ -144,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--enable-deterministic-inference",
         action="store_true",
         help="a request with sampling_seed gets the same tokens whatever else runs (rows decoded one by one: "
-        "no batching speed-up; see docs/rollout.md)",
+        "no batching speed-up; see docs/concepts/rollout.md)",
     )
     p.add_argument(
         "--api-key",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import contextlib
+import fnmatch
 import json
 import os
 import signal
@@ -39,6 +40,7 @@ from ..trainer.metrics.logger import read_metrics
 from ..trainer.metrics.plots import METRIC_AXES, identical_curves, identical_note, line_style, style_axis, symbol_notes
 from ..trainer.recipe.loader import load_recipe, overrides_tree
 from ..trainer.recipe.run_settings import run_settings_problem
+from ..trainer.rerun import rerun_plan
 from ..trainer.serving.servers import SignalInterrupt
 from .indicators import DEFAULT_INDICATORS, Indicator, collapse_step, indicator_report, run_warnings
 from .indicators import series as metric_series
@@ -153,6 +155,19 @@ def cells(cfg: StudyConfig) -> list[Cell]:
     return [Cell(loss, stress, seed) for stress in cfg.stress for loss in cfg.losses for seed in cfg.seeds]
 
 
+def selected_cells(cfg: StudyConfig, only: "list[str] | tuple[str, ...]" = ()) -> list[Cell]:
+    """The grid's cells whose name (``LOSS__STRESS__sSEED``) matches one of the ``only``
+    patterns (shell wildcards), or all of them; ConfigError when a pattern matches none."""
+    every = cells(cfg)
+    if not only:
+        return every
+    for pattern in only:
+        if not any(fnmatch.fnmatchcase(c.name, pattern) for c in every):
+            names = ", ".join(c.name for c in every[:4]) + (", ..." if len(every) > 4 else "")
+            raise ConfigError(f"--only {pattern!r} matches no cell of the grid ({len(every)} cells: {names})")
+    return [c for c in every if any(fnmatch.fnmatchcase(c.name, p) for p in only)]
+
+
 def cell_overrides(cfg: StudyConfig, cell: Cell, out: Path) -> list[str]:
     data = Path(cfg.data)
     return [
@@ -221,6 +236,7 @@ def run_cell(cfg: StudyConfig, cell: Cell, out: Path, procs: Optional[_Cells] = 
     except RunLockError as err:  # another study (or a trainer) is running this cell, or run.lock is unusable
         return cell, 2, f"refused: {err}"
     procs = procs or _Cells()
+    print(f"[study] {cell.name}: starting, {rerun_plan(train_cfg)} (log: {run_dir / 'study.log'})", flush=True)
     with lock:
         threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // cfg.parallel))
         env = dict(os.environ, OMP_NUM_THREADS=threads, **lock.child_env())  # cells side by side share the cores
@@ -238,15 +254,17 @@ def run_cell(cfg: StudyConfig, cell: Cell, out: Path, procs: Optional[_Cells] = 
     return cell, code, "ran" if code == 0 else f"failed (exit {code}; see {run_dir / 'study.log'})"
 
 
-def run_study(cfg: StudyConfig, parallel: Optional[int] = None) -> list[tuple[Cell, int, str]]:
-    """Every cell not done yet, ``parallel`` at a time. On Ctrl-C (KeyboardInterrupt, or
+def run_study(cfg: StudyConfig, parallel: Optional[int] = None,
+              only: "list[str] | tuple[str, ...]" = ()) -> list[tuple[Cell, int, str]]:
+    """Every cell not done yet (of those ``only`` selects), ``parallel`` at a time; each says when
+    it starts and from where (a fresh start, or the step it resumes from). On Ctrl-C (KeyboardInterrupt, or
     SIGTERM as :class:`SignalInterrupt`) the running cells get the same signal and at most
     ``stop_timeout_s`` to exit, no other cell starts, and the interrupt is raised again."""
     out = Path(cfg.out)
     if not Path(cfg.start_policy, "config.json").is_file():
         raise ConfigError(f"study.start_policy: {cfg.start_policy} has no config.json (run `make demo` for the "
                           "demo's SFT policy, or point it at an HF model directory)")
-    todo = cells(cfg)
+    todo = selected_cells(cfg, only)
     for cell in todo:  # the whole grid before the first cell trains: a typo in the last one fails now
         load_recipe(cfg.recipe, cell_overrides(cfg, cell, out))
     results = []
@@ -488,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export", metavar="DIR", default=None,
                         help="only write the grid's record (its runs' metrics cut to what the summary reads) to "
                              "DIR/runs; summarize it with --summarize out=DIR")
+    parser.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                        help="run only the cells whose name LOSS__STRESS__sSEED matches (shell wildcards, "
+                             "repeatable), e.g. --only 'grpo__*__s1': a small subset of the grid")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the study recipe, e.g. seeds=[1]")
     args = parser.parse_args(argv)
     try:
@@ -498,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[study] record: {len(written)} of {len(cells(cfg))} runs written under {where}")
             return 0
         with sigterm_as_interrupt():
-            results = [] if args.summarize else run_study(cfg, args.parallel)
+            results = [] if args.summarize else run_study(cfg, args.parallel, args.only)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

@@ -39,6 +39,35 @@ def _newest_step(root: Path) -> Optional[int]:
     return int(done[-1].name.split("_", 1)[1]) if done else None
 
 
+def set_aside_previous_run(cfg: TrainConfig) -> Optional[Path]:
+    """``checkpoint.resume=none`` starts RL, and an unfinished SFT, over: what the previous run
+    wrote there (its metrics, TensorBoard events, plots, RL checkpoints, and SFT's checkpoints
+    when SFT had not finished) moves to ``<run dir>/previous/<k>/``, and the checkpoints to
+    ``<checkpoint.dir>/previous/<k>/`` (renames on the same file system, nothing copied), so a
+    start-over never overwrites a run. A finished SFT policy (``sft_model``) stays: RL starts
+    from it again. Returns the run directory's ``previous/<k>``, None when nothing was there."""
+    run_dir = Path(cfg.logging.dir) / cfg.logging.run_name
+    ckpt = Path(cfg.checkpoint.dir)
+    in_run = [run_dir / name for name in ("metrics.jsonl", "tensorboard", "plots")]
+    in_ckpt = sorted(ckpt.glob("step_*")) if ckpt.is_dir() else []
+    if cfg.sft.enabled and not sft_finished(cfg):
+        in_ckpt.append(sft_checkpoint_root(cfg))
+    in_run = [p for p in in_run if p.exists()]
+    in_ckpt = [p for p in in_ckpt if p.exists()]
+    if not in_run and not in_ckpt:
+        return None
+    k = 1
+    while (run_dir / "previous" / str(k)).exists() or (ckpt / "previous" / str(k)).exists():
+        k += 1
+    for items, root in ((in_run, run_dir), (in_ckpt, ckpt)):
+        if items:
+            dest = root / "previous" / str(k)
+            dest.mkdir(parents=True)
+            for path in items:
+                path.rename(dest / path.name)
+    return run_dir / "previous" / str(k)
+
+
 def rerun_plan(cfg: TrainConfig) -> str:
     """What running the same command again does, from what is on disk now ("SFT resumes from
     step 400 of 1000, then RL", "RL starts from step 0 ...", ...)."""

@@ -6,7 +6,7 @@ health (:class:`~.serving.connections.Connections`, which only rank 0 builds) an
 batch to the other ranks as tensors (the R3 routes only for the rows each data-parallel rank's
 passes read, ``engine/batch_transfer.py``), which then cut their own data-parallel rows, except in the
 distributed weight sync, where every sending rank announces its own buckets to the servers
-(docs/rollout.md). The off-policyness is explicit in the recipe: ``schedule.batch_size x
+(docs/concepts/weight-sync.md). The off-policyness is explicit in the recipe: ``schedule.batch_size x
 rollout.group_size`` trajectories per step, split into mini-batches of
 ``schedule.mini_batch_size`` (one optimizer step each) over ``schedule.ppo_epochs`` epochs
 (SORL appendix A.5). Everything is seeded per step, so a run killed at any point and resumed
@@ -50,7 +50,7 @@ from .recipe.inputs import check_resume_dir, load_tokenizer, validate_inputs
 from .recipe.loader import dump_config
 from .recipe.model_options import model_options
 from .recipe.run_settings import SETTINGS_ENTRY, defining_settings, write_checkpoint_dir_record
-from .rerun import interrupted
+from .rerun import interrupted, set_aside_previous_run
 from .serving.catch_up import served
 from .serving.connections import Connections
 from .serving.servers import EmbeddedServers
@@ -376,6 +376,10 @@ class RLTrainer:
             servers = stack.enter_context(EmbeddedServers(self.run_dir))
             if rank0:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
+                if cfg.checkpoint.resume == "none" and (aside := set_aside_previous_run(cfg)) is not None:
+                    log.info("checkpoint.resume=none: run %s starts over; what the previous run wrote (metrics, "
+                             "checkpoints) moved to %s and %s", cfg.logging.run_name, aside,
+                             Path(cfg.checkpoint.dir) / "previous" / aside.name)
                 (self.run_dir / "config.yaml").write_text(dump_config(cfg))
                 write_checkpoint_dir_record(cfg)  # checkpoint.dir is this run's, with these settings
                 self.wandb_run = open_wandb(cfg.logging.wandb, self.run_dir, cfg.logging.run_name, to_dict(cfg),

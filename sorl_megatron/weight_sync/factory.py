@@ -1,7 +1,7 @@
 """The one place that reads ``rollout.weight_sync.transport``: the transport of a run, chosen once.
 
 Adding a transport: one module in this package with a :class:`~.base.WeightSync` subclass,
-registered in ``TRANSPORTS`` under the name a recipe gives (docs/rollout.md).
+registered in ``TRANSPORTS`` under the name a recipe gives (docs/concepts/rollout.md).
 """
 
 from __future__ import annotations

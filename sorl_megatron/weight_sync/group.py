@@ -1,7 +1,7 @@
 """The torch.distributed group of SGLang's distributed weight update, for both of its ends.
 
 SGLang's protocol (``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``; docs/rollout.md): a trainer rank (group rank 0, the only
+``/destroy_weights_update_group``; docs/concepts/rollout.md): a trainer rank (group rank 0, the only
 source of every broadcast) and every rollout server rank (``rank_offset + tp_rank``) join one
 process group; per bucket the trainer announces ``names``, ``dtypes`` and ``shapes`` over HTTP
 and broadcasts the tensors in that order, one broadcast per tensor.

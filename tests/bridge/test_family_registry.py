@@ -125,7 +125,7 @@ def test_spec_defaults():
 
 
 def test_the_walk_through_shows_the_family_module_as_it_is():
-    """docs/add-a-model-family.md walks through qwen2_moe.py, quoted whole: the quote is the file."""
-    doc = (PACKAGE.parent / "docs" / "add-a-model-family.md").read_text()
+    """docs/how-to/add-a-model-family.md walks through qwen2_moe.py, quoted whole: the quote is the file."""
+    doc = (PACKAGE.parent / "docs" / "how-to" / "add-a-model-family.md").read_text()
     module = (FAMILIES_DIR / "qwen2_moe.py").read_text()
     assert f"```python\n{module}```\n" in doc

@@ -112,7 +112,7 @@ def test_the_first_mini_batch_takes_its_old_logprobs_from_its_forward(ws1, ws2, 
     # The same old log-probs and update as after a full old pass, to float32 rounding. Bit for bit
     # on some CPUs, not on others: a row's result can depend on which rows share its micro-batch
     # (an expert's GEMM has as many rows as tokens routed to it), and the update's shuffled
-    # micro-batches are not the old pass's (docs/engine.md). 1e-2 of the update's own size is far
+    # micro-batches are not the old pass's (docs/concepts/engine.md). 1e-2 of the update's own size is far
     # below what a wrong substitution moves (every ratio of the first mini-batch off 1).
     assert r["kept_diff"] <= 1e-5 and r["rest_diff"] <= 1e-5
     assert r["param_step"] > 1e-4 and r["param_diff"] <= 1e-2 * r["param_step"], (r["param_diff"], r["param_step"])

@@ -193,7 +193,7 @@ def test_estimate_matches_the_measured_cpu_peak_within_25_percent(worker):
 def test_torch_adams_step_temporaries_are_planned_net_of_the_freed_activations(monkeypatch):
     """Without a fused Adam (no TransformerEngine or apex: megatron uses torch's AdamW) the step
     allocates 4 bytes per parameter it updates (measured on an H100 at three model sizes,
-    docs/gpu.md); activations and logits are freed by then, so only the excess is added."""
+    docs/how-to/gpu-check.md); activations and logits are freed by then, so only the excess is added."""
     from sorl_megatron.trainer.recipe import memory_plan
 
     cfg = load_recipe(GPU_RECIPES[0])

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -126,8 +128,14 @@ def test_a_mistyped_model_path_is_named_not_taken_for_a_hub_repo(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--model-path", str(missing)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert out.stderr.strip() == (f"error: --model-path '{missing}' does not exist (a local directory is needed; "
-                                  "nothing is downloaded)")
+    assert out.stderr.strip() == (f"error: --model-path '{missing}' does not exist: a local directory is needed; "
+                                  "nothing is downloaded")
+    relative = subprocess.run([sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--model-path", "runs/x/model"],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                              env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    assert relative.returncode == 2
+    assert relative.stderr.strip() == ("error: --model-path 'runs/x/model' does not exist (relative to the working "
+                                       f"directory {tmp_path}): a local directory is needed; nothing is downloaded")
 
 
 def test_model_and_tokenizer_paths_that_are_not_checkpoints(tmp_path, capsys, moe_dir):

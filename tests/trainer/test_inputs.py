@@ -61,9 +61,22 @@ def test_good_inputs_pass_and_are_counted(inputs):
 def test_a_wrong_path_fails_at_launch_without_a_run_directory(inputs, monkeypatch, capsys, key):
     tmp_path, files = inputs
     code, err = launch(files, monkeypatch, capsys, **{key: str(tmp_path / "missing.file")})
-    assert code == 2 and err.startswith(f"input error: {key}: ") and "missing.file does not exist" in err
+    assert code == 2 and err.startswith(f"input error: {key}: ") and "missing.file' does not exist" in err
     assert "Traceback" not in err
     assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+
+
+def test_a_relative_path_that_is_missing_names_the_directory_it_was_looked_up_in(inputs, monkeypatch, capsys):
+    """Issue 48: every path is relative to the working directory; run from another directory,
+    the error says which one it looked in."""
+    tmp_path, files = inputs
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, err = launch(files, monkeypatch, capsys, **{"data.train": "runs/tiny/train.parquet"})
+    assert code == 2, err
+    assert f"data.train: 'runs/tiny/train.parquet' does not exist (relative to the working directory {elsewhere})" \
+        in err
 
 
 def test_an_empty_training_file_says_so(inputs, monkeypatch, capsys):

@@ -219,8 +219,23 @@ def test_plot_cli_smooth_flag(tmp_path):
                            str(tmp_path / "p"), "--smooth", "0.6"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "summary.png" in proc.stdout, proc.stderr
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "a"), "--out",
-                           str(tmp_path / "p"), "--smooth", "1"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "smoothing weight must be in [0, 1), got 1.0" in proc.stderr
+                           str(tmp_path / "p"), "--smooth", "1", "--overwrite"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "argument --smooth: must be in [0, 0.999], got 1" in proc.stderr
+
+
+def test_plot_cli_refuses_to_overwrite_an_earlier_plot(tmp_path):
+    """Issue 48: a second plot into the same --out replaced the first without a word."""
+    _demo_like_run(tmp_path / "a")
+    cmd = [sys.executable, str(ROOT / "tools" / "plot.py"), str(tmp_path / "a"), "--out", str(tmp_path / "p")]
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=300).returncode == 0
+    before = (tmp_path / "p" / "summary.png").stat().st_mtime_ns
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert f"error: --out {tmp_path / 'p'} already holds" in proc.stderr and "pass --overwrite" in proc.stderr
+    assert (tmp_path / "p" / "summary.png").stat().st_mtime_ns == before  # untouched
+    proc = subprocess.run([*cmd, "--overwrite"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "summary.png" in proc.stdout, proc.stderr
 
 
 def test_axes_tick_the_validation_steps_and_scale_to_small_and_spread_values():
@@ -263,7 +278,7 @@ def test_overlaid_runs_name_identical_curves_keep_legends_outside_and_explain_sy
 
 
 def test_gpu_memory_metrics_are_the_allocator_peaks_and_restart_them(monkeypatch):
-    # Mocked: there is no GPU here. The trainer logs CUDA's peaks per step (docs/gpu.md compares
+    # Mocked: there is no GPU here. The trainer logs CUDA's peaks per step (docs/how-to/gpu-check.md compares
     # them with the memory plan on an H100); without CUDA it logs nothing.
     import torch
 

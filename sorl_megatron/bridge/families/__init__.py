@@ -5,7 +5,7 @@ Building (build.py), the layout checks (layout.py), config loading (hf_config.py
 loading and FP8 (hf_checkpoint.py), conversion and the memory plan (trainer/memory_plan.py)
 consult the spec through these functions; none of them compares ``model_type`` strings
 (tests/bridge/test_family_registry.py fails if one does). To add a family: a module here, its
-import below, and nothing else (docs/add-a-model-family.md).
+import below, and nothing else (docs/how-to/add-a-model-family.md).
 
 Pure Python (no megatron import), so `validate_layout` can run these checks before any process
 group exists. `family_config_overrides` returns TransformerConfig fields that make megatron

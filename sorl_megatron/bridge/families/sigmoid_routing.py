@@ -54,5 +54,5 @@ def config_overrides(hf_config: Any) -> dict[str, Any]:
     over["moe_router_bias_update_rate"] = 0.0
     over["moe_router_load_balancing_type"] = "none"
     over["moe_shared_expert_intermediate_size"] = shared_expert_size(hf_config)
-    over["mtp_num_layers"] = None  # MTP weights are skipped on load (see docs/conversion.md)
+    over["mtp_num_layers"] = None  # MTP weights are skipped on load (see docs/how-to/convert.md)
     return over

@@ -11,7 +11,7 @@ Whatever the mode, a group is *settled* once a finished step has trained on it o
 frontier (every group below it settled) and the settled groups above it; a resumed run draws
 every other group again, so the groups that were in flight or finished but not yet trained on
 when a run was killed are regenerated, and none that a checkpointed step trained on is drawn
-twice (docs/rollout.md, "Rollout modes").
+twice (docs/concepts/rollout.md, "Rollout modes").
 
 :class:`AsyncProducer` (``rollout.mode=async``) keeps up to ``window`` groups in flight,
 finished-but-not-taken or taken by the step in progress, on a background thread with its own
@@ -19,7 +19,7 @@ event loop; the trainer takes the finished ones between its steps while the serv
 generating across weight updates, and a step's groups hold their slots until the weight sync
 after it. Releasing a slot at the take instead would let the producer run a whole extra batch
 ahead: with ``window = (K + 1) x batch`` every other batch would wait K + 1 versions and be
-dropped as stale (docs/rollout.md, "Rollout modes", has the measurement).
+dropped as stale (docs/concepts/rollout.md, "Rollout modes", has the measurement).
 """
 
 from __future__ import annotations

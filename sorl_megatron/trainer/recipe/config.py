@@ -50,11 +50,11 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     fp8: Fp8Options = field(default_factory=Fp8Options)  # TE FP8 (bridge/te_fp8.py); checked at launch
     # the reference and critic models (and the critic's gradients and Adam state) wait on the CPU
-    # between their passes: GPU memory for the actor's update (docs/recipes.md#memory-plan)
+    # between their passes: GPU memory for the actor's update (docs/concepts/memory-plan.md)
     offload_idle: bool = False
     # the core attention of the TE-less layer spec (CPU, or a GPU without TE; TE runs its own):
-    # torch's fused scaled_dot_product_attention, or megatron's unfused softmax math (what every
-    # run before 2026-11-26 used; the study's recipes keep it so their cells stay comparable)
+    # torch's fused scaled_dot_product_attention, or megatron's unfused softmax math (the project's
+    # first default; the study's recipes keep it so their cells stay comparable; CHANGELOG.md)
     local_attention: Literal["sdpa", "unfused"] = "sdpa"
     # the TE-less spec's expert linears: torch's grouped matmul where it has one for the device and
     # dtype (CUDA sm90 bf16), else a loop over experts; `loop` always loops (bridge/grouped_gemm.py)
@@ -237,10 +237,10 @@ class ScheduleConfig:
     ``max_tokens_per_micro_batch`` tokens (default ``micro_batch_size`` x the batch's padded
     length), one packed row per micro-batch; ``max_tokens_per_micro_batch`` alone sets the
     micro-batch size in padded rows from the batch's length. Either way the work of a
-    mini-batch is balanced over the DP ranks and its gradient is unchanged (docs/engine.md).
+    mini-batch is balanced over the DP ranks and its gradient is unchanged (docs/concepts/engine.md).
 
     ``old_logprobs_from_update``: the first mini-batch's own update forward gives its rows' old
-    log-probs and the old pass forwards only the others (docs/engine.md; ``RLTrainer`` says
+    log-probs and the old pass forwards only the others (docs/concepts/engine.md; ``RLTrainer`` says
     where it does not apply)."""
 
     total_steps: int = 10

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ...common.environment import missing_path
 from ...common.typed_config import ConfigError
 from ...data.qa import DataError, QARow, read_parquet
 from ...retrieval.bm25 import NO_TERMS, has_index_terms
@@ -79,7 +80,7 @@ def load_tokenizer(path: str):
     """The model's tokenizer (transformers, never the checkpoint's own code: no
     ``trust_remote_code``); an InputError naming ``model.path`` when transformers cannot build
     one, e.g. a tiktoken tokenizer shipped as custom code (Moonlight): convert it to a
-    ``tokenizer.json`` first (docs/conversion.md)."""
+    ``tokenizer.json`` first (docs/how-to/convert.md)."""
     from transformers import AutoTokenizer
 
     try:
@@ -106,7 +107,7 @@ def check_resume_dir(cfg: TrainConfig) -> None:
 def _file(key: str, path: str) -> Path:
     p = Path(path)
     if not p.exists():
-        raise InputError(f"{key}: {path} does not exist")
+        raise InputError(f"{key}: {missing_path(path)}")
     if not p.is_file():
         raise InputError(f"{key}: {path} is not a file")
     if not os.access(p, os.R_OK):

@@ -4,7 +4,7 @@ of a run whose estimate exceeds ``parallelism.gpu_memory_gib``.
 Arithmetic on the model's HF ``config.json`` (``model.path``, else ``model.config_for_planning``
 or ``--model-config``) and the recipe's layout, dtype, optimizer, micro-batch tokens, recompute
 and offload keys. Nothing is built: the numbers are an upper-bound style estimate of the
-allocator's peak (docs/recipes.md#memory-plan says what each item counts and what it leaves out).
+allocator's peak (docs/concepts/memory-plan.md says what each item counts and what it leaves out).
 
 The peak is the larger of two phases: the actor's update (actor states, its logits and
 activations, plus the reference and critic unless ``model.offload_idle`` moves them to the CPU
@@ -243,7 +243,7 @@ def _stage_layers(cfg: TrainConfig, c: Any) -> int:
 def megatron_adam_is_fused() -> bool:
     """Whether megatron-core's optimizer is TransformerEngine's or apex's FusedAdam (it binds the
     first that imports, else torch's AdamW, whose multi-tensor step allocates one fp32 tensor the
-    size of the parameters it updates: measured on an H100, docs/gpu.md)."""
+    size of the parameters it updates: measured on an H100, docs/how-to/gpu-check.md)."""
     try:
         with warnings.catch_warnings():  # its "falling back to torch optimizers" is what this asks
             warnings.simplefilter("ignore")
@@ -420,5 +420,5 @@ def check_memory_for_launch(cfg: TrainConfig, world_size: int, on_gpu: bool) -> 
     raise RecipeError(
         f"the memory estimate {plan.total_gib:.1f} GiB per GPU ({plan.phase}; {source}) exceeds "
         f"{plan.budget_gib:.1f} GiB ({plan.budget_source}). Biggest items: {keys}. "
-        "See `python -m sorl_megatron.train --config RECIPE --print-memory` and docs/recipes.md#memory-plan"
+        "See `python -m sorl_megatron.train --config RECIPE --print-memory` and docs/concepts/memory-plan.md"
     )

@@ -33,11 +33,11 @@ class RolloutInjectConfig:
 @dataclass
 class WeightSyncConfig:
     """``rollout.weight_sync``: how the trainer's weights reach the rollout servers after each
-    step (``weight_sync/``; docs/rollout.md, "Distributed weight sync")."""
+    step (``weight_sync/``; docs/concepts/rollout.md, "Distributed weight sync")."""
 
     # distributed: SGLang's /update_weights_from_distributed (a gloo/NCCL group with the servers;
     # each pipeline stage and expert owner sends its own tensors); tensor: HTTP bodies from rank 0
-    # (embedded servers only); disk: an HF checkpoint the servers reload (docs/rollout.md)
+    # (embedded servers only); disk: an HF checkpoint the servers reload (docs/concepts/rollout.md)
     transport: Literal["distributed", "tensor", "disk"] = "distributed"
     bucket_mb: int = 512  # tensors per /update_weights_from_distributed (a larger one goes alone)
     # seconds per weight-sync call (one bucket, begin/end, a reload from disk) and other control call
@@ -59,7 +59,7 @@ class WeightSyncConfig:
 
 @dataclass
 class FleetConfig:
-    """``rollout.fleet`` (docs/rollout.md, "A fleet of servers"): the servers the rollouts run on
+    """``rollout.fleet`` (docs/concepts/rollout.md, "A fleet of servers"): the servers the rollouts run on
     besides ``rollout.urls``, the router in front of them, and what a failed server costs."""
 
     # embedded servers to start (no rollout.urls) ...
@@ -139,9 +139,9 @@ class RolloutConfig:
     concurrency: int = 16
     # embedded servers decode each row alone (--enable-deterministic-inference): a seeded episode
     # gets the same tokens whatever else is in flight, so a run repeats on its machine at any
-    # load; costs the batching speed-up (docs/rollout.md). External servers: SGLang's own flag.
+    # load; costs the batching speed-up (docs/concepts/rollout.md). External servers: SGLang's own flag.
     deterministic: bool = False
-    # Every wait on the servers is bounded (see docs/rollout.md, failure model): seconds per
+    # Every wait on the servers is bounded (see docs/concepts/rollout.md, failure model): seconds per
     # /generate call here (a timed-out call is not retried) ...
     timeout_s: float = 120.0
     # ... per weight-sync call and other control call in weight_sync.timeout_s ...
@@ -150,7 +150,7 @@ class RolloutConfig:
     retries: int = 2  # extra attempts after a refused connection or a 5xx answer (never after a timeout)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
-    # Rollout modes (docs/rollout.md, "Rollout modes"; rollout_modes.py): sync generates each
+    # Rollout modes (docs/concepts/rollout.md, "Rollout modes"; rollout_modes.py): sync generates each
     # step's batch with the step's own weights; one_step_off generates step k+1's batch while step
     # k trains, on the weights step k started from (a lag of exactly one version); async keeps
     # episodes in flight across weight updates (partial rollouts) and trains on finished groups

@@ -224,7 +224,7 @@ class Connections:
     def pause(self) -> bool:
         """``/pause_generation`` before a weight update where the rollout source pauses the
         servers; True when they paused. Servers without the endpoint apply the update between
-        the requests they schedule, as they would anyway (docs/rollout.md)."""
+        the requests they schedule, as they would anyway (docs/concepts/rollout.md)."""
         if not self.pauses or self._pause_supported is False:
             return False
         self.pause_clock.pause()  # before the call: a server pauses as soon as it is asked

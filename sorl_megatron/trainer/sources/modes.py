@@ -17,7 +17,7 @@ have in ``recipe/rollout_modes.py``'s ``ROLLOUT_MODES``.
 
 Groups are numbered in the stream's order (``producer.py``), so every mode draws the same
 prompts and seeds; the settled groups are checkpointed, so a resumed run never trains on a
-group twice (docs/rollout.md, "Rollout modes").
+group twice (docs/concepts/rollout.md, "Rollout modes").
 """
 
 from __future__ import annotations
