@@ -64,8 +64,8 @@ def grouped_available(x: torch.Tensor, out_features: int) -> bool:
         ok_device = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] == 9
     else:
         ok_device = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-    align = 16 // x.element_size()
-    return ok_device and x.shape[1] % align == 0 and out_features % align == 0
+    align = 16 // x.element_size()  # no rows at all (an expert-parallel rank's share can be empty): the loop
+    return ok_device and x.shape[0] > 0 and x.shape[1] % align == 0 and out_features % align == 0
 
 
 def use_grouped(mode: str, x: torch.Tensor, out_features: int) -> bool:

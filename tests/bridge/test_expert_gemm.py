@@ -86,6 +86,7 @@ def test_auto_loops_on_the_cpu_and_the_environment_overrides(monkeypatch):
     assert use_grouped("auto", x32, 8) and use_grouped("loop", x32, 8)
     assert not use_grouped("auto", torch.zeros(4, 12, dtype=torch.bfloat16), 8)  # 24-byte rows: no kernel
     assert not use_grouped("auto", x32.double(), 8)
+    assert not use_grouped("auto", torch.zeros(0, 16), 8)  # no rows: nothing to group
     monkeypatch.setenv(ENV, "loop")
     assert not use_grouped("auto", x32, 8)
     monkeypatch.setenv(ENV, "fast")
