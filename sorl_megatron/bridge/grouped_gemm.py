@@ -4,12 +4,13 @@
 ``x`` (group ``e`` holds ``tokens_per_expert[e]`` rows), ``x_e @ weights[e].T``. Two ways:
 
 * **grouped**: ``torch._grouped_mm``, one kernel per direction whatever the number of experts.
-  The group ends are a cumulative sum built on the input's device (from a device tensor of counts,
-  or from a list of ints copied from pinned memory without waiting), so nothing is read back to
+  The group ends are a cumulative sum built on the input's device (from the router's device
+  tensor of counts, which ``local_spec.LocalGroupedMLP`` hands through as :class:`DeviceCounts`,
+  or from host counts copied from pinned memory without waiting), so nothing is read back to
   the host. The per-expert weights are stacked into one ``[experts, out, in]`` tensor in the
   forward and again in the backward (nothing extra is kept for the backward: the loop's memory);
   the weight gradients come back as views of one ``[experts, out, in]`` gradient.
-* **loop**: one ``F.linear`` per expert (a host list of counts).
+* **loop**: one ``F.linear`` per expert (the counts read to the host once per layer).
 
 ``mode="auto"`` takes the grouped kernel on CUDA at compute capability 9.x in bfloat16, and the loop
 elsewhere. Torch's CPU grouped kernel (float32 and bfloat16) gives the loop's numbers but is slower
@@ -32,7 +33,27 @@ import torch.nn.functional as F
 EXPERT_GEMMS = ("auto", "loop")
 ENV = "SORL_EXPERT_GEMM"
 
-Counts = Union[torch.Tensor, Sequence[int]]
+class DeviceCounts:
+    """Tokens per expert kept on the device, handed to the expert linears in place of the host
+    list megatron's ``TEGroupedMLP.forward`` makes of them (its first line is ``.tolist()``,
+    a read per MoE layer): ``tolist()`` returns this object itself, the grouped kernel reads
+    :attr:`tensor` (no host read) and the loop reads the list once for both linears
+    (:meth:`as_list`). ``local_spec.LocalGroupedMLP`` does the handing over."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self._list: list[int] | None = None
+
+    def tolist(self) -> "DeviceCounts":
+        return self
+
+    def as_list(self) -> list[int]:
+        if self._list is None:
+            self._list = self.tensor.tolist()
+        return self._list
+
+
+Counts = Union[torch.Tensor, Sequence[int], DeviceCounts]
 
 
 def grouped_available(x: torch.Tensor, out_features: int) -> bool:
@@ -43,8 +64,8 @@ def grouped_available(x: torch.Tensor, out_features: int) -> bool:
         ok_device = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] == 9
     else:
         ok_device = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-    align = 16 // x.element_size()
-    return ok_device and x.shape[1] % align == 0 and out_features % align == 0
+    align = 16 // x.element_size()  # no rows at all (an expert-parallel rank's share can be empty): the loop
+    return ok_device and x.shape[0] > 0 and x.shape[1] % align == 0 and out_features % align == 0
 
 
 def use_grouped(mode: str, x: torch.Tensor, out_features: int) -> bool:
@@ -60,13 +81,14 @@ def use_grouped(mode: str, x: torch.Tensor, out_features: int) -> bool:
 
 
 def group_ends(counts: Counts, device: torch.device) -> torch.Tensor:
-    """int32 cumulative row counts on ``device``, without a device-to-host read."""
-    if isinstance(counts, torch.Tensor):
-        return torch.cumsum(counts.to(device=device), 0, dtype=torch.int32)
-    host = torch.tensor(list(counts), dtype=torch.int32)
-    if device.type == "cuda":  # pinned + non_blocking: the host does not wait for the device
-        return host.pin_memory().to(device, non_blocking=True).cumsum(0, dtype=torch.int32)
-    return host.to(device).cumsum(0, dtype=torch.int32)
+    """int32 cumulative row counts on ``device``, without a device-to-host read (host counts go
+    up from pinned memory, so the host does not wait for the device either)."""
+    if isinstance(counts, DeviceCounts):
+        counts = counts.tensor
+    host = counts if isinstance(counts, torch.Tensor) else torch.tensor(list(counts), dtype=torch.int32)
+    if host.device.type == "cpu" and device.type == "cuda":
+        host = host.to(torch.int32).pin_memory().to(device, non_blocking=True)
+    return torch.cumsum(host.to(device), 0, dtype=torch.int32)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -94,7 +116,10 @@ def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: Cou
 
 def loop_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: Counts) -> torch.Tensor:
     """One ``F.linear`` per expert: the reference the grouped kernel is tested against."""
-    splits = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+    if isinstance(counts, DeviceCounts):
+        splits = counts.as_list()
+    else:
+        splits = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
     outs = [F.linear(c, w) for c, w in zip(torch.split(x, splits, dim=0), weights)]
     return torch.cat(outs, dim=0) if outs else x.new_empty(0, 0)
 

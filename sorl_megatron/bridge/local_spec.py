@@ -39,7 +39,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from .grouped_gemm import EXPERT_GEMMS, expert_linear
+from .grouped_gemm import EXPERT_GEMMS, DeviceCounts, expert_linear
 from .te_probe import transformer_engine_available
 
 
@@ -199,6 +199,17 @@ class _LocalGroupedLinear(torch.nn.Module):
         for sh_ten in out.values():
             sh_ten.replica_id = (*sh_ten.replica_id[:2], edp_rank)
         return out
+
+
+class LocalGroupedMLP(TEGroupedMLP):
+    """Megatron's grouped-expert MLP (pure torch but for its linears) whose linears receive the
+    tokens per expert as a device tensor (``grouped_gemm.DeviceCounts``) instead of the host
+    list megatron reads per layer; FP8 / FP4 (TE only) keep megatron's list."""
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        if not (self.config.fp8 or self.config.fp4) and isinstance(tokens_per_expert, torch.Tensor):
+            tokens_per_expert = DeviceCounts(tokens_per_expert)
+        return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
 
 
 class LocalColumnParallelGroupedLinear(_LocalGroupedLinear):
@@ -398,7 +409,7 @@ def local_layer_spec(moe: bool, qk_layernorm: bool, mla: bool = False, local_att
     if moe:
         gemm = {"expert_gemm": expert_gemm}
         experts = ModuleSpec(
-            module=TEGroupedMLP,  # pure-torch module; only its linears come from TE normally
+            module=LocalGroupedMLP,  # megatron's pure-torch TEGroupedMLP; only its linears come from TE normally
             submodules=MLPSubmodules(
                 linear_fc1=ModuleSpec(module=LocalColumnParallelGroupedLinear, params=gemm),
                 linear_fc2=ModuleSpec(module=LocalRowParallelGroupedLinear, params=gemm),

@@ -86,6 +86,7 @@ def test_auto_loops_on_the_cpu_and_the_environment_overrides(monkeypatch):
     assert use_grouped("auto", x32, 8) and use_grouped("loop", x32, 8)
     assert not use_grouped("auto", torch.zeros(4, 12, dtype=torch.bfloat16), 8)  # 24-byte rows: no kernel
     assert not use_grouped("auto", x32.double(), 8)
+    assert not use_grouped("auto", torch.zeros(0, 16), 8)  # no rows: nothing to group
     monkeypatch.setenv(ENV, "loop")
     assert not use_grouped("auto", x32, 8)
     monkeypatch.setenv(ENV, "fast")
@@ -146,3 +147,64 @@ def test_the_recipe_and_the_options_name_the_same_modes():
     assert ModelConfig().expert_gemm == ModelOptions().expert_gemm == "auto"
     with pytest.raises(ValueError, match="expert_gemm must be one of"):
         ModelOptions(expert_gemm="fast")
+
+
+def _experts(monkeypatch, experts=4, hidden=16, ffn=8):
+    """The spec's MoE experts module (megatron's grouped MLP with the local linears)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from sorl_megatron.bridge import local_spec
+
+    tracker = types.SimpleNamespace(fork=lambda name: contextlib.nullcontext())
+    monkeypatch.setattr(local_spec, "get_cuda_rng_tracker", lambda: tracker)
+    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=2, use_cpu_initialization=True,
+                            num_moe_experts=experts, moe_ffn_hidden_size=ffn, gated_linear_unit=True,
+                            activation_func=F.silu, bias_activation_fusion=False, add_bias_linear=False)
+    pg = types.SimpleNamespace(expt_tp=None, ep=None, expt_dp=None)
+    sub = MLPSubmodules(linear_fc1=ModuleSpec(module=local_spec.LocalColumnParallelGroupedLinear),
+                        linear_fc2=ModuleSpec(module=local_spec.LocalRowParallelGroupedLinear))
+    torch.manual_seed(0)
+    return local_spec.LocalGroupedMLP(experts, cfg, sub, pg_collection=pg)
+
+
+def _host_reads(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = {"n": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            reads["n"] += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(t, *args, **kwargs):
+        reads["n"] += 1
+        return tolist(t, *args, **kwargs)
+
+    torch.Tensor.tolist = counting_tolist
+    try:
+        with Count():
+            out = fn()
+    finally:
+        torch.Tensor.tolist = tolist
+    return out, reads["n"]
+
+
+def test_the_experts_hand_the_routers_counts_through_without_reading_them(monkeypatch):
+    """Megatron's grouped MLP reads its tokens per expert to the host (``tolist``) per layer; the
+    spec's ``LocalGroupedMLP`` hands the device tensor to the linears: the grouped kernel reads
+    nothing, the loop reads the counts once for both linears. Same numbers either way."""
+    mlp = _experts(monkeypatch)
+    counts = torch.tensor([5, 0, 3, 8])
+    x, probs = torch.randn(16, 16), torch.rand(16)
+    monkeypatch.setenv(ENV, "grouped")
+    (grouped, _), reads_grouped = _host_reads(lambda: mlp(x, counts, probs))
+    monkeypatch.setenv(ENV, "loop")
+    (looped, _), reads_loop = _host_reads(lambda: mlp(x, counts, probs))
+    assert reads_grouped == 0 and reads_loop == 1
+    torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6)
