@@ -54,6 +54,20 @@ def test_bad_study_recipes_name_the_key(tmp_path):
         load_study(path)
 
 
+def test_a_study_recipes_counts_waits_and_names_are_bounded(tmp_path):
+    """parallel, stop_timeout_s and the cell names (run directories, run names) have maxima."""
+    from sorl_megatron.common.typed_config import ConfigError
+
+    path = tmp_path / "s.yaml"
+    base = "recipe: x.yaml\nstart_policy: p\nlosses: {a: []}\nstress: {b: []}\n"
+    for extra, message in [("parallel: 100000\n", r"parallel must be in \[1, 1024\], got 100000"),
+                           ("stop_timeout_s: 1.0e30\n", r"stop_timeout_s must be in \(0, 3600\] seconds"),
+                           (f"losses: {{{'x' * 250}: []}}\n", r"a cell name .* is 257 bytes; at most 200")]:
+        path.write_text(base.replace("losses: {a: []}\n", "") + extra if extra.startswith("losses") else base + extra)
+        with pytest.raises((ConfigError, ValueError), match=message):
+            load_study(path)
+
+
 def test_a_typo_in_the_last_cell_fails_before_the_first_trains(tmp_path, monkeypatch):
     """The whole grid is loaded before any cell starts: a bad override in the second stress
     level used to train the first cell fully before the error."""

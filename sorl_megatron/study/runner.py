@@ -67,6 +67,11 @@ RECORD_KEYS = ("val/em", "val/reward", "rollout/response_length", "rollout/valid
                "actor/is/ess_sequence")
 
 
+MAX_PARALLEL = 1024  # cells at once (the --parallel flag's bound too)
+MAX_STOP_TIMEOUT_S = 3600.0  # how long a stopped cell may take to exit
+MAX_CELL_NAME_BYTES = 200  # a run directory and logging.run_name (the recipe's own bound)
+
+
 @dataclass
 class StudyConfig:
     """A study recipe. ``recipe`` is relative to the study file; ``start_policy``, ``data`` and
@@ -108,8 +113,8 @@ class StudyConfig:
     def __post_init__(self) -> None:
         if not self.losses or not self.stress or not self.seeds:
             raise ValueError("losses, stress and seeds must each name at least one entry")
-        if self.parallel < 1:
-            raise ValueError(f"parallel must be >= 1, got {self.parallel}")
+        if not 1 <= self.parallel <= MAX_PARALLEL:
+            raise ValueError(f"parallel must be in [1, {MAX_PARALLEL}], got {self.parallel}")
         if not 0 < self.collapse_fraction < 1:
             raise ValueError(f"collapse_fraction must be in (0, 1), got {self.collapse_fraction}")
         for group in (self.losses, self.stress):
@@ -119,8 +124,14 @@ class StudyConfig:
         repeated = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
         if repeated:  # two cells would be one run directory
             raise ValueError(f"seeds lists {repeated} more than once: each seed is one cell, one run directory")
-        if self.stop_timeout_s <= 0:
-            raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s}")
+        if not 0 < self.stop_timeout_s <= MAX_STOP_TIMEOUT_S:
+            raise ValueError(f"stop_timeout_s must be in (0, {MAX_STOP_TIMEOUT_S:g}] seconds, "
+                             f"got {self.stop_timeout_s}")
+        longest = max(len(f"{loss}__{stress}__s{seed}".encode()) for loss in self.losses for stress in self.stress
+                      for seed in self.seeds)
+        if longest > MAX_CELL_NAME_BYTES:  # each cell is a run directory and a run name
+            raise ValueError(f"a cell name (<loss>__<stress>__s<seed>) is {longest} bytes; at most "
+                             f"{MAX_CELL_NAME_BYTES}: shorten the loss or stress names")
         for key in ("summary", "figures"):
             rel = Path(getattr(self, key))
             if rel.is_absolute() or ".." in rel.parts or rel.parts[:1] in ((), ("runs",)):  # () is "" or "."
@@ -501,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sorl_megatron.study", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="study recipe (YAML)")
-    parser.add_argument("--parallel", type=count(1, 1024), default=None, help="cells at once (default: the recipe's)")
+    parser.add_argument("--parallel", type=count(1, MAX_PARALLEL), default=None,
+                        help="cells at once (default: the recipe's)")
     parser.add_argument("--summarize", action="store_true", help="only rewrite the summary and the figures")
     parser.add_argument("--export", metavar="DIR", default=None,
                         help="only write the grid's record (its runs' metrics cut to what the summary reads) to "
