@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from datetime import timedelta
 from typing import Iterator, Optional
 
@@ -19,13 +18,6 @@ import torch.distributed as dist
 
 from .cpu_compat import apply_cpu_compat
 from .layout import LayoutError, ParallelLayout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # On GPU the default group takes both devices: NCCL alone has no backend for CPU tensors
 # ("No backend type associated with device type cpu"), and the object collectives of rank-0
@@ -43,9 +35,15 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600) -> N
     if dist.is_initialized():
         return
     _COLLECTIVE_TIMEOUT_S[:] = [float(timeout_s)]
+    timeout = timedelta(seconds=timeout_s)
+    store = None
     if "RANK" not in os.environ:  # plain `python ...`: a world of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if "MASTER_PORT" not in os.environ:
+            # the store binds a port the system picks (0): no window in which another process
+            # takes a port chosen here first (many single-process runs side by side, as in tests)
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, 1, True, timeout=timeout)
+            os.environ["MASTER_PORT"] = str(store.port)
         os.environ["RANK"] = "0"
         os.environ["WORLD_SIZE"] = "1"
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -53,7 +51,10 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600) -> N
         backend = GPU_BACKEND if torch.cuda.is_available() else "gloo"
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    if store is not None:
+        dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def init_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optional[str] = None) -> None:

@@ -92,7 +92,10 @@ class RoutedRows:
     def __getitem__(self, ids: torch.Tensor | slice) -> torch.Tensor:
         if isinstance(ids, slice):
             ids = torch.arange(self.batch_size)[ids]
-        ids = torch.as_tensor(ids, dtype=torch.long)
+        ids = torch.as_tensor(ids)
+        if ids.dtype == torch.bool:  # a row mask, as the dense tensor takes one
+            ids = ids.nonzero().flatten()
+        ids = ids.to(torch.long)
         out = torch.full((len(ids), self.seq_len) + tuple(self.values.shape[1:]), -1, dtype=self.dtype)
         real = ids < self.batch_size
         want = ids[real]

@@ -64,6 +64,8 @@ def test_packed_routes_send_what_the_dense_ones_do():
         assert torch.equal(route_payload(packed, b.attention_mask, rows, torch.int8),
                            route_payload(b.routed_experts, b.attention_mask, rows, torch.int8))
     assert torch.equal(packed[torch.arange(4)], b.routed_experts)
+    mask = torch.tensor([True, False, True, True])  # a row mask reads as on the dense tensor
+    assert torch.equal(packed[mask], b.routed_experts[mask])
 
 
 def test_validation_reads_the_held_rows():
