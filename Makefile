@@ -61,12 +61,12 @@ demo: setup
 toy-demo: setup
 	$(PY) -m sorl_megatron.toy_demo
 
-# The whole suite, every test, on TEST_WORKERS processes (pytest-xdist; one per core, at most 4:
-# the end-to-end tests start servers and torchrun ranks of their own). Each test file stays on
-# one worker (--dist loadfile), so a file's module fixtures are built once. pytest prints the
-# wall time at the end, after the 15 slowest tests. test-quick leaves out the tests marked slow
+# The whole suite, every test. TEST_WORKERS=N runs it on N pytest-xdist processes, each test file on
+# one (--dist loadfile); the default stays 1 until the tests that pick a free port and bind it later
+# stop racing each other (EADDRINUSE seen with 2 workers: results/test-duration.md). pytest prints the
+# 15 slowest tests and the wall time at the end. test-quick leaves out the tests marked slow
 # (multi-process and end-to-end); CI runs `make test`.
-TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(4, os.cpu_count() or 1))' 2>/dev/null || echo 2)
+TEST_WORKERS ?= 1
 PYTEST_ARGS = -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test: dev-setup
