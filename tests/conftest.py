@@ -18,6 +18,8 @@ import importlib
 import os
 import sys
 
+import pytest
+
 KERNEL_MODULES = ("triton.language", "sorl_kernels.segment", "sorl_kernels.logprobs", "sorl_kernels.surrogate")
 
 
@@ -38,3 +40,20 @@ def _import_interpreted() -> None:
 
 
 _import_interpreted()
+
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_launch_vars_leak_to_child_processes():
+    """A test that starts a world of one in this process leaves RANK / MASTER_PORT in os.environ
+    (init_distributed writes them); a later test's child process would inherit that port and fail to
+    bind it (EADDRINUSE). The group stays up in this process; its children start their own."""
+    before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
