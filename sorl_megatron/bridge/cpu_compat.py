@@ -63,7 +63,7 @@ class CpuPatch:
     name: str
     why: str
     targets: Callable[[], list[tuple[Any, str, Any]]]
-    when: str = "on_cpu"  # the condition it mends: ON_CPU, WITHOUT_TE or WITHOUT_FUSED_ADAM
+    when: str = ON_CPU  # the condition it mends: ON_CPU, WITHOUT_TE or WITHOUT_FUSED_ADAM
     saved: list[tuple[Any, str, Any, bool]] = field(default_factory=list)
 
     def apply(self) -> None:
