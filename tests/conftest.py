@@ -47,9 +47,8 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 
 @pytest.fixture(autouse=True)
 def _no_launch_vars_leak_to_child_processes():
-    """A test that starts a world of one in this process leaves RANK / MASTER_PORT in os.environ
-    (init_distributed writes them); a later test's child process would inherit that port and fail to
-    bind it (EADDRINUSE). The group stays up in this process; its children start their own."""
+    """A test that sets RANK / MASTER_PORT in os.environ (init_distributed no longer does) must not
+    hand them to a later test's child process, which would inherit a bound port (EADDRINUSE)."""
     before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
     yield
     for key, value in before.items():

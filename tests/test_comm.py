@@ -153,3 +153,23 @@ def test_the_process_group_takes_the_recipes_timeout():
                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("0:00:12.500000")
+
+
+def test_a_world_of_one_leaves_no_launch_variables_for_its_children():
+    """A world of one passes its store to torch explicitly and writes nothing to os.environ: a
+    child it starts (a benchmark, a study cell) must start its own world. When it exported RANK
+    and its bound MASTER_PORT, four tests' children failed with EADDRINUSE in a serial run."""
+    import subprocess
+    import sys
+
+    code = ("import os, torch.distributed as dist\n"
+            "from sorl_megatron.bridge.parallel import init_distributed\n"
+            "init_distributed()\n"
+            "assert dist.get_world_size() == 1 and dist.get_rank() == 0\n"
+            "print(sorted(k for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT') "
+            "if k in os.environ))\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

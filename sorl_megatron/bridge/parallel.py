@@ -36,25 +36,22 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600) -> N
         return
     _COLLECTIVE_TIMEOUT_S[:] = [float(timeout_s)]
     timeout = timedelta(seconds=timeout_s)
-    store = None
-    if "RANK" not in os.environ:  # plain `python ...`: a world of one
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            # the store binds a port the system picks (0): no window in which another process
-            # takes a port chosen here first (many single-process runs side by side, as in tests)
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, 1, True, timeout=timeout)
-            os.environ["MASTER_PORT"] = str(store.port)
-        os.environ["RANK"] = "0"
-        os.environ["WORLD_SIZE"] = "1"
-        os.environ.setdefault("LOCAL_RANK", "0")
     if backend is None:
         backend = GPU_BACKEND if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:  # torchrun (or a launcher like it): the env:// rendezvous
+        if "nccl" in backend:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    # plain `python ...`: a world of one. Its store binds a port the system picks (0, unless
+    # MASTER_PORT names one): no window in which another process takes a port chosen here first.
+    # Nothing is written to os.environ: a child process this one starts (a benchmark, a study
+    # cell, a test's subprocess) must start its own world, not inherit RANK and a bound port.
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    store = dist.TCPStore(addr, int(os.environ.get("MASTER_PORT", "0")), 1, True, timeout=timeout)
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if store is not None:
-        dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
 def init_parallel(layout: ParallelLayout, seed: int = 1234, backend: Optional[str] = None) -> None:

@@ -115,8 +115,8 @@ def assert_finite(row: dict, what: str) -> None:
 
 
 def subprocess_env() -> dict:
-    """The environment for a child launch: no torch.distributed variables leaked from an
-    in-process world of one (init_distributed sets RANK/WORLD_SIZE/MASTER_* in os.environ)."""
+    """The environment for a child launch: no torch.distributed variables from this process's
+    environment (a test run under a launcher, or a test that set them)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):

@@ -16,8 +16,8 @@ BASE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_search_base.yaml"
 
 @pytest.fixture(autouse=True)
 def _no_process_group(monkeypatch):
-    """A world of one without torch.distributed: init_distributed would leave RANK / MASTER_*
-    in os.environ for the process (the checkpoint helpers work without a group)."""
+    """A world of one without torch.distributed: the checkpoint helpers work without a group, and
+    none is left up in the test process."""
     import sorl_megatron.trainer.rl_loop as rl_loop
 
     monkeypatch.setattr(rl_loop, "init_distributed", lambda **kw: None)
