@@ -49,6 +49,16 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return sq / denom.clamp(min=1)
 
 
+# Device types whose values the host reads without waiting for a queue of work: there a metric or
+# statistic may branch on a value (the cheapest pass); elsewhere the branch-free passes run.
+HOST_READ_FREE_DEVICES = ("cpu",)
+
+
+def host_reads_free(tensor: torch.Tensor) -> bool:
+    """Whether reading ``tensor``'s values on the host costs no wait (:data:`HOST_READ_FREE_DEVICES`)."""
+    return tensor.device.type in HOST_READ_FREE_DEVICES
+
+
 def count64(indicator: torch.Tensor) -> torch.Tensor:
     """The number of true entries of a bool tensor as a float64 scalar: the value of
     ``indicator.sum(dtype=torch.float64)`` (counts are exact in float64), by an integer count,

@@ -31,6 +31,7 @@ from typing import Iterable
 
 import torch
 
+from .aggregation import host_reads_free
 from .config import ClipBiasConfig
 from .turns import TurnSegments, segment_sum
 
@@ -79,7 +80,9 @@ def clip_bias_terms(
         if segments is None:
             prod = coef * ratio.detach()
             scalar = prod.sum() if s is None else s.detach()
-            vector = torch.where(raw_level_log_ratio.abs() <= clamp, prod, zero)  # clamp passes gradient here
+            vector = prod
+            if not _within_clamp(raw_level_log_ratio, clamp):  # the clamp passes gradient where |log r| <= clamp
+                vector = torch.where(raw_level_log_ratio.abs() <= clamp, prod, zero)
             sq_sum = torch.dot(vector.reshape(-1), vector.reshape(-1))
         else:
             unit_coef = segment_sum(coef, segments)
@@ -90,6 +93,15 @@ def clip_bias_terms(
             per_token = torch.where(live, unit_coef * w / length, zero)  # c_t of every token of the unit
             sq_sum = (per_token * per_token * length).sum()
     return ClipBiasTerms(surrogate=s, scalar=scalar, sq_sum=sq_sum)
+
+
+def _within_clamp(log_ratio: torch.Tensor, clamp: float) -> bool:
+    """Whether no log-ratio reaches past the clamp, where the host reads that for free (one
+    ``aminmax`` instead of a masked pass); ``False`` elsewhere (the branch-free pass runs)."""
+    if not host_reads_free(log_ratio) or log_ratio.numel() == 0:
+        return False
+    lo, hi = torch.aminmax(log_ratio.detach())
+    return bool(lo >= -clamp) and bool(hi <= clamp)
 
 
 def clip_bias_norm(scalar: torch.Tensor, sq_sum: torch.Tensor, mode: str) -> torch.Tensor:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from .aggregation import count64, masked_max, masked_min, sum64
+from .aggregation import count64, host_reads_free, masked_max, masked_min, sum64
 from .clip_bias import ClipBiasTerms
 from .config import PolicyLossConfig
 from .diagnostics import turn_ratio_spread, turn_ratio_spread_of
 from .loss_registry import PolicyLossSpec
 from .loss_state import LossInputs, Ratios
 from .mismatch import clip_counts
-from .surrogate import SurrogateTerms
+from .surrogate import SurrogateTerms, ppo_clipped_surrogate
 
 
 @torch.no_grad()
@@ -38,7 +38,7 @@ def loss_metrics(
     if spec.ratio_level != "token":
         metrics.update(_level_ratio_metrics(inputs, config, spec, ratios, tokens))
     metrics.update(is_metrics)
-    metrics.update(_clip_count_metrics(inputs, config, spec, ratios, tokens))
+    metrics.update(_clip_count_metrics(inputs, config, spec, ratios, terms, tokens))
     return metrics
 
 
@@ -93,19 +93,32 @@ def _level_ratio_metrics(
 ) -> dict[str, torch.Tensor]:
     prefix = "turn_ratio" if spec.ratio_level == "turn" else "seq_ratio"
     clamp = config.log_ratio_clamp
-    level_lo, level_hi = _masked_extremes(ratios.level_log_ratio.detach(), inputs.mask)
+    if spec.token_gradient:  # GSPO-token's log-ratio carries each token's own gradient: read per token
+        level_lo, level_hi = _masked_extremes(ratios.level_log_ratio.detach(), inputs.mask)
+        ratio_sum = _sum_off_ones(ratios.ratio.detach(), tokens)
+    else:  # constant over each unit: one value per unit, weighted by its length
+        segments = ratios.segments
+        unit_lr = segments.per_segment(ratios.level_log_ratio.detach())
+        ratio_sum = (segments.per_segment(ratios.ratio.detach()).double() * segments.segment_length.double()).sum()
+        level_lo, level_hi = torch.aminmax(unit_lr) if unit_lr.numel() else (unit_lr.new_zeros(()),) * 2
     return {
-        f"{prefix}/mean": (_sum_off_ones(ratios.ratio.detach(), tokens) / tokens.clamp(min=1)).float(),
+        f"{prefix}/mean": (ratio_sum / tokens.clamp(min=1)).float(),
         f"{prefix}/min": _ratio_of(level_lo, clamp, tokens),
         f"{prefix}/max": _ratio_of(level_hi, clamp, tokens),
     }
 
 
 def _clip_count_metrics(
-    inputs: LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: Ratios, tokens: torch.Tensor
+    inputs: LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: Ratios, terms: SurrogateTerms,
+    tokens: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """Leading indicators: tokens clipped by their own ratio, turns by their turn ratio (SORL eq. 4).
-    A turn-level loss's own turn log-ratios (the same float32 sums) are read, not summed again."""
+    A turn-level loss's own turn log-ratios (the same float32 sums) are read, not summed again; a
+    token-level loss with PPO's clipped surrogate and no turns counts its own indicators (its
+    ratio is the token ratio: ``clip_high | clip_low`` is the token clip)."""
+    if spec.ratio_level == "token" and spec.surrogate is ppo_clipped_surrogate and ratios.turns is None:
+        clipped = count64(terms.clip_high) + count64(terms.clip_low)
+        return {"clip_frac/token": (clipped / tokens.clamp(min=1)).float()}
     own = None
     if (spec.ratio_level == "turn" and not spec.token_gradient and ratios.turns is not None
             and ratios.token_log_ratio.dtype == torch.float32):
@@ -124,17 +137,12 @@ def _sum_off_ones(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return sum64(values) - (values.numel() - tokens)
 
 
-# Device types whose values the host reads without waiting for a queue of work: there the extremes
-# branch on a value (the cheapest pass), elsewhere they take the branch-free passes.
-HOST_READ_FREE_DEVICES = ("cpu",)
-
-
 def _masked_extremes(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(min, max)`` over the mask of a tensor that is exactly 0 off it; ``(0, 0)`` without
     policy tokens. Both ways give the same numbers (min and max are exact)."""
     if values.numel() == 0:  # a shape, not a value
         return values.new_zeros(()), values.new_zeros(())
-    if values.device.type in HOST_READ_FREE_DEVICES:
+    if host_reads_free(values):
         return _extremes_branching(values, mask)
     return _extremes_on_device(values, mask)
 
@@ -143,7 +151,7 @@ def _extremes_branching(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch
     """One ``aminmax`` over the whole tensor, and a masked pass only when an extreme is the 0
     that may come from off the mask."""
     lo, hi = torch.aminmax(values)
-    tokens = int(mask.sum())
+    tokens = int(torch.count_nonzero(mask))
     if tokens == 0:
         return torch.zeros_like(lo), torch.zeros_like(hi)
     if tokens < values.numel():

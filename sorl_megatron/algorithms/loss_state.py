@@ -36,8 +36,9 @@ class Ratios:
         token_log_ratio: ``log pi - log pi_old``, unclamped, exactly 0 off the mask.
         clamped_log_ratio: the same clamped to ``[-log_ratio_clamp, log_ratio_clamp]``.
         token_ratio: ``exp`` of the clamped token log-ratio (1 off the mask).
-        level_log_ratio: the unclamped log of the loss ratio (GSPO-token: its value with each
-            token's own gradient).
+        level_log_ratio: the unclamped log of the loss ratio, detached at turn and sequence
+            level off the Triton device (nothing differentiates it); at token level the token's
+            own, and GSPO-token's its value with each token's own gradient.
         ratio: the loss ratio, clamped in log space, with gradient (1 off the mask).
     """
 

@@ -96,7 +96,10 @@ def clip_counts(
         if adv.dim() == 1:
             adv = adv[:, None].expand_as(lr)
         log_low, log_high = torch.log(torch.tensor(low)), torch.log(torch.tensor(high))
-        tok = (((adv > 0) & (lr > log_high)) | ((adv < 0) & (lr < log_low))) & m
+        # clipped: A > 0 and log r > log_high, or A < 0 and log r < log_low; with the band's
+        # middle and half-width, sign(A) (log r - middle) > half-width says both (A = 0: never)
+        middle, half = (log_high + log_low) / 2, (log_high - log_low) / 2
+        tok = (torch.sign(adv) * (lr - middle) > half) & m
         out = {"tokens_clipped": count64(tok), "tokens": count64(m)}
         if turns is not None:
             length = turns.segment_length.float()

@@ -41,7 +41,7 @@ from .kl import kl_penalty
 from .loss_metrics import loss_metrics
 from .loss_registry import PolicyLossSpec
 from .loss_state import LossInputs, Ratios
-from .ratios import level_log_ratio, masked_log_ratio, segments_for_level
+from .ratios import level_log_ratio, masked_log_ratio, segments_for_level, unit_ratio
 from .surrogate import SurrogateInputs, SurrogateTerms
 from .turns import segment_turns
 
@@ -304,11 +304,12 @@ def _ratios(inputs: LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec) 
     token_ratio = torch.exp(token_lr)  # 1 off the mask
     if spec.ratio_level == "token":
         level_lr_raw, ratio = token_lr_raw, token_ratio
-    else:
+    elif spec.token_gradient:  # GSPO-token: the value of s_i, the gradient of token t alone (times s_i)
         level_lr_raw = level_log_ratio(token_lr_raw, spec.ratio_level, segments, clamp=None)
-        if spec.token_gradient:  # GSPO-token: the value of s_i, the gradient of token t alone (times s_i)
-            level_lr_raw = level_lr_raw.detach() + token_lr_raw - token_lr_raw.detach()
+        level_lr_raw = level_lr_raw.detach() + token_lr_raw - token_lr_raw.detach()
         ratio = torch.exp(level_lr_raw.clamp(-clamp, clamp))
+    else:
+        level_lr_raw, ratio = unit_ratio(token_lr_raw, segments, clamp)
     return Ratios(turns, segments, token_lr_raw, token_lr, token_ratio, level_lr_raw, ratio)
 
 

@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 
+from . import dispatch
 from .turns import TurnSegments, broadcast_segments, row_segments, segment_mean_broadcast, segment_sum
 
 RatioLevel = Literal["token", "turn", "sequence"]
@@ -52,6 +53,27 @@ def level_log_ratio(
         else:
             out = broadcast_segments(segment_sum(token_log_ratio, segments), segments)
     return out if clamp is None else out.clamp(-clamp, clamp)
+
+
+def unit_ratio(
+    token_log_ratio: torch.Tensor, segments: TurnSegments, clamp: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_ratio, ratio)`` of each token's unit (turn or row; geometric mean), broadcast to
+    its tokens: the log unclamped, the ratio ``exp`` of it clamped, with gradient (1 off the
+    mask).
+
+    The unit's log and ratio are taken once per unit and broadcast (the log detached: nothing
+    differentiates it); on the Triton device the fused mean-and-broadcast kernel gives the log
+    per token, with gradient, and the ratio follows from it. The same values either way.
+    """
+    if dispatch.use_triton(token_log_ratio):
+        log_ratio = segment_mean_broadcast(token_log_ratio, segments)
+        return log_ratio, torch.exp(log_ratio.clamp(-clamp, clamp))
+    unit = segment_sum(token_log_ratio, segments) / segments.segment_length.to(token_log_ratio.dtype)
+    ratio = broadcast_segments(torch.exp(unit.clamp(-clamp, clamp)), segments, fill=1.0)
+    with torch.no_grad():
+        log_ratio = broadcast_segments(unit.detach(), segments)
+    return log_ratio, ratio
 
 
 def segments_for_level(

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sorl_megatron.algorithms import PolicyLossConfig, compute_policy_loss, loss_denominators, loss_metrics
+from sorl_megatron.algorithms import PolicyLossConfig, aggregation, compute_policy_loss, loss_denominators, loss_metrics
 from sorl_megatron.algorithms.diagnostics import abs_log_ratio_histogram
 from sorl_megatron.bridge.local_spec import LocalDotProductAttention
 from sorl_megatron.engine import routing_replay
@@ -178,8 +178,8 @@ class _HostReads(TorchDispatchMode):
 
 @pytest.fixture
 def as_on_a_gpu(monkeypatch):
-    """The loss metrics' GPU path on the CPU: no device type whose values the host reads for free."""
-    monkeypatch.setattr(loss_metrics, "HOST_READ_FREE_DEVICES", ())
+    """The loss's GPU path on the CPU: no device type whose values the host reads for free."""
+    monkeypatch.setattr(aggregation, "HOST_READ_FREE_DEVICES", ())
 
 
 def _update_bookkeeping(loss: str, micro: int, diagnostics: bool = False) -> Counter:
