@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,17 @@ def test_every_recipe_key_is_on_the_page():
     assert "rollout.async.pause_mode" in keys and len(keys) > 100
     missing = [k for k in keys if f"| `{k}` |" not in page]
     assert not missing, f"recipe keys missing from docs/reference/recipe-keys.md: {missing}"
+
+
+def test_every_recipe_key_says_what_it_does():
+    """Each key's row on the generated page has a non-empty "what" cell: a field without a
+    comment (a ``#`` line above it, one at the end of its line, or an ``Attributes:`` entry of
+    its class) would leave the reader only its name."""
+    page = GEN.PAGES["recipe-keys.md"]()
+    rows = [re.split(r"(?<!\\)\|", line)[1:-1] for line in page.splitlines() if line.startswith("| `")]
+    assert len(rows) > 100 and all(len(cells) == 4 for cells in rows)  # key, type, default, what
+    empty = [key.strip(" `") for key, _, _, what in rows if not what.strip()]
+    assert not empty, f"recipe keys without a description (comment their dataclass fields): {empty}"
 
 
 def test_check_mode_reports_a_stale_page(tmp_path, monkeypatch, capsys):

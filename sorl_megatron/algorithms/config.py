@@ -56,6 +56,10 @@ class ClipBiasConfig:
             ``min(1, relative_threshold * m / ||C||)`` with ``m`` a running mean of ``||C||``
             (``ema_decay``; an engine keeps it), so it engages on spikes of the clipping bias
             whatever its typical size.
+        relative_threshold: ``k`` of the ``relative`` form: a mini-batch's step shrinks once its
+            ``||C||`` exceeds ``k * m``; > 0.
+        ema_decay: decay ``d`` of the ``relative`` form's running mean, ``m <- d * m + (1 - d) *
+            min(||C||, k * m)`` after each mini-batch with a clipped token; in [0, 1).
         apply_to: where an engine applies the factor: ``lr`` (that optimizer step's learning
             rate: under Adam the parameter update scales by exactly the factor; the default),
             ``clipped_grad`` (the gradient after global clipping, before Adam) or ``grad`` (the
@@ -100,6 +104,9 @@ class SAPOConfig:
     """SAPO conditional KL: ``gamma * (-log r_t)`` on drifting tokens of good trajectories.
 
     Attributes:
+        gamma: SAPO's penalty coefficient ``gamma`` (``loss.name: sapo``); >= 0.
+        tau: SAPO's ratio threshold ``tau``: the penalty acts on tokens whose ``r_t = pi / pi_old`` is
+            below it (``listing``: at or below it); > 0.
         variant: ``eq11``: eq. 9-11 as written: tokens with ``r_t < tau`` and ``A_t > 0``, the
             penalty aggregated with the loss's own weights (inside eq. 9's sum). ``listing``:
             the paper's code listing (appendix A.6): rows whose advantage (at their first
@@ -135,13 +142,20 @@ class SAPOConfig:
 
 @dataclass
 class ISCorrectionConfig:
-    """Train/inference importance-sampling correction (MiniRL).
+    """Train/inference importance-sampling correction (MiniRL): tokens are weighted by the
+    detached ``pi_old / mu`` (``mu`` = rollout engine).
 
-    Tokens are weighted by the detached ``pi_old / mu`` (``mu`` = rollout engine) at token,
-    turn or sequence level; ``tis`` truncates the weight at ``cap``, ``mis`` zeroes tokens
-    whose weight lies outside ``[low, high]``. Turn/sequence weights are geometric means of the
-    token ratios (the default), or their products with ``geometric=False``: a product over a long
-    turn or episode collapses towards 0 (``is_correction.py``'s module doc).
+    Attributes:
+        mode: ``off`` (weight 1; the mismatch metrics are still logged), ``tis`` (truncated IS:
+            the weight capped at ``cap``) or ``mis`` (masked IS: a token whose weight lies outside
+            ``[low, high]`` gets 0, the others keep theirs).
+        level: ``token`` (each token's own ratio), ``turn`` or ``sequence`` (one weight per turn /
+            row, so a whole turn or row is truncated or masked together).
+        geometric: turn / sequence weights are geometric means of the token ratios; false: their
+            products, which collapse towards 0 over a long turn or episode (``is_correction.py``'s
+            module doc).
+        cap: the ``tis`` bound, ``min(w, cap)``; > 0.
+        low / high: the ``mis`` interval a weight is kept in, ``low <= w <= high``; ``0 <= low < high``.
     """
 
     mode: ISMode = "off"
@@ -174,8 +188,9 @@ class PolicyLossConfig:
             to ``eps_low`` (symmetric clipping).
         dual_clip: dual-clip constant ``c > 1`` bounding the loss of negative-advantage tokens
             at ``-c * A``; ``None`` disables it.
-        loss_agg: aggregation mode (``aggregation.py``); ``norm_length`` is the constant ``L``
-            of ``seq-mean-token-sum-norm`` (verl's ``loss_scale_factor``; default: padded length).
+        loss_agg: aggregation mode (``aggregation.py``).
+        norm_length: the constant ``L``, in tokens, of ``seq-mean-token-sum-norm`` (``g_t = 1 / L``,
+            verl's ``loss_scale_factor``); None: the padded sequence length. Other modes ignore it.
         log_ratio_clamp: log-ratios are clamped to ``[-c, c]`` before ``exp``.
         kl_coef / kl_estimator: KL-to-reference loss ``kl_coef * agg(k)``, k in k1/k2/k3.
         entropy_coef: entropy bonus ``- entropy_coef * agg(H)``.

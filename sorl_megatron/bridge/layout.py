@@ -43,25 +43,33 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """How one model is split over ranks.
+    """How one model is split over ranks. The process group's bounds (the timeouts) and the memory
+    keys (gpu_memory_gib, recompute, planned_world_size) ride along: they are not part of the
+    layout, and equality ignores them.
 
-    tp: tensor parallel, pp: pipeline stages, vpp: virtual stages per pipeline rank
-    (interleaved schedule; 1 = off), ep: expert parallel, etp: expert tensor parallel
-    (None = same as tp, megatron's default), cp: context parallel (only 1 is tested here).
-    sequence_parallel: None = on whenever tp > 1 (MoE layers require it with TP).
-    first_stage_layers / last_stage_layers: uneven pipeline stages (megatron's
-    ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``): the
-    layers of the first / last pipeline rank; the other layers split evenly over the middle
-    ranks. None = even split. With VPP each pipeline rank's layers split evenly over its chunks.
-
-    The process group's bounds ride along (not part of the layout: equality ignores them):
-    collective_timeout_s: every collective's timeout (the NCCL watchdog's);
-    rank0_phase_timeout_s: how long the other ranks wait for a phase only rank 0 runs (rollouts,
-    validation, PVPO's reference pass, SFT's demonstrations) before they stop naming it.
-    Nor do the memory keys: gpu_memory_gib, the per-GPU budget a GPU run's memory estimate must fit
-    (trainer/recipe/memory_plan.py); recompute, activation recomputation (megatron's recompute_granularity:
-    none, selective = its default core-attention modules, full = every layer, uniform);
-    planned_world_size, the GPUs the recipe is laid out for (the plan's DP size without WORLD_SIZE).
+    Attributes:
+        tp: tensor-parallel size (it divides the attention and KV heads and the FFN sizes).
+        pp: pipeline-parallel stages (1 = off).
+        vpp: virtual stages per pipeline rank (megatron's interleaved schedule; 1 = off, > 1 needs pp > 1).
+        ep: expert-parallel size (MoE models; it divides the routed experts).
+        etp: expert tensor-parallel size (None = same as tp, megatron's default).
+        cp: context-parallel size; only 1 is supported (a larger one is refused at launch).
+        sequence_parallel: megatron's sequence parallelism, only ever on with tp > 1; None = on
+            whenever tp > 1 (MoE layers require it with TP).
+        first_stage_layers / last_stage_layers: uneven pipeline stages (megatron's
+            ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``): the
+            decoder layers of the first / last pipeline rank, the other layers split evenly over the
+            middle ranks; needs pp > 1. None = even split. With VPP each pipeline rank's layers split
+            evenly over its chunks.
+        collective_timeout_s: every collective's timeout in seconds (the NCCL watchdog's).
+        rank0_phase_timeout_s: how long, in seconds, the other ranks wait for a phase only rank 0 runs
+            (rollouts, validation, PVPO's reference pass, SFT's demonstrations) before they stop naming it.
+        gpu_memory_gib: the per-GPU budget in GiB a GPU run's memory estimate must fit
+            (trainer/recipe/memory_plan.py); None: the device's reported memory.
+        recompute: activation recomputation (megatron's recompute_granularity): none; selective = its
+            default core-attention modules; full = every layer (uniform).
+        planned_world_size: the GPUs the recipe is laid out for: the world size of the weight-sync
+            plan and of the memory plan without WORLD_SIZE (None: the smallest world the layout needs).
     """
 
     tp: int = 1
@@ -75,7 +83,6 @@ class ParallelLayout:
     last_stage_layers: Optional[int] = None
     collective_timeout_s: float = field(default=1800.0, compare=False)
     rank0_phase_timeout_s: float = field(default=7200.0, compare=False)
-    # None: the device's reported memory (memory plan: trainer/recipe/memory_plan.py)
     gpu_memory_gib: Optional[float] = field(default=None, compare=False)
     recompute: Literal["none", "selective", "full"] = field(default="none", compare=False)
     planned_world_size: Optional[int] = field(default=None, compare=False)

@@ -30,9 +30,11 @@ class Fp8Error(ValueError):
 class Fp8Options:
     """``model.fp8`` of a recipe (and ``ModelOptions.fp8``)."""
 
+    # the TE layers' GEMMs in FP8 (TransformerEngine on a GPU of compute capability >= 8.9; checked at launch)
     enabled: bool = False
     format: Literal["e4m3", "hybrid"] = "e4m3"  # hybrid: e4m3 forward, e5m2 gradients
     recipe: Literal["delayed", "blockwise"] = "delayed"  # blockwise: 128x128 / 1x128 scales (Hopper)
+    # FP8 in the forward-only passes only (old / reference log-probs, values); false: in training too
     forward_only: bool = True
 
     def validate(self, prefix: str = "model.fp8") -> None:

@@ -31,16 +31,18 @@ class OptimConfig:
     TP-duplicated parameters counted once (megatron's ``get_grad_norm_fp32``).
     """
 
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    warmup_steps: int = 0
+    lr: float = 1e-6  # the peak learning rate (after warm-up); > 0
+    min_lr: float = 0.0  # where a linear / cosine decay ends; in [0, lr]
+    warmup_steps: int = 0  # optimizer steps of linear warm-up to lr (0: none)
+    # the optimizer step a decay reaches min_lr at (> warmup_steps); null: the run's length (the trainer's)
     decay_steps: Optional[int] = None
-    lr_schedule: LRSchedule = "constant"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr_schedule: LRSchedule = "constant"  # after warm-up: lr throughout, or a linear / cosine decay to min_lr
+    weight_decay: float = 0.0  # Adam's weight decay, the same at every step; >= 0
+    adam_beta1: float = 0.9  # Adam's beta1; in [0, 1)
+    adam_beta2: float = 0.999  # Adam's beta2; in [0, 1)
+    adam_eps: float = 1e-8  # Adam's epsilon; > 0
+    clip_grad: float = 1.0  # the global max gradient norm (0 = off)
+    # megatron's DistributedOptimizer: the optimizer state (fp32 main parameters, Adam moments) sharded over DP
     use_distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:

@@ -45,7 +45,7 @@ MAX_SEED = 2**31 - 1  # schedule.seed's upper bound
 class ModelConfig:
     """HF checkpoint of the policy (and the critic's initialization)."""
 
-    path: str = ""
+    path: str = ""  # the policy's HF model directory (config.json, weights, tokenizer); required
     critic_path: Optional[str] = None  # default: same as `path`
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     fp8: Fp8Options = field(default_factory=Fp8Options)  # TE FP8 (bridge/te_fp8.py); checked at launch
@@ -77,9 +77,10 @@ class AdvantageConfig:
     critic), grpo (group normalization) or pvpo (static V, PVPO eq. 10)."""
 
     estimator: str = "gae"  # the default loss (ppo) is defined on a critic's advantages
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  # GAE's discount gamma between successive policy tokens (gae only); in [0, 1]
+    lam: float = 1.0  # GAE's lambda (gae only); in [0, 1]
     normalize_std: bool = True  # grpo only
+    # the estimator's advantages whitened: mean 0, std 1 over the batch's policy tokens (any estimator)
     whiten: bool = False
 
     def validate(self, prefix: str = "advantage") -> None:
@@ -118,6 +119,8 @@ class PVPOConfig:
 class AlgorithmConfig:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    # MoE routing replay (needs an MoE model): r2: the update replays the experts the old-logprob pass
+    # recorded; r3: every actor pass (old log-probs included) replays the experts the rollout servers returned
     routing_replay: Literal["off", "r2", "r3"] = "off"
     value_clip: Optional[float] = 0.2  # clipped value loss range; null = unclipped
     pvpo: PVPOConfig = field(default_factory=PVPOConfig)
@@ -153,9 +156,10 @@ class AlgorithmConfig:
 class RetrievalConfig:
     """No URL = start the embedded BM25 server over `corpus`."""
 
-    url: Optional[str] = None
+    url: Optional[str] = None  # a running retrieval server (http(s) URL); null: the embedded one
+    # the JSONL passages ({"id", "contents"} rows, Search-R1's format) the embedded server indexes; required without url
     corpus: str = ""
-    topk: int = 3
+    topk: int = 3  # passages per search
     timeout_s: float = 30.0  # per /retrieve call (not retried after a timeout: a hung server fails after this)
     health_timeout_s: float = 10.0  # per GET /health, asked before each rollout phase
     retries: int = 2  # extra attempts after a refused connection or a 5xx answer
@@ -174,10 +178,10 @@ class RetrievalConfig:
 
 @dataclass
 class DataConfig:
-    train: str = ""
+    train: str = ""  # the training parquet file (verl / Search-R1 rows); required
     val: Optional[str] = ""  # empty or null (``data.val=``): no validation
     max_prompt_tokens: int = 256  # longer prompts are an error naming the row; < rollout.max_total_tokens
-    shuffle: bool = True
+    shuffle: bool = True  # a new order of data.train each epoch (seeded: schedule.seed, epoch); false: file order
     # rows each validation plays (0: all): a fixed seeded sample of the validation split, the same
     # at every evaluation, so a 51,713-row split does not stall the run at each val_every
     val_max_rows: int = 0
@@ -197,7 +201,7 @@ class OptimizerConfig(OptimConfig):
     step), not RL steps; ``decay_steps`` (null) is derived from the run's length.
     """
 
-    critic_lr: float = 1e-5
+    critic_lr: float = 1e-5  # the critic's peak learning rate (gae; the actor's schedule); > 0
     critic_warmup_steps: Optional[int] = None  # None: warmup_steps
 
     def validate(self, prefix: str = "optimizer") -> None:
@@ -243,16 +247,17 @@ class ScheduleConfig:
     log-probs and the old pass forwards only the others (docs/concepts/engine.md; ``RLTrainer`` says
     where it does not apply)."""
 
-    total_steps: int = 10
-    batch_size: int = 8
-    mini_batch_size: int = 16
-    micro_batch_size: int = 4
-    pack_sequences: bool = False
-    max_tokens_per_micro_batch: Optional[int] = None
-    ppo_epochs: int = 1
-    critic_epochs: int = 1
-    val_every: int = 5
-    seed: int = 1234
+    total_steps: int = 10  # RL steps of the run
+    batch_size: int = 8  # prompts per RL step
+    mini_batch_size: int = 16  # trajectories per optimizer step (all DP ranks); divides batch_size x rollout.group_size
+    micro_batch_size: int = 4  # padded rows per forward/backward on one DP rank (above); fixed: divides mini_batch_size
+    pack_sequences: bool = False  # one packed row of trajectories per micro-batch (above)
+    max_tokens_per_micro_batch: Optional[int] = None  # a micro-batch's tokens (above); >= rollout.max_total_tokens
+    ppo_epochs: int = 1  # passes of the actor's update over each batch
+    critic_epochs: int = 1  # passes of the critic's update over each batch (gae)
+    val_every: int = 5  # validate every K RL steps, before step 1 and after the last (0: only those two)
+    seed: int = 1234  # seeds the prompt order, batch shuffles, SFT batches, the servers' sampling; in [0, 2^31 - 1]
+    # (above) ignored with R2, with routes from the rollout (R3, route flips) and with FP8 forward-only passes
     old_logprobs_from_update: bool = True
 
     @property
@@ -277,14 +282,14 @@ class ScheduleConfig:
 class SFTConfig:
     """Cold-start supervised stage on gold trajectories, before RL."""
 
-    enabled: bool = False
-    steps: int = 100
-    lr: float = 1e-3
+    enabled: bool = False  # RL then starts from this stage's policy, <logging.dir>/<logging.run_name>/sft_model
+    steps: int = 100  # SFT optimizer steps
+    lr: float = 1e-3  # the SFT stage's LR: constant, no warm-up (optimizer.clip_grad applies); > 0
     batch_size: int = 16  # gold trajectories per optimizer step
     # the SFT engine's micro-batches, None = the schedule's (schedule.micro_batch_size /
     # pack_sequences); the CPU demo packs its whole SFT batch into one row, its fastest SFT step
     micro_batch_size: Optional[int] = None
-    pack_sequences: Optional[bool] = None
+    pack_sequences: Optional[bool] = None  # None: schedule.pack_sequences
     # a resumable checkpoint every K steps into <checkpoint.dir>/sft/step_K (0 = none: an interrupted
     # SFT starts over); checkpoint.keep_last applies, and they are removed once sft_model is written
     save_every: int = 200
@@ -336,7 +341,7 @@ class CheckpointConfig:
     dir: Optional[str] = None  # None or empty: <logging.dir>/<logging.run_name>/checkpoints
     save_every: int = 0  # 0 = only at the end
     resume: str = "auto"  # auto | none | a checkpoint directory
-    keep_last: int = 2
+    keep_last: int = 2  # newest complete checkpoints kept at each save, RL's and SFT's (0 = all)
 
     def validate(self, prefix: str = "checkpoint") -> None:
         _positive_int(f"{prefix}.save_every", self.save_every, minimum=0)
@@ -362,8 +367,8 @@ class WandbConfig:
     beside the JSONL and TensorBoard logs. One W&B run per training run, its SFT curve
     included; a resumed run continues its W&B run."""
 
-    mode: Literal["online", "offline", "disabled"] = "disabled"
-    project: str = "sorl-megatron"
+    mode: Literal["online", "offline", "disabled"] = "disabled"  # wandb.init's mode; disabled: no W&B run
+    project: str = "sorl-megatron"  # the W&B project; not empty (unless disabled)
     entity: Optional[str] = None  # None: the account's default entity
     name: Optional[str] = None  # None: logging.run_name
     init_timeout_s: float = 90.0  # the longest wait for wandb.init (online: the W&B server)
@@ -382,9 +387,10 @@ class WandbConfig:
 
 @dataclass
 class LoggingConfig:
-    dir: str = "runs"
-    run_name: str = "run"
-    tensorboard: bool = True
+    dir: str = "runs"  # the parent of run directories: a run's is <logging.dir>/<logging.run_name>
+    run_name: str = "run"  # the run directory's name: one path component, at most 200 bytes
+    tensorboard: bool = True  # also log the metrics and histograms to the run directory's tensorboard/
+    # tqdm: a progress bar (plain where stderr is not a terminal); plain: a line per step; none: no progress
     progress: Literal["tqdm", "plain", "none"] = "tqdm"
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

@@ -20,8 +20,8 @@ class RolloutInjectConfig:
     of the (token, MoE layer) top-k routing choices they compute with and return (a hash of
     ``seed``, the layer and each token's position and id; ``sglang_cpu/route_flip.py``)."""
 
-    route_flip_fraction: float = 0.0
-    seed: int = 0
+    route_flip_fraction: float = 0.0  # the fraction perturbed, in [0, 1] (0: off); embedded servers and MoE models only
+    seed: int = 0  # the hash's seed; in [0, 2^31)
 
     def validate(self, prefix: str = "rollout.inject") -> None:
         _check_finite(self, prefix)
@@ -67,7 +67,7 @@ class FleetConfig:
     # ... the real sglang-router in front of them (or of rollout.urls), started by the trainer
     # unless router_url names one already running in front of rollout.urls ...
     router: Literal["none", "sglang_router"] = "none"
-    router_url: Optional[str] = None
+    router_url: Optional[str] = None  # a running router (with rollout.urls); null: router=sglang_router starts one
     # not power_of_two: sglang-router polls each worker's /get_load for it, which SGLang 0.5.21 does not serve
     router_policy: Literal["cache_aware", "round_robin", "random"] = "cache_aware"
     # cache_aware balances (shortest queue) when in-flight calls differ by more than this between
@@ -80,8 +80,8 @@ class FleetConfig:
     # again to the others at most this many times; embedded servers are restarted; external ones
     # get this operator command (run with $SORL_FAILED_SERVER_URL; not waited for)
     failover_retries: int = 2
-    restart_servers: bool = True
-    restart_command: Optional[str] = None
+    restart_servers: bool = True  # a failed embedded server is started again (false: killed, not restarted)
+    restart_command: Optional[str] = None  # for a failed external server (above; rollout.urls only); null: none
 
     def validate(self, prefix: str = "rollout.fleet", urls: Sequence[str] = (), urls_key: str = "rollout.urls") -> None:
         """The fleet keys (servers, router, restarts) fit together and with ``urls`` (the
@@ -123,20 +123,22 @@ class FleetConfig:
 class RolloutConfig:
     """Multi-turn generation. No URLs = start the embedded CPU server."""
 
-    urls: list[str] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)  # external SGLang servers (http(s)); empty: embedded ones
     # embedded server: the precision it generates in; external servers (urls): fp8 makes each
     # weight sync export block-FP8 weights (serve the FP8 export of `tools/convert.py megatron-to-hf
     # --fp8`; SGLang's --quantization fp8 on a BF16 checkpoint is refused)
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"
     group_size: int = 4  # n rollouts per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_turns: int = 3
-    max_turn_tokens: int = 64
+    temperature: float = 1.0  # sampling temperature; the trainer's logits are divided by it too; > 0
+    top_p: float = 1.0  # nucleus sampling; in (0, 1], 1 = off (validation: 1)
+    top_k: int = -1  # -1 = off, else >= 1 (validation: 1, greedy)
+    max_turns: int = 3  # policy turns per episode; the last turn's search is not executed
+    max_turn_tokens: int = 64  # tokens sampled per policy turn at most; < max_total_tokens
+    # an episode's token budget: prompt, policy turns and observations; an episode that reaches it ends
+    # (finish_reason max_length)
     max_total_tokens: int = 512
-    max_obs_tokens: int = 128
-    concurrency: int = 16
+    max_obs_tokens: int = 128  # tokens of one search's observation (passages cut, tags kept); < max_total_tokens
+    concurrency: int = 16  # most /generate calls in flight over all servers (and episodes per rollout call)
     # embedded servers decode each row alone (--enable-deterministic-inference): a seeded episode
     # gets the same tokens whatever else is in flight, so a run repeats on its machine at any
     # load; costs the batching speed-up (docs/concepts/rollout.md). External servers: SGLang's own flag.
@@ -165,13 +167,14 @@ class RolloutConfig:
     # replaced by a fresh prompt's group until the batch is full; at most this many groups are
     # drawn per step (0: 4 x schedule.batch_size), then dropped groups fill the rest
     dynamic_sampling: bool = False
+    # the most groups drawn per step (0: 4 x schedule.batch_size); 0 or >= schedule.batch_size
     dynamic_sampling_max_groups: int = 0
     # episodes cut by rollout.max_total_tokens (finish_reason max_length): keep, filter (loss mask
     # zeroed) or penalty (DAPO's soft overlong punishment: the reward falls linearly by up to
     # overlong_penalty over the last overlong_buffer tokens of the budget, and by all of it when cut)
     overlong: Literal["keep", "filter", "penalty"] = "keep"
-    overlong_buffer: int = 64
-    overlong_penalty: float = 1.0
+    overlong_buffer: int = 64  # penalty: the budget's last tokens, where the reward falls; < max_total_tokens
+    overlong_penalty: float = 1.0  # penalty: the reward an episode the budget cut loses (less in the buffer); >= 0
     inject: RolloutInjectConfig = field(default_factory=RolloutInjectConfig)
 
     def validate(self, prefix: str = "rollout") -> None:

@@ -28,7 +28,7 @@ class StalenessConfig:
     against it (and its ``rollout/version_lag_*`` metrics counted up to it); the lagged modes
     (one_step_off, lagged, async) ask it to hold their lag."""
 
-    max: int = 1
+    max: int = 1  # in weight versions (one_step_off, async: >= 1; lagged: >= lagged.lag)
     # a group beyond it: dropped (and replaced), or kept: trained with the IS correction of
     # algorithm.loss.is_correction on its true behaviour log-probs
     stale_groups: Literal["drop", "keep"] = "drop"
@@ -83,7 +83,7 @@ class LaggedMode(ModeSettings):
     k - lag (min(k, lag) while the pipeline fills)."""
 
     name: ClassVar[str] = "lagged"
-    lag: int = 2
+    lag: int = 2  # in weight versions, >= 1; mode lagged: <= schedule.total_steps and <= rollout.staleness.max
 
     def validate(self, prefix: str = "rollout.lagged") -> None:
         super().validate(prefix)
