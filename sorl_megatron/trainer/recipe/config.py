@@ -269,7 +269,7 @@ class ScheduleConfig:
         for key in ("total_steps", "batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "critic_epochs"):
             _positive_int(f"{prefix}.{key}", getattr(self, key))
         _positive_int(f"{prefix}.val_every", self.val_every, minimum=0)
-        # every RNG the run seeds (torch, numpy, the servers' per-request sampling_seed, derived
+        # every RNG it seeds (data order, batch shuffles, SFT batches, the servers' sampling_seed, derived
         # per group and step) takes a 32-bit seed; a larger one crashed the embedded server
         if not 0 <= self.seed <= MAX_SEED:
             raise RecipeError(f"{prefix}.seed must be in [0, {MAX_SEED}], got {self.seed}")
