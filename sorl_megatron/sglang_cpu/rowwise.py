@@ -13,8 +13,10 @@ the whole forward, and the KV it appends, is bit-identical to the row's forward 
 (tests/rollout/test_rowwise_decode.py compares them). What is saved is the per-forward Python
 cost of the model (modules, masks, cache), which on a small model is most of a forward.
 
-Decode (one new token per row): a ``[1, 1, hidden]`` linear, a one-row expert matmul, attention
-over the row's own ``n`` key columns. Prefill (``new[r]`` tokens per row, left-padded to the
+Decode (one new token per row): a ``[1, 1, hidden]`` linear per row, run as one ``bmm`` /
+``baddbmm`` of the rows by the (expanded, not copied) weight where that gives every row the same
+bits (checked on the first call of each shape; see ``_decode_linear``), a one-row expert matmul,
+attention over the row's own ``n`` key columns. Prefill (``new[r]`` tokens per row, left-padded to the
 longest; the row's past KV right-aligned before them): linears on the row's own positions, the
 experts module called on the row's own tokens (its grouped matmul sorts the tokens of all rows
 by expert, so the mode swaps the ``forward`` of the model's expert modules while it is active),
@@ -37,11 +39,14 @@ is an error, not a silent batched forward.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 # (module, attribute, RowwiseMode method) of every op the mode runs row by row
 _OPS = [(F, "linear", "_linear"), (F, "scaled_dot_product_attention", "_attention")] + [
@@ -86,6 +91,35 @@ def _alone(offs: torch.Tensor, r: int) -> torch.Tensor:
     """Group ends for row ``r`` of a grouped matmul passed alone: one row in its own group."""
     g = int(torch.searchsorted(offs, torch.tensor(r, dtype=offs.dtype), right=True))
     return (torch.arange(len(offs)) >= g).to(offs.dtype)
+
+
+# Decode linears: one (b)addbmm over the rows, each a one-row product with the weight (expanded,
+# not copied), where this machine's kernels give each row bit for bit what the linear gives it
+# alone. That is the case on the builds tried here (fp32 and bf16, with and without bias, 1 and 2
+# threads), but it is the BLAS's choice, not a rule: it is checked on the first call of each shape,
+# dtype and thread count, on the call's own rows, and a shape that differs keeps one linear a row.
+_DECODE_BMM: dict[tuple, bool] = {}
+
+
+def _decode_linear(func, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """``rows`` single-token rows (``[rows, 1, in]`` or ``[rows, in]``) through the linear, each
+    as if alone."""
+    one_row = x.reshape(rows, 1, x.shape[-1])
+    key = (x.shape[-1], weight.shape[0], x.dtype, weight.dtype, bias is not None, torch.get_num_threads())
+    batched = _DECODE_BMM.get(key)
+    if batched is False:
+        return torch.cat([func(x[r : r + 1], weight, bias) for r in range(rows)])
+    w = weight.t().unsqueeze(0).expand(rows, *weight.t().shape)
+    out = (torch.bmm(one_row, w) if bias is None
+           else torch.baddbmm(bias.expand(rows, 1, weight.shape[0]), one_row, w)).reshape(*x.shape[:-1], -1)
+    if batched is None:  # first call of this kind: the rows alone decide
+        alone = torch.cat([func(x[r : r + 1], weight, bias) for r in range(rows)])
+        _DECODE_BMM[key] = torch.equal(alone, out)
+        if not _DECODE_BMM[key]:
+            log.warning("RowwiseMode: a batched decode linear %s differs from the rows alone on this machine; "
+                        "that shape keeps one linear a row", key)
+            return alone
+    return out
 
 
 def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -144,6 +178,8 @@ class RowwiseMode:
         if (flat and x.shape[0] % rows) or (not flat and x.shape[0] != rows):
             raise RuntimeError(f"RowwiseMode: a linear's input {tuple(x.shape)} is not {rows} rows of tokens")
         width = x.shape[0] // rows if flat else x.shape[1]
+        if width == 1 and not self.prefill:  # decode: one token a row
+            return _decode_linear(func, x, weight, bias, rows)
         take = [min(m, width) for m in self.new]  # a row's own positions: its last ones (the LM head keeps fewer)
         outs = [func(x[r * width + width - t : (r + 1) * width] if flat else x[r : r + 1, width - t :], weight, bias)
                 for r, t in enumerate(take)]

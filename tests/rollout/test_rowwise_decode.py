@@ -184,3 +184,30 @@ def test_a_forward_without_a_linear_the_mode_saw_is_an_error():
     with pytest.raises(RuntimeError, match="already active"), RowwiseMode([3]), RowwiseMode([3]):
         pass
     assert F.linear is torch._C._nn.linear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_decode_linear_is_one_batched_product_only_where_it_equals_the_rows_alone(monkeypatch, bias):
+    """A decode step's linears run as one (b)addbmm over the rows where this machine's kernels
+    give each row what the linear alone gives it, checked on the first call of each shape; a
+    shape whose batched product differs (here: made to differ) keeps one linear a row, and the
+    rows are still each exactly as alone."""
+    from sorl_megatron.sglang_cpu import rowwise
+
+    monkeypatch.setattr(rowwise, "_DECODE_BMM", {})
+    w, x = torch.randn(24, 7), torch.randn(5, 1, 7)
+    b = torch.randn(24) if bias else None
+    alone = torch.cat([torch._C._nn.linear(x[r : r + 1], w, b) for r in range(5)])
+    with RowwiseMode([3] * 5):
+        first, again = F.linear(x, w, b), F.linear(x, w, b)
+    assert torch.equal(first, alone) and torch.equal(again, alone)
+    assert list(rowwise._DECODE_BMM.values()) in ([True], [False])  # decided once, on the first call
+
+    monkeypatch.setattr(rowwise, "_DECODE_BMM", {})
+    name = "baddbmm" if bias else "bmm"
+    real = getattr(torch, name)
+    monkeypatch.setattr(torch, name, lambda *a, **k: real(*a, **k) + 1e-3)
+    with RowwiseMode([3] * 5):
+        first, again = F.linear(x, w, b), F.linear(x, w, b)
+    assert torch.equal(first, alone) and torch.equal(again, alone)
+    assert list(rowwise._DECODE_BMM.values()) == [False]
