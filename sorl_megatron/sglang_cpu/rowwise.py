@@ -122,6 +122,23 @@ def _decode_linear(func, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out
 
 
+def _one_row_products(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``[k, in] @ [in, out]`` with each row a one-row ``mm`` of its own: one ``bmm`` of the rows by
+    the expanded matrix where the first call of its kind shows it the same bit for bit."""
+    key = ("mm", x.shape[-1], matrix.shape[-1], x.dtype, matrix.dtype, torch.get_num_threads())
+    if len(x) == 1 or _DECODE_BMM.get(key) is False:
+        return torch.cat([torch.mm(x[r : r + 1], matrix) for r in range(len(x))])
+    out = torch.bmm(x.unsqueeze(1), matrix.unsqueeze(0).expand(len(x), *matrix.shape)).squeeze(1)
+    if key not in _DECODE_BMM:
+        alone = torch.cat([torch.mm(x[r : r + 1], matrix) for r in range(len(x))])
+        _DECODE_BMM[key] = torch.equal(alone, out)
+        if not _DECODE_BMM[key]:
+            log.warning("RowwiseMode: a batched one-row product %s differs from the rows alone on this machine; "
+                        "it keeps one mm a row", key)
+            return alone
+    return out
+
+
 def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's MoE expert collections (HF names them ``*Experts``): what a prefill swaps."""
     return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
@@ -193,16 +210,21 @@ class RowwiseMode:
 
     def _grouped(self, func, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, **kwargs) -> torch.Tensor:
         """Decode: rows sorted by group (``offs``: cumulative ends, ``weight`` [groups, in, out]);
-        each row multiplied alone by its group's matrix: a one-row ``mm``, bit-identical to the
-        grouped kernel's one-row group (checked by the tests) and several times cheaper to call."""
+        each row multiplied alone by its group's matrix: one-row ``mm`` products, bit-identical to
+        the grouped kernel's one-row group (checked by the tests) and several times cheaper to
+        call, a group's rows in one ``bmm`` where that is the same (:func:`_one_row_products`)."""
         if self.prefill:  # the experts' own calls pass through (_inside); reaching here is a model we do not know
             raise RuntimeError("RowwiseMode: a grouped matmul outside an experts module in a prefill "
                                f"({len(self.experts)} expert modules swapped)")
         if kwargs.get("bias") is not None or kwargs.get("out_dtype") not in (None, x.dtype) or weight.dim() != 3:
             return torch.cat([func(x[r : r + 1], weight, offs=_alone(offs, r), **kwargs) for r in range(len(x))])
-        groups = torch.searchsorted(offs, torch.arange(len(x), dtype=offs.dtype), right=True).tolist()
-        used = int(offs[-1]) if len(offs) else 0
-        out = [torch.mm(x[r : r + 1], weight[g]) for r, g in enumerate(groups[:used])]
+        ends = offs.tolist()
+        used = ends[-1] if ends else 0
+        out, start = [], 0
+        for g, end in enumerate(ends):  # a group's rows: each a one-row product with the group's matrix
+            if end > start:
+                out.append(_one_row_products(x[start:end], weight[g]))
+            start = end
         if used < len(x):  # rows past the last group: the kernel leaves them unwritten
             out.append(x.new_zeros((len(x) - used, weight.shape[-1])))
         return torch.cat(out)

@@ -211,3 +211,21 @@ def test_a_decode_linear_is_one_batched_product_only_where_it_equals_the_rows_al
         first, again = F.linear(x, w, b), F.linear(x, w, b)
     assert torch.equal(first, alone) and torch.equal(again, alone)
     assert list(rowwise._DECODE_BMM.values()) == [False]
+
+
+def test_a_groups_one_row_products_are_one_bmm_only_where_it_equals_them(monkeypatch):
+    """Decode's expert products: a group's rows as one bmm where the first call of that kind shows
+    each row equal to its own one-row mm, else (here: made to differ) one mm a row."""
+    from sorl_megatron.sglang_cpu import rowwise
+
+    x, m = torch.randn(6, 7), torch.randn(7, 9)
+    alone = torch.cat([torch.mm(x[r : r + 1], m) for r in range(6)])
+    monkeypatch.setattr(rowwise, "_DECODE_BMM", {})
+    assert torch.equal(rowwise._one_row_products(x, m), alone)
+    assert torch.equal(rowwise._one_row_products(x, m), alone)
+    monkeypatch.setattr(rowwise, "_DECODE_BMM", {})
+    real = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a: real(*a) + 1e-3)
+    assert torch.equal(rowwise._one_row_products(x, m), alone)
+    assert torch.equal(rowwise._one_row_products(x, m), alone)
+    assert list(rowwise._DECODE_BMM.values()) == [False]
