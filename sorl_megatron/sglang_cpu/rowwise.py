@@ -101,42 +101,51 @@ def _alone(offs: torch.Tensor, r: int) -> torch.Tensor:
 _DECODE_BMM: dict[tuple, bool] = {}
 
 
+def _batched_if_same(key: tuple, batched: Callable[[], torch.Tensor],
+                     alone: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``batched()`` where the first call of ``key``'s kind gave the same bits as ``alone()`` (the
+    rows one call each), else ``alone()``; the first call computes both and decides."""
+    same = _DECODE_BMM.get(key)
+    if same is False:
+        return alone()
+    out = batched()
+    if same is None:
+        rows = alone()
+        _DECODE_BMM[key] = torch.equal(rows, out)
+        if not _DECODE_BMM[key]:
+            log.warning("RowwiseMode: the batched product %s differs from the rows alone on this machine; "
+                        "it keeps one call a row", key)
+            return rows
+    return out
+
+
 def _decode_linear(func, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
     """``rows`` single-token rows (``[rows, 1, in]`` or ``[rows, in]``) through the linear, each
     as if alone."""
-    one_row = x.reshape(rows, 1, x.shape[-1])
     key = (x.shape[-1], weight.shape[0], x.dtype, weight.dtype, bias is not None, torch.get_num_threads())
-    batched = _DECODE_BMM.get(key)
-    if batched is False:
-        return torch.cat([func(x[r : r + 1], weight, bias) for r in range(rows)])
-    w = weight.t().unsqueeze(0).expand(rows, *weight.t().shape)
-    out = (torch.bmm(one_row, w) if bias is None
-           else torch.baddbmm(bias.expand(rows, 1, weight.shape[0]), one_row, w)).reshape(*x.shape[:-1], -1)
-    if batched is None:  # first call of this kind: the rows alone decide
-        alone = torch.cat([func(x[r : r + 1], weight, bias) for r in range(rows)])
-        _DECODE_BMM[key] = torch.equal(alone, out)
-        if not _DECODE_BMM[key]:
-            log.warning("RowwiseMode: a batched decode linear %s differs from the rows alone on this machine; "
-                        "that shape keeps one linear a row", key)
-            return alone
-    return out
+
+    def batched() -> torch.Tensor:
+        one_row, w = x.reshape(rows, 1, x.shape[-1]), weight.t().unsqueeze(0).expand(rows, *weight.t().shape)
+        if bias is None:
+            out = torch.bmm(one_row, w)
+        else:
+            out = torch.baddbmm(bias.expand(rows, 1, weight.shape[0]), one_row, w)
+        return out.reshape(*x.shape[:-1], -1)
+
+    return _batched_if_same(key, batched, lambda: torch.cat([func(x[r : r + 1], weight, bias) for r in range(rows)]))
 
 
 def _one_row_products(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """``[k, in] @ [in, out]`` with each row a one-row ``mm`` of its own: one ``bmm`` of the rows by
     the expanded matrix where the first call of its kind shows it the same bit for bit."""
-    key = ("mm", x.shape[-1], matrix.shape[-1], x.dtype, matrix.dtype, torch.get_num_threads())
-    if len(x) == 1 or _DECODE_BMM.get(key) is False:
+    def alone() -> torch.Tensor:
         return torch.cat([torch.mm(x[r : r + 1], matrix) for r in range(len(x))])
-    out = torch.bmm(x.unsqueeze(1), matrix.unsqueeze(0).expand(len(x), *matrix.shape)).squeeze(1)
-    if key not in _DECODE_BMM:
-        alone = torch.cat([torch.mm(x[r : r + 1], matrix) for r in range(len(x))])
-        _DECODE_BMM[key] = torch.equal(alone, out)
-        if not _DECODE_BMM[key]:
-            log.warning("RowwiseMode: a batched one-row product %s differs from the rows alone on this machine; "
-                        "it keeps one mm a row", key)
-            return alone
-    return out
+
+    if len(x) == 1:
+        return alone()
+    key = ("mm", x.shape[-1], matrix.shape[-1], x.dtype, matrix.dtype, torch.get_num_threads())
+    return _batched_if_same(
+        key, lambda: torch.bmm(x.unsqueeze(1), matrix.unsqueeze(0).expand(len(x), *matrix.shape)).squeeze(1), alone)
 
 
 def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
