@@ -18,8 +18,6 @@ import importlib
 import os
 import sys
 
-import pytest
-
 KERNEL_MODULES = ("triton.language", "sorl_kernels.segment", "sorl_kernels.logprobs", "sorl_kernels.surrogate")
 
 
@@ -41,18 +39,3 @@ def _import_interpreted() -> None:
 
 _import_interpreted()
 
-
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(autouse=True)
-def _no_launch_vars_leak_to_child_processes():
-    """A test that sets RANK / MASTER_PORT in os.environ (init_distributed no longer does) must not
-    hand them to a later test's child process, which would inherit a bound port (EADDRINUSE)."""
-    before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
-    yield
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value

@@ -29,7 +29,8 @@ def loss_metrics(
     """The detached metrics of one call: means over its policy tokens, plus additive sums
     (``clip_bias/scalar``, ``sq_sum``, the turn counts) an engine adds over micro-batches."""
     tokens = count64(inputs.mask)
-    metrics = _ratio_and_clip_metrics(inputs, config, ratios, terms, pg_loss, tokens)
+    clipped = tuple(count64(t) for t in (terms.clip_high, terms.clip_low, terms.dual))  # the surrogate's B^c
+    metrics = _ratio_and_clip_metrics(inputs, config, ratios, clipped, pg_loss, tokens)
     if bias is not None:
         metrics["clip_bias/scalar"] = bias.scalar
         metrics["clip_bias/sq_sum"] = bias.sq_sum
@@ -38,7 +39,7 @@ def loss_metrics(
     if spec.ratio_level != "token":
         metrics.update(_level_ratio_metrics(inputs, config, spec, ratios, tokens))
     metrics.update(is_metrics)
-    metrics.update(_clip_count_metrics(inputs, config, spec, ratios, terms, tokens))
+    metrics.update(_clip_count_metrics(inputs, config, spec, ratios, clipped, tokens))
     return metrics
 
 
@@ -46,13 +47,13 @@ def _ratio_and_clip_metrics(
     inputs: LossInputs,
     config: PolicyLossConfig,
     ratios: Ratios,
-    terms: SurrogateTerms,
+    clipped: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     pg_loss: torch.Tensor,
     tokens: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     clamp = config.log_ratio_clamp
     count = tokens.clamp(min=1)
-    n_high, n_low, n_dual = (count64(t) for t in (terms.clip_high, terms.clip_low, terms.dual))
+    n_high, n_low, n_dual = clipped
     lr_sum = sum64(ratios.clamped_log_ratio)
     ratio_sum = _sum_off_ones(ratios.token_ratio, tokens)  # sum of r over the mask (r = 1 off it)
     lo, hi = _masked_extremes(ratios.token_log_ratio.detach(), inputs.mask)
@@ -109,16 +110,16 @@ def _level_ratio_metrics(
 
 
 def _clip_count_metrics(
-    inputs: LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: Ratios, terms: SurrogateTerms,
-    tokens: torch.Tensor,
+    inputs: LossInputs, config: PolicyLossConfig, spec: PolicyLossSpec, ratios: Ratios,
+    clipped: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tokens: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """Leading indicators: tokens clipped by their own ratio, turns by their turn ratio (SORL eq. 4).
     A turn-level loss's own turn log-ratios (the same float32 sums) are read, not summed again; a
     token-level loss with PPO's clipped surrogate and no turns counts its own indicators (its
     ratio is the token ratio: ``clip_high | clip_low`` is the token clip)."""
     if spec.ratio_level == "token" and spec.surrogate is ppo_clipped_surrogate and ratios.turns is None:
-        clipped = count64(terms.clip_high) + count64(terms.clip_low)
-        return {"clip_frac/token": (clipped / tokens.clamp(min=1)).float()}
+        n_high, n_low, _ = clipped
+        return {"clip_frac/token": ((n_high + n_low) / tokens.clamp(min=1)).float()}
     own = None
     if (spec.ratio_level == "turn" and not spec.token_gradient and ratios.turns is not None
             and ratios.token_log_ratio.dtype == torch.float32):

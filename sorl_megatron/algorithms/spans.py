@@ -16,6 +16,7 @@ pieces of their own and are dropped, and each segment accumulates in the values'
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class Spans:
     mask: torch.Tensor
     runs_of_mask: bool
 
+    @functools.cached_property
     def piece_lengths(self) -> torch.Tensor:
         """``[2S + 1]`` lengths of gap, segment, gap, ..., segment, gap (gaps may be 0)."""
         total = self.mask.numel()
@@ -69,14 +71,14 @@ def span_values(per_segment: torch.Tensor, spans: Spans, fill: float | int) -> t
 def _sum(values: torch.Tensor, spans: Spans) -> torch.Tensor:
     if not spans.runs_of_mask:  # an interval holds tokens outside the mask: they add nothing
         values = torch.where(spans.mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
-    pieces = torch.segment_reduce(values.reshape(-1), "sum", lengths=spans.piece_lengths())
+    pieces = torch.segment_reduce(values.reshape(-1), "sum", lengths=spans.piece_lengths)
     return pieces[1::2]
 
 
 def _broadcast(per_segment: torch.Tensor, spans: Spans, fill: float) -> torch.Tensor:
     pieces = per_segment.new_full((2 * per_segment.numel() + 1,), fill)
     pieces[1::2] = per_segment
-    out = torch.repeat_interleave(pieces, spans.piece_lengths(), output_size=spans.mask.numel())
+    out = torch.repeat_interleave(pieces, spans.piece_lengths, output_size=spans.mask.numel())
     out = out.reshape(spans.mask.shape)
     if not spans.runs_of_mask:  # an interval holds tokens outside the mask: they get `fill`
         out = torch.where(spans.mask, out, torch.full((), fill, dtype=out.dtype, device=out.device))

@@ -233,4 +233,3 @@ def segment_mean_broadcast(values: torch.Tensor, segments: TurnSegments) -> torc
         means = span_sum(values, segments.spans) / segments.segment_length.to(values.dtype)
         return span_broadcast(means, segments.spans)
     return dispatch.segment_mean_broadcast(values, segments.segment_index, segments.segment_length)
-

@@ -38,9 +38,9 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600) -> N
     timeout = timedelta(seconds=timeout_s)
     if backend is None:
         backend = GPU_BACKEND if torch.cuda.is_available() else "gloo"
+    if "nccl" in backend:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ:  # torchrun (or a launcher like it): the env:// rendezvous
-        if "nccl" in backend:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=timeout)
         return
     # plain `python ...`: a world of one. Its store binds a port the system picks (0, unless
@@ -49,8 +49,6 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600) -> N
     # cell, a test's subprocess) must start its own world, not inherit RANK and a bound port.
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     store = dist.TCPStore(addr, int(os.environ.get("MASTER_PORT", "0")), 1, True, timeout=timeout)
-    if "nccl" in backend:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
