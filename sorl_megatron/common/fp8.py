@@ -57,6 +57,10 @@ def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> t
     if w.dim() != 2:
         raise ValueError(f"block FP8 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
     out_dim, in_dim = w.shape
+    if w.is_meta:  # no values to quantize (the sync planner's full-size export): the pair's shapes and dtypes
+        rows, cols = math.ceil(out_dim / block[0]), math.ceil(in_dim / block[1])
+        return (torch.empty(out_dim, in_dim, dtype=FP8_DTYPE, device="meta"),
+                torch.empty(rows, cols, dtype=torch.float32, device="meta"))
     blocks, rows, cols = _block_view(w, block)
     amax = blocks.abs().amax(dim=(1, 3))  # [rows, cols]
     # An all-zero block gets scale 1 (any scale reproduces zeros exactly).

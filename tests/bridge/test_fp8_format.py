@@ -83,3 +83,16 @@ def test_state_dict_helpers():
     del state["model.layers.0.self_attn.q_proj.weight_scale_inv"]
     with pytest.raises(KeyError, match="has no"):
         dequantize_hf_state_dict(state)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (7168, 2048), (129, 1), (1, 200), (300, 129)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_meta_weight_quantizes_to_the_shapes_and_dtypes_of_a_real_one(shape, dtype):
+    """The sync planner quantizes full-size models on the meta device: there the pair is built
+    from the shapes alone (running the block math on meta cost 9 ms a tensor, most of the
+    planner's time). It must be the pair the real quantization makes."""
+    real_q, real_s = quantize_block_fp8(torch.randn(shape).to(dtype))
+    meta_q, meta_s = quantize_block_fp8(torch.empty(shape, dtype=dtype, device="meta"))
+    for real, meta in ((real_q, meta_q), (real_s, meta_s)):
+        assert meta.is_meta
+        assert (meta.shape, meta.dtype, meta.is_contiguous()) == (real.shape, real.dtype, real.is_contiguous())
