@@ -94,3 +94,35 @@ def test_the_embedded_retrieval_server_takes_the_recipes_topk_as_its_cap(tmp_pat
         assert args[args.index("--max-topk") + 1] == str(cap)
         parsed = parse_args(args)
         assert (parsed.topk, parsed.max_topk) == (topk, cap)
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_is_launched_again_on_another(tmp_path, monkeypatch):
+    """The race behind EADDRINUSE with two test workers: the port free_port() returned is taken
+    before the child binds it. Here a listening socket holds the first port handed out."""
+    import socket
+
+    from sorl_megatron.common import background
+    from sorl_megatron.trainer.serving import servers as servers_mod
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    handed = []
+
+    def first_taken(host="127.0.0.1"):
+        port = taken if not handed else background.free_port(host)
+        handed.append(port)
+        return port
+
+    monkeypatch.setattr(servers_mod, "free_port", first_taken)
+    monkeypatch.delenv("SORL_RETRIEVAL_API_KEY", raising=False)
+    try:
+        with EmbeddedServers(tmp_path) as servers:
+            url = servers.start(retrieval_server_spec(str(_corpus(tmp_path)), topk=1))
+            assert handed[0] == taken and url.endswith(f":{handed[-1]}") and handed[-1] != taken
+            assert "town3" in json.dumps(_retrieve(url, "town3", servers.api_keys["retrieval"]))
+        log = (tmp_path / "servers" / "retrieval.log").read_text().lower()
+        assert "address already in use" in log  # the first launch did fail on the held port
+    finally:
+        held.close()

@@ -282,11 +282,12 @@ class RolloutFleet:
         self._hooks = [p for p in self._hooks if p.poll() is None]
         down = [(w, w.url, w.failures) for w in self.workers if w.state == "down"]
         ready: dict[str, bool] = {}
+        moved: dict[str, str] = {}
         restarted = self.servers.procs if self.restart_embedded and self.servers is not None else {}
         for w, url, _ in down:  # waited for without the lock: the producer's failures go on meanwhile
             if w.name is not None and w.name in restarted:
-                try:
-                    self.servers.wait_ready(w.name, timeout_s=self.timeout_s, stop_all=False)
+                try:  # ready on the URL it answers on: a relaunch after a lost port moves it
+                    moved[url] = self.servers.wait_ready(w.name, timeout_s=self.timeout_s, stop_all=False)
                     ready[url] = True
                 except RuntimeError as err:
                     ready[url] = False
@@ -302,7 +303,7 @@ class RolloutFleet:
                 if w.name is not None and url not in ready:
                     w.state = "lost"  # embedded, not restarted (rollout.fleet.restart_servers=false)
                 elif ready.get(url):
-                    w.state = "joining"
+                    w.state, w.url = "joining", moved.get(url, url)
                 elif w.name is not None:
                     w.state = "lost"  # an embedded restart that did not come up
         return self.urls(joining=True)
@@ -372,7 +373,7 @@ def start_fleet(rollout, run_dir: Path, servers: Optional[EmbeddedServers],
         for name in names:  # launched together, then waited for: start-ups overlap
             workers.append(Worker(servers.launch(spec_for(name)), name=name))
         for w in workers:
-            servers.wait_ready(w.name, timeout_s=f.start_timeout_s)
+            w.url = servers.wait_ready(w.name, timeout_s=f.start_timeout_s)
     router_url = f.router_url.rstrip("/") if f.router_url else None
     api_key = servers.api_keys.get("rollout") if servers is not None else None
     if f.router == "sglang_router" and router_url is None:

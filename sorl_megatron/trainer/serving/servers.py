@@ -30,6 +30,11 @@ from ...common.interrupts import SignalInterrupt, raise_interrupt  # noqa: F401 
 from ...common.procutil import die_with_parent_preexec
 from ...common.protocol import RETRIEVAL_API_KEY_ENV, ROLLOUT_API_KEY_ENV
 
+# A server is handed a port that was free a moment before it binds it; another process (a client's
+# outgoing connection, a server started beside it) can take it in between. A launch that exits
+# saying so is launched again on a new port, this many times.
+PORT_RETRIES = 3
+
 
 @dataclass
 class ServerSpec:
@@ -57,6 +62,7 @@ class EmbeddedServers:
     specs: dict[str, ServerSpec] = field(default_factory=dict)
     urls: dict[str, str] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # server name -> times restarted
+    _log_starts: dict[str, int] = field(default_factory=dict)  # server name -> its log's size at launch
 
     def start(self, spec: ServerSpec) -> str:
         """Launch ``spec`` on a free port, wait for ``/health``, return its URL.
@@ -66,9 +72,8 @@ class EmbeddedServers:
         in the child's environment (never in argv, which ``ps`` shows) and kept in ``api_keys``
         for the trainer's clients.
         """
-        url = self.launch(spec)
-        self.wait_ready(spec.name)
-        return url
+        self.launch(spec)
+        return self.wait_ready(spec.name)  # the URL it answers on (a relaunch moves it)
 
     def launch(self, spec: ServerSpec) -> str:
         """Start ``spec``'s process on a free port without waiting for it; returns its URL."""
@@ -82,6 +87,7 @@ class EmbeddedServers:
         log_dir.mkdir(parents=True, exist_ok=True)
         log = open(log_dir / f"{spec.name}.log", "ab")
         self._logs.append(log)
+        self._log_starts[spec.name] = log.tell()  # where this launch's output begins (append mode: the end)
         # a spec may need a second port of its own (the router's metrics exporter)
         args = [str(free_port(self.host)) if a == "{prometheus_port}" else a for a in spec.args]
         cmd = [sys.executable, "-m", spec.module, *args, "--host", self.host, "--port", str(port)]
@@ -107,16 +113,30 @@ class EmbeddedServers:
         """Wait (``timeout_s``, default the spec's ``health_timeout_s``) for a launched server's
         ``/health``; on failure raise naming its log, after stopping every server (``stop_all``)
         or only this one (a restart that failed: the fleet goes on without it)."""
-        spec, proc = self.specs[name], self.procs[name]
-        try:
-            wait_healthy(self.urls[name], timeout_s=timeout_s or spec.health_timeout_s, proc=proc)
-        except Exception as err:
-            if stop_all:
-                self.stop()
-            else:
-                self.kill(name)
-            raise RuntimeError(f"embedded {name} server failed to start ({err}); see {self.log_path(name)}") from None
-        return self.urls[name]
+        spec = self.specs[name]
+        for attempt in range(PORT_RETRIES + 1):
+            proc = self.procs[name]
+            try:
+                wait_healthy(self.urls[name], timeout_s=timeout_s or spec.health_timeout_s, proc=proc)
+                return self.urls[name]
+            except Exception as err:
+                if attempt < PORT_RETRIES and proc.poll() is not None and self._lost_its_port(name):
+                    # another process took the free port between free_port() and the child's bind
+                    self.launch(spec)
+                    continue
+                if stop_all:
+                    self.stop()
+                else:
+                    self.kill(name)
+                raise RuntimeError(f"embedded {name} server failed to start ({err}); "
+                                   f"see {self.log_path(name)}") from None
+        raise AssertionError("unreachable")
+
+    def _lost_its_port(self, name: str) -> bool:
+        """Whether the last launch of ``name`` exited because its port (or its second port) was taken."""
+        with open(self.log_path(name), "rb") as f:
+            f.seek(self._log_starts.get(name, 0))
+            return b"address already in use" in f.read().lower()
 
     def kill(self, name: str) -> None:
         """SIGKILL one server's process group (a stopped, SIGSTOP'ed process dies too) and reap it."""
