@@ -61,12 +61,14 @@ demo: setup
 toy-demo: setup
 	$(PY) -m sorl_megatron.toy_demo
 
-# The whole suite, every test. TEST_WORKERS=N runs it on N pytest-xdist processes, each test file on
-# one (--dist loadfile); the default stays 1 until the tests that pick a free port and bind it later
-# stop racing each other (EADDRINUSE seen with 2 workers: results/test-duration.md). pytest prints the
-# 15 slowest tests and the wall time at the end. test-quick leaves out the tests marked slow
-# (multi-process and end-to-end); CI runs `make test`.
-TEST_WORKERS ?= 1
+# The whole suite, every test, on TEST_WORKERS pytest-xdist processes (default 2, one per core of
+# the 2-core CI machine), each test file on one (--dist loadfile: a file's module fixtures are built
+# once). Servers a test starts bind ports that another worker's process can take first: the
+# trainer's embedded servers and the tests' own (tests/served.py) are launched again on a new port
+# when that happens, and a world of one binds a port the system picks. pytest prints the 15 slowest
+# tests and the wall time at the end (results/test-duration.md). test-quick leaves out the tests
+# marked slow (multi-process and end-to-end); CI runs `make test`.
+TEST_WORKERS ?= 2
 PYTEST_ARGS = -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test: dev-setup

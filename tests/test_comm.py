@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 
 import pytest
@@ -56,18 +55,17 @@ def test_without_a_process_group_everything_is_a_world_of_one():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, case: str, out) -> None:
+def _worker(rank: int, ports, case: str, out) -> None:
     try:
         import torch.distributed as dist
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=2)
+        # rank 0's store binds a port the system picks and hands it over: no free port to race for
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+            ports.put(store.port)
+        else:
+            store = dist.TCPStore("127.0.0.1", ports.get(timeout=120), 2, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
         if case == "collectives":
             t = torch.tensor([float(rank + 1)], dtype=torch.float64)
             comm.all_reduce(t, "sum")
@@ -100,9 +98,8 @@ def _worker(rank: int, port: int, case: str, out) -> None:
 
 def _two_ranks(case: str) -> dict[int, tuple]:
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, case, out)) for r in range(2)]
+    out, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, ports, case, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = {}

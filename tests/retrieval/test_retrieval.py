@@ -146,27 +146,18 @@ def test_cli_help_documents_flags():
         assert flag in out.stdout
 
 
-def test_cli_server_subprocess(corpus_file):
-    from sorl_megatron.common.background import free_port, wait_healthy
+def test_cli_server_subprocess(corpus_file, tmp_path):
+    from tests.served import served
 
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sorl_megatron.retrieval.server", "--corpus", str(corpus_file), "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, timeout_s=60, proc=proc)
+    argv = lambda port: [sys.executable, "-m", "sorl_megatron.retrieval.server", "--corpus",  # noqa: E731
+                         str(corpus_file), "--port", str(port)]
+    with served(argv, tmp_path / "server.log", timeout_s=60) as (url, _):
 
         async def go():
             async with RetrievalClient(url) as c:
                 return await c.retrieve(["capital of France"], topk=2)
 
         assert run(go())[0][0].id == "0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def test_client_takes_the_search_r1_endpoint_url():

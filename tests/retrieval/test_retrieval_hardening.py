@@ -13,10 +13,10 @@ from urllib.parse import urlparse
 import psutil
 import pytest
 
-from sorl_megatron.common.background import free_port, wait_healthy
 from sorl_megatron.common.http import RequestRejectedError, RetryPolicy
 from sorl_megatron.retrieval import RetrievalClient
 from tests.http_calls import call
+from tests.served import served
 
 CORPUS = [
     {"id": "0", "contents": '"Paris"\nParis is the capital and largest city of France.'},
@@ -31,23 +31,10 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("retr")
     corpus = d / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
-    port = free_port()
-    log = open(d / "server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sorl_megatron.retrieval.server", "--corpus", str(corpus), "--port", str(port),
-         "--max-query-chars", "64", "--max-queries", "8", "--log-level", "warning"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "SORL_RETRIEVAL_API_KEY": KEY},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout_s=60, proc=proc)
-        yield url, proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        log.close()
+    argv = lambda port: [sys.executable, "-m", "sorl_megatron.retrieval.server", "--corpus", str(corpus),  # noqa: E731
+                         "--port", str(port), "--max-query-chars", "64", "--max-queries", "8", "--log-level", "warning"]
+    with served(argv, d / "server.log", env={**os.environ, "SORL_RETRIEVAL_API_KEY": KEY}, timeout_s=60) as running:
+        yield running
 
 
 def _send_oversized(url: str, total: int, chunked: bool) -> int:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from sorl_megatron.common.background import free_port, wait_healthy
+from tests.served import served
 
 
 @contextlib.contextmanager
@@ -18,18 +18,8 @@ def server_process(model_dir: Path, log_path: Path, *flags: str,
                    env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """``(url, process)`` of a healthy server on a free port, logging to ``log_path``; stopped
     after. ``env`` is added to this process's environment (the test tree stays importable)."""
-    port = free_port()
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--model-path", str(model_dir),
-             "--port", str(port), "--num-threads", "1", "--log-level", "warning", *flags],
-            stdout=log, stderr=subprocess.STDOUT, env=full_env,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url, timeout_s=120, proc=proc)
-            yield url, proc
-        finally:
-            proc.terminate()
-            proc.wait(timeout=20)
+    argv = lambda port: [sys.executable, "-m", "sorl_megatron.sglang_cpu.server", "--model-path",  # noqa: E731
+                         str(model_dir), "--port", str(port), "--num-threads", "1", "--log-level", "warning", *flags]
+    with served(argv, log_path, env=full_env) as running:
+        yield running

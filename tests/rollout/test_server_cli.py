@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from sorl_megatron.common.background import free_port, wait_healthy
 from sorl_megatron.common.protocol import SamplingParams
 from sorl_megatron.rollout.client import RolloutClient, RolloutClientConfig
 from sorl_megatron.sglang_cpu.server import parse_args
+from tests.served import served
 
 FLAGS = [
     "--model-path",
@@ -88,21 +88,11 @@ def test_sglang_style_aliases():
     assert parse_args(["--model-path", "m", "--sglang-version", "0.5.18"]).sglang_version == "0.5.18"
 
 
-def test_subprocess_server_skip_tokenizer_init(moe_dir):
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "sorl_megatron.sglang_cpu.server",
-            "--model-path", str(moe_dir), "--port", str(port),
-            "--enable-return-routed-experts", "--skip-tokenizer-init", "--num-threads", "1",
-            "--weight-version", "w0",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, timeout_s=120, proc=proc)
+def test_subprocess_server_skip_tokenizer_init(moe_dir, tmp_path):
+    argv = lambda port: [sys.executable, "-m", "sorl_megatron.sglang_cpu.server",  # noqa: E731
+                         "--model-path", str(moe_dir), "--port", str(port), "--enable-return-routed-experts",
+                         "--skip-tokenizer-init", "--num-threads", "1", "--weight-version", "w0"]
+    with served(argv, tmp_path / "server.log") as (url, _):
 
         async def go():
             async with RolloutClient(RolloutClientConfig(urls=(url,), routing_shape=(2, 2))) as c:
@@ -116,9 +106,6 @@ def test_subprocess_server_skip_tokenizer_init(moe_dir):
             assert o.text is None and o.weight_version == "w0"  # no tokenizer: tokens only
             assert o.routed_experts.shape == (3 + 5 - 1, 2, 2)
             assert len(o.output_logprobs) == 5
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 def test_a_mistyped_model_path_is_named_not_taken_for_a_hub_repo(tmp_path):
