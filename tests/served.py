@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from sorl_megatron.common.background import free_port, wait_healthy
+from sorl_megatron.common.background import free_port, lost_its_port, wait_healthy
 
 
 @contextlib.contextmanager
@@ -32,10 +32,7 @@ def served(argv: Callable[[int], list[str]], log_path: Path, env: Optional[dict]
                 proc.kill()
                 proc.wait(timeout=20)
                 log.flush()
-                with open(log_path, "rb") as f:
-                    f.seek(start)
-                    lost_port = b"address already in use" in f.read().lower()
-                if lost_port and attempt + 1 < tries:
+                if attempt + 1 < tries and lost_its_port(log_path, start):
                     continue
                 raise
         try:

@@ -68,6 +68,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def lost_its_port(log_path, offset: int = 0) -> bool:
+    """Whether a server process whose output went to ``log_path`` (from byte ``offset``: its own
+    launch) exited because its port was taken between :func:`free_port` and its bind: another
+    process, a client's outgoing connection or a server started beside it, got there first."""
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        return b"address already in use" in f.read().lower()
+
+
 def wait_healthy(url: str, timeout_s: float = 120.0, proc=None, poll_timeout_s: float = 2.0) -> None:
     """Poll ``url/health`` until it answers 200; fail early if ``proc`` (a Popen) exits.
 

@@ -95,4 +95,3 @@ def test_a_token_level_loss_counts_its_own_clipped_tokens():
     counts = clip_counts(lp - old, adv, mask, cfg.clip_low, cfg.clip_high)
     assert counts["tokens_clipped"] > 0
     assert float(metrics["clip_frac/token"]) == float((counts["tokens_clipped"] / counts["tokens"]).float())
-

@@ -281,21 +281,19 @@ class RolloutFleet:
         the sync goes to (serving and joining)."""
         self._hooks = [p for p in self._hooks if p.poll() is None]
         down = [(w, w.url, w.failures) for w in self.workers if w.state == "down"]
-        ready: dict[str, bool] = {}
-        moved: dict[str, str] = {}
+        ready: dict[str, Optional[str]] = {}  # a down worker's URL -> the URL it is healthy on, or None
         restarted = self.servers.procs if self.restart_embedded and self.servers is not None else {}
         for w, url, _ in down:  # waited for without the lock: the producer's failures go on meanwhile
             if w.name is not None and w.name in restarted:
-                try:  # ready on the URL it answers on: a relaunch after a lost port moves it
-                    moved[url] = self.servers.wait_ready(w.name, timeout_s=self.timeout_s, stop_all=False)
-                    ready[url] = True
+                try:  # a relaunch after a lost port moves it
+                    ready[url] = self.servers.wait_ready(w.name, timeout_s=self.timeout_s, stop_all=False)
                 except RuntimeError as err:
-                    ready[url] = False
+                    ready[url] = None
                     log.error("rollout server %s did not come back: %s", w.name, err)
         external = [url for w, url, _ in down if w.name is None]
         if external:
             errors = aio.run(self._health(external, "before the weight sync"))
-            ready.update({u: errors[u] is None for u in external})
+            ready.update({u: u if errors[u] is None else None for u in external})
         with self._lock:
             for w, url, failures in down:
                 if w.state != "down" or w.url != url or w.failures != failures:
@@ -303,7 +301,7 @@ class RolloutFleet:
                 if w.name is not None and url not in ready:
                     w.state = "lost"  # embedded, not restarted (rollout.fleet.restart_servers=false)
                 elif ready.get(url):
-                    w.state, w.url = "joining", moved.get(url, url)
+                    w.state, w.url = "joining", ready[url]
                 elif w.name is not None:
                     w.state = "lost"  # an embedded restart that did not come up
         return self.urls(joining=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ...common.background import free_port, wait_healthy
+from ...common.background import free_port, lost_its_port, wait_healthy
 from ...common.interrupts import SignalInterrupt, raise_interrupt  # noqa: F401 (SignalInterrupt: re-exported)
 from ...common.procutil import die_with_parent_preexec
 from ...common.protocol import RETRIEVAL_API_KEY_ENV, ROLLOUT_API_KEY_ENV
@@ -113,15 +113,16 @@ class EmbeddedServers:
         """Wait (``timeout_s``, default the spec's ``health_timeout_s``) for a launched server's
         ``/health``; on failure raise naming its log, after stopping every server (``stop_all``)
         or only this one (a restart that failed: the fleet goes on without it)."""
-        spec = self.specs[name]
-        for attempt in range(PORT_RETRIES + 1):
+        spec, relaunches = self.specs[name], 0
+        while True:
             proc = self.procs[name]
             try:
                 wait_healthy(self.urls[name], timeout_s=timeout_s or spec.health_timeout_s, proc=proc)
                 return self.urls[name]
             except Exception as err:
-                if attempt < PORT_RETRIES and proc.poll() is not None and self._lost_its_port(name):
-                    # another process took the free port between free_port() and the child's bind
+                if (relaunches < PORT_RETRIES and proc.poll() is not None
+                        and lost_its_port(self.log_path(name), self._log_starts[name])):
+                    relaunches += 1
                     self.launch(spec)
                     continue
                 if stop_all:
@@ -130,13 +131,6 @@ class EmbeddedServers:
                     self.kill(name)
                 raise RuntimeError(f"embedded {name} server failed to start ({err}); "
                                    f"see {self.log_path(name)}") from None
-        raise AssertionError("unreachable")
-
-    def _lost_its_port(self, name: str) -> bool:
-        """Whether the last launch of ``name`` exited because its port (or its second port) was taken."""
-        with open(self.log_path(name), "rb") as f:
-            f.seek(self._log_starts.get(name, 0))
-            return b"address already in use" in f.read().lower()
 
     def kill(self, name: str) -> None:
         """SIGKILL one server's process group (a stopped, SIGSTOP'ed process dies too) and reap it."""
